@@ -1,0 +1,34 @@
+# Two commands do all setup on a fresh machine with Python 3.11 and pip:
+#   make demo   builds .venv and runs `leaplm generate` on the embedded model family
+#   make test   builds .venv and runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch (on this class of machine pip finds it locally); override for CUDA/MPS.
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: demo test test-all bench setup clean
+
+$(BIN)/leaplm: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(BIN)/leaplm
+
+setup: $(BIN)/leaplm
+
+demo: setup
+	$(BIN)/leaplm generate "def quicksort(arr):" --max-new-tokens 96
+
+test: setup
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+test-all: setup
+	$(BIN)/python -m pytest -q tests
+
+bench: setup
+	$(BIN)/leaplm bench --baselines hf
+
+clean:
+	rm -rf $(VENV) build *.egg-info

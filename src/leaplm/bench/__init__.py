@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks: interleaved configurations, warm-up, medians, ratios measured in one run."""

@@ -1,0 +1,164 @@
+"""`leaplm bench`: methods side by side (and Hugging Face's generate with --baselines hf)."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from ..config import ConfigError, SamplingParams
+
+bench_app = typer.Typer(add_completion=False, invoke_without_command=True,
+                        help="Benchmark methods side by side; `leaplm bench serve` for the server load test.")
+console = Console()
+err = Console(stderr=True)
+
+
+def _fail(msg: str) -> None:
+    err.print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(2)
+
+
+def parse_methods(text: str, k: int) -> list[tuple[str, str, dict]]:
+    """'none,draft,ngram:k=8' -> [(label, method, options)]; options are SpecConfig fields."""
+    out = []
+    for item in [x.strip() for x in text.split(",") if x.strip()]:
+        method, _, rest = item.partition(":")
+        opts: dict = {"k": k}
+        for kv in [x for x in rest.split(";") if x]:
+            key, _, val = kv.partition("=")
+            if key == "adaptive_k":
+                opts[key] = val.lower() in ("1", "true", "yes")
+            elif key == "skip_layers":
+                opts[key] = [int(v) for v in val.split("/") if v]
+            elif key in ("draft", "corpus"):
+                opts[key] = val
+            else:
+                try:
+                    opts[key] = int(val)
+                except ValueError:
+                    _fail(f"--methods: option {key!r} of {method!r} needs an integer, got {val!r}")
+        extra = ";".join(x for x in rest.split(";") if x and not x.startswith("k="))
+        label = method if method == "none" else f"{method} k={opts['k']}" + (f" {extra}" if extra else "")
+        out.append((label, method, opts))
+    if not out or out[0][1] != "none":
+        out.insert(0, ("none", "none", {"k": k}))
+    return out
+
+
+@bench_app.callback()
+def bench(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target (default: embedded)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Draft for method draft (default: embedded)."),
+    methods: str = typer.Option("none,draft", help="Comma list; options after ':' separated by ';', e.g. "
+                                                   "'none,draft,draft:k=8;adaptive_k=0,ngram:ngram_max=3'."),
+    k: int = typer.Option(4, "--k", "-k"),
+    workloads: str = typer.Option("code,copy", help="Comma list of: code, copy."),
+    prompts: int = typer.Option(6, help="Prompts per workload."),
+    max_new_tokens: int = typer.Option(96, "--max-new-tokens"),
+    rounds: int = typer.Option(2, help="Timed rounds over all prompts (after one warm-up)."),
+    temperature: float = typer.Option(0.0),
+    seed: int = typer.Option(0),
+    baselines: Optional[str] = typer.Option(None, help="'hf' adds transformers generate: plain, assisted, "
+                                                       "prompt lookup (same models, prompts, K)."),
+    dtype: str = typer.Option("float32"),
+    threads: Optional[int] = typer.Option(None),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write all figures and samples here."),
+    plot: Optional[Path] = typer.Option(None, help="Write a speedup bar chart (PNG) here."),
+):
+    """Decode tokens/s, speedup over `none`, acceptance and mean accepted length, per workload."""
+    if ctx.invoked_subcommand is not None:
+        return
+    import torch
+
+    from ..engine.engine import Engine
+    from ..models import embedded, load_model
+    from .runner import hf_contenders, leaplm_contender, machine_info, run_bench, summarize
+    from .workloads import get_workload
+
+    logging.basicConfig(level=logging.WARNING)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    for name, v in (("prompts", prompts), ("rounds", rounds), ("max-new-tokens", max_new_tokens)):
+        if v < 1:
+            _fail(f"--{name}: must be >= 1, got {v}")
+    if baselines not in (None, "hf"):
+        _fail(f"--baselines: only 'hf' is supported, got {baselines!r}")
+    try:
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, ignore_eos=True)
+        wls = [get_workload(w.strip(), prompts) for w in workloads.split(",") if w.strip()]
+        target_name = model or embedded.default_target()
+        target = load_model(target_name, dtype=dtype, field="model")
+        configs = parse_methods(methods, k)
+        draft_name = draft or (embedded.default_draft() if model is None else None)
+        drafts: dict[str, object] = {}
+        contenders = []
+        for label, method, opts in configs:
+            d = None
+            if method == "draft":
+                dn = opts.pop("draft", None) or draft_name
+                if dn is None:
+                    _fail("--draft: method draft needs a draft model")
+                if dn not in drafts:
+                    drafts[dn] = load_model(dn, dtype=dtype, field="draft")
+                d = drafts[dn]
+            eng = Engine(target, draft=d, method=method, **opts)
+            contenders.append(leaplm_contender(label, eng, params))
+    except ConfigError as e:
+        _fail(f"--{e.field.replace('_', '-')}: {e.message}")
+    if baselines == "hf":
+        kinds = ["plain", "lookup"] + (["assisted"] if draft_name else [])
+        contenders += hf_contenders(target.path, draft_name and (drafts.get(draft_name) or load_model(draft_name)).path,
+                                    k, kinds, ignore_eos=True, dtype=getattr(torch, dtype))
+    total = rounds * sum(len(w.prompts) for w in wls) * len(contenders)
+    with Progress(console=err, transient=True) as prog:
+        task = prog.add_task("benchmarking", total=total)
+        samples = run_bench(contenders, wls, max_new_tokens, rounds, baseline="none",
+                            on_sample=lambda s: prog.advance(task))
+    summaries = summarize(samples, "none")
+    settings = dict(model=target_name, draft=draft_name, methods=methods, k=k, workloads=workloads,
+                    prompts=prompts, max_new_tokens=max_new_tokens, rounds=rounds, temperature=temperature,
+                    dtype=dtype, baselines=baselines, timing="end to end incl. prefill; speedup = median of "
+                                                          "per-(round, prompt) ratios vs none")
+    print_table(summaries, settings)
+    if json_out:
+        from .runner import BenchResult
+
+        json_out.write_text(json.dumps(BenchResult(machine_info(), settings, summaries, samples).to_dict(), indent=1))
+        err.print(f"[dim]wrote {json_out}[/]")
+    if plot:
+        from .report import plot_speedups
+
+        plot_speedups(summaries, plot)
+        err.print(f"[dim]wrote {plot}[/]")
+
+
+def print_table(summaries, settings) -> None:
+    t = Table(title=f"leaplm bench: {settings['max_new_tokens']} new tokens, temperature {settings['temperature']}, "
+                    f"{settings['rounds']} rounds x {settings['prompts']} prompts")
+    for col in ("workload", "config", "tokens/s", "speedup vs none", "acceptance", "mean acc. len", "= none"):
+        t.add_column(col, justify="right" if col not in ("workload", "config") else "left")
+    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"
+    for s in summaries:
+        t.add_row(s.workload, s.config, f(s.tokens_per_s, 1), f(s.speedup) + ("x" if s.speedup else ""),
+                  f(s.acceptance_rate), f(s.mean_accepted_length),
+                  "-" if s.identical is None else ("yes" if s.identical else "NO"))
+    console.print(t)
+
+
+def _mount() -> None:
+    try:
+        from ..server.cli_serve import bench_serve
+
+        bench_app.command("serve")(bench_serve)
+    except ImportError:  # pragma: no cover - while the server is being built
+        pass
+
+
+_mount()

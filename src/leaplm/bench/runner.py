@@ -1,0 +1,171 @@
+"""Run configurations side by side on the same prompts: warm-up, then rounds in which every configuration
+runs every prompt, in an order rotated each round (A B C, B C A, ...). Speedups are medians of ratios paired
+by (round, prompt) against `none`, so drifts in machine speed cancel. Timing is end to end (prefill
+included) for every configuration, leaplm's and Hugging Face's alike.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from ..config import SamplingParams
+from .workloads import Workload
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    config: str
+    workload: str
+    prompt: int
+    round: int
+    new_tokens: int
+    seconds: float
+    token_ids: list[int]
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    target_forwards: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds
+
+
+@dataclass
+class ConfigSummary:
+    config: str
+    workload: str
+    tokens_per_s: float                 # median over samples
+    speedup: float | None               # median of paired ratios vs the baseline config
+    acceptance_rate: float | None
+    mean_accepted_length: float | None
+    identical: bool | None              # greedy output token-identical to the baseline on every prompt
+    samples: int
+
+
+@dataclass
+class BenchResult:
+    machine: dict
+    settings: dict
+    summaries: list[ConfigSummary]
+    samples: list[Sample] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"machine": self.machine, "settings": self.settings,
+                "summaries": [asdict(s) for s in self.summaries],
+                "samples": [asdict(s) | {"token_ids": None} for s in self.samples]}
+
+
+# A runner takes (prompt, max_new_tokens) and returns (token_ids, stats or None).
+Runner = Callable[[str, int], tuple[list[int], object]]
+
+
+@dataclass
+class Contender:
+    name: str
+    run: Runner
+
+
+def leaplm_contender(name: str, engine, params: SamplingParams) -> Contender:
+    def run(prompt: str, max_new: int):
+        sp = SamplingParams(**{**params.__dict__, "max_new_tokens": max_new})
+        o = engine.generate(prompt, sp)
+        return o.token_ids, o.stats
+    return Contender(name, run)
+
+
+def hf_contenders(target_path: str, draft_path: str | None, k: int, kinds: list[str], ignore_eos: bool,
+                  dtype: torch.dtype = torch.float32) -> list[Contender]:
+    """Hugging Face generate: plain, assisted (draft model, num_assistant_tokens=K), prompt lookup (K)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_path)
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).eval()
+    assistant = None
+    if "assisted" in kinds and draft_path:
+        assistant = AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).eval()
+
+    def make(extra: dict) -> Runner:
+        def run(prompt: str, max_new: int):
+            ids = tok(prompt, return_tensors="pt", add_special_tokens=False)
+            kw = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=tok.eos_token_id, **extra)
+            if ignore_eos:
+                kw["min_new_tokens"] = max_new
+            with torch.inference_mode():
+                out = model.generate(**ids, **kw)
+            return out[0, ids["input_ids"].shape[1]:].tolist(), None
+        return run
+
+    out = []
+    if "plain" in kinds:
+        out.append(Contender("hf", make({})))
+    if assistant is not None:
+        out.append(Contender(f"hf-assisted k={k}", make({"assistant_model": assistant, "num_assistant_tokens": k})))
+    if "lookup" in kinds:
+        out.append(Contender(f"hf-prompt-lookup k={k}", make({"prompt_lookup_num_tokens": k})))
+    return out
+
+
+def run_bench(contenders: list[Contender], workloads: list[Workload], max_new_tokens: int, rounds: int,
+              baseline: str, on_sample: Callable[[Sample], None] | None = None) -> list[Sample]:
+    samples: list[Sample] = []
+    for w in workloads:                                 # warm-up: every contender once, untimed
+        for c in contenders:
+            c.run(w.prompts[0], min(16, max_new_tokens))
+    for r in range(rounds):
+        for w in workloads:
+            for pi, prompt in enumerate(w.prompts):
+                shift = (r + pi) % len(contenders)
+                for c in contenders[shift:] + contenders[:shift]:
+                    t = time.perf_counter()
+                    ids, st = c.run(prompt, max_new_tokens)
+                    dt = time.perf_counter() - t
+                    s = Sample(c.name, w.name, pi, r, len(ids), dt, ids)
+                    if st is not None:
+                        s.draft_tokens, s.accepted_tokens, s.target_forwards = (
+                            st.draft_tokens, st.accepted_tokens, st.target_forwards)
+                    samples.append(s)
+                    if on_sample:
+                        on_sample(s)
+    return samples
+
+
+def summarize(samples: list[Sample], baseline: str) -> list[ConfigSummary]:
+    out = []
+    keyed = {(s.config, s.workload, s.prompt, s.round): s for s in samples}
+    configs = list(dict.fromkeys(s.config for s in samples))
+    for w in dict.fromkeys(s.workload for s in samples):
+        for c in configs:
+            mine = [s for s in samples if s.config == c and s.workload == w]
+            if not mine:
+                continue
+            ratios, same = [], True
+            for s in mine:
+                b = keyed.get((baseline, w, s.prompt, s.round))
+                if b is not None:
+                    ratios.append(s.tokens_per_s / b.tokens_per_s)
+                    n = min(len(b.token_ids), len(s.token_ids))
+                    same &= b.token_ids[:n] == s.token_ids[:n]
+            drafted = sum(s.draft_tokens for s in mine)
+            forwards = sum(s.target_forwards for s in mine)
+            out.append(ConfigSummary(
+                config=c, workload=w, tokens_per_s=statistics.median(s.tokens_per_s for s in mine),
+                speedup=statistics.median(ratios) if ratios else None,
+                acceptance_rate=sum(s.accepted_tokens for s in mine) / drafted if drafted else None,
+                mean_accepted_length=sum(s.new_tokens for s in mine) / forwards if forwards else None,
+                identical=same if ratios and c != baseline else None, samples=len(mine)))
+    return out
+
+
+def machine_info() -> dict:
+    import os
+    import platform
+
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version()}

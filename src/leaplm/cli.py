@@ -1,0 +1,210 @@
+"""leaplm command line: generate | serve | bench | train | eval | models."""
+from __future__ import annotations
+
+import json
+import math
+import logging
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from .config import ConfigError, SamplingParams
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Lossless speculative decoding for Hugging Face causal LMs.")
+err = Console(stderr=True)
+out = Console()
+
+
+def fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code)
+
+
+def _threads(threads: Optional[int]) -> None:
+    if threads is not None:
+        if threads < 1:
+            fail("--threads: must be >= 1")
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _skip_layers(text: Optional[str]) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"--skip-layers: expected comma-separated layer indices, got {text!r}")
+
+
+# Options shared by generate and bench: names as vLLM / llama.cpp users know them.
+ModelOpt = typer.Option(None, "--model", "-m", help="Target: local HF checkpoint dir or hub id (default: embedded).")
+DraftOpt = typer.Option(None, "--draft", help="Draft model for --method draft (default: the embedded draft).")
+KOpt = typer.Option(5, "--k", "-k", help="Speculative tokens per step (tree nodes for tree methods).")
+
+
+@app.command()
+def generate(
+    prompt: Optional[str] = typer.Argument(None, help="Prompt text; read from stdin when omitted."),
+    model: Optional[str] = ModelOpt,
+    draft: Optional[str] = DraftOpt,
+    method: Optional[str] = typer.Option(None, help="none|draft|ngram|suffix|lookahead|layerskip "
+                                                    "(default: draft when a draft is known, else none)."),
+    k: int = KOpt,
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    temperature: float = typer.Option(0.0, help="0 = greedy (the default here), > 0 samples."),
+    top_k: int = typer.Option(0, "--top-k"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
+    seed: Optional[int] = typer.Option(None, help="Seed; sample i of -n uses seed + i."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    n: int = typer.Option(1, "-n", help="Independent samples of the same prompt."),
+    stream: bool = typer.Option(False, help="Print text as it is generated."),
+    as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k", help="Let measured costs lower K per step."),
+    ngram_min: int = typer.Option(1, "--ngram-min"),
+    ngram_max: int = typer.Option(4, "--ngram-max"),
+    window: int = typer.Option(5, "--window", help="lookahead: Jacobi window W."),
+    ngram_size: int = typer.Option(4, "--ngram-size", help="lookahead: n-gram size N."),
+    guess_set: int = typer.Option(5, "--guess-set", help="lookahead: candidates G per step."),
+    skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help="layerskip: e.g. 2,4,6."),
+    corpus: Optional[str] = typer.Option(None, "--corpus", help="suffix: extra text file or directory."),
+    device: str = typer.Option("cpu", help="cpu|cuda|mps"),
+    dtype: str = typer.Option("float32", help="float32|bfloat16|float16"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
+):
+    """Generate a continuation of PROMPT, with speculation, and report acceptance and speed."""
+    from .engine.engine import Engine
+    from .engine.stats import GenerationStats
+
+    logging.basicConfig(level=logging.WARNING)
+    _threads(threads)
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            fail("prompt: give PROMPT or pipe it on stdin")
+        prompt = sys.stdin.read()
+    if n < 1:
+        fail(f"-n: must be >= 1, got {n}")
+    try:
+        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 min_p=min_p, repetition_penalty=repetition_penalty,
+                                 seed=None if seed is None else seed + i, stop=list(stop or []),
+                                 ignore_eos=ignore_eos) for i in range(n)]
+        engine = Engine(model=model, draft=draft, method=method, k=k, device=device, dtype=dtype,
+                        adaptive_k=adaptive_k, ngram_min=ngram_min, ngram_max=ngram_max, window=window,
+                        ngram_size=ngram_size, guess_set=guess_set, skip_layers=_skip_layers(skip_layers),
+                        corpus=corpus)
+        engine.encode(prompt, params[0])
+    except ConfigError as e:
+        fail(f"--{e.field.replace('_', '-')}: {e.message}" if e.field != "prompt" else f"prompt: {e.message}")
+    total = GenerationStats(engine.spec.method, engine.spec.k if engine.spec.method != "none" else 0)
+    samples = []
+    for i, sp in enumerate(params):
+        if stream and not as_json:
+            if n > 1:
+                out.print(f"[dim]--- sample {i + 1} ---[/]")
+            out.print(prompt, end="", style="dim", markup=False, highlight=False)
+            text, ids, reason, st = "", [], None, None
+            for chunk in engine.stream(prompt, sp):
+                out.print(chunk.text, end="", markup=False, highlight=False)
+                text += chunk.text
+                ids += chunk.token_ids
+                reason, st = chunk.finish_reason or reason, chunk.stats or st
+            out.print()
+        else:
+            o = engine.generate(prompt, sp)
+            text, ids, reason, st = o.text, o.token_ids, o.finish_reason, o.stats
+            if not as_json:
+                if n > 1:
+                    out.print(f"[dim]--- sample {i + 1} ---[/]")
+                out.print(prompt, end="", style="dim", markup=False, highlight=False)
+                out.print(text, markup=False, highlight=False)
+        samples.append({"text": text, "token_ids": ids, "finish_reason": reason})
+        total.merge(st)
+    if as_json:
+        s = total
+        print(json.dumps({"samples": samples, "stats": {
+            "method": s.method, "k": s.k, "new_tokens": s.new_tokens, "target_forwards": s.target_forwards,
+            "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+            "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_length": round(s.mean_accepted_length, 4),
+            "decode_s": round(s.decode_s, 4), "tokens_per_s": round(s.tokens_per_s, 2),
+            "prefill_s": round(s.prefill_s, 4), "acceptance_by_position": [round(a, 4) for a in
+                                                                            s.acceptance_by_position]}}))
+    else:
+        s = total
+        spec = f"{s.method} k={s.k}" if s.method != "none" else "none"
+        acc = (f" | acceptance {s.acceptance_rate:.2f} | mean accepted length {s.mean_accepted_length:.2f}"
+               if s.method != "none" else "")
+        err.print(f"[dim]{spec} | {s.new_tokens} tokens in {s.target_forwards} target forwards{acc} | "
+                  f"{s.tokens_per_s:.1f} tokens/s[/]")
+
+
+@app.command()
+def models():
+    """List the embedded model family with sizes."""
+    from rich.table import Table
+
+    from .models import embedded
+
+    avail = embedded.available()
+    if not avail:
+        fail(f"no embedded models found in {embedded.EMBEDDED_DIR}")
+    t = Table(title="embedded models")
+    for col in ("name", "role", "parameters", "layers", "hidden", "vocab", "disk MB", "path"):
+        t.add_column(col)
+    for name, path in avail.items():
+        cfg = json.loads((path / "config.json").read_text())
+        n_params = _param_count(path)
+        role = "target (default)" if name == embedded.TARGET else (
+            "draft (default)" if name == embedded.BEST_DRAFT else "draft")
+        mb = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
+        t.add_row(name, role, f"{n_params / 1e6:.1f}M", str(cfg["num_hidden_layers"]), str(cfg["hidden_size"]),
+                  str(cfg["vocab_size"]), f"{mb:.1f}", str(path))
+    out.print(t)
+
+
+def _param_count(path) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as sf:
+            for key in sf.keys():
+                shape = sf.get_slice(key).get_shape()
+                n += math.prod(shape)
+    return n
+
+
+def _mount_subcommands() -> None:
+    """Commands that live in their own modules (so a missing optional part does not break the CLI)."""
+    try:
+        from .bench.cli_bench import bench_app
+
+        app.add_typer(bench_app, name="bench")
+    except ImportError as e:  # pragma: no cover - only while a part is being built
+        logging.getLogger(__name__).debug("bench unavailable: %s", e)
+    try:
+        from .cli_train import eval_app, train_app
+
+        app.add_typer(train_app, name="train", help="Train the tokenizer, pretrain and distill models.")
+        app.add_typer(eval_app, name="eval", help="Evaluate perplexity and draft acceptance.")
+    except ImportError as e:  # pragma: no cover
+        logging.getLogger(__name__).debug("train unavailable: %s", e)
+    try:
+        from .server.cli_serve import serve
+
+        app.command("serve")(serve)
+    except ImportError as e:  # pragma: no cover
+        logging.getLogger(__name__).debug("serve unavailable: %s", e)
+
+
+_mount_subcommands()
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,152 @@
+"""Typed, validated configuration: what a user may ask of the engine, checked at the boundary.
+
+Every validation error is a ConfigError naming the offending field, so the CLI and the server can turn it
+into a clear message (and an HTTP 400) without a traceback.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """Invalid user input; `field` names what was wrong."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _check(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(name, message)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Every field keeps the output distribution exactly the target's under
+    every speculative method: the processors below are applied identically to the target's p at each
+    verified position (with the draft tokens before it counted as context), and the proposer's q is
+    whatever the proposer sampled from. Nothing here is approximated under speculation."""
+
+    max_new_tokens: int = 128
+    """Tokens to generate at most (>= 1); a step that accepts several tokens is cut to this exactly."""
+    temperature: float = 1.0
+    """0 means greedy (argmax, no random draws); > 0 scales logits by 1/temperature."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables."""
+    top_p: float = 1.0
+    """Nucleus sampling: smallest set with cumulative probability >= top_p, in (0, 1]."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's, in [0, 1]."""
+    repetition_penalty: float = 1.0
+    """CTRL-style penalty (> 0) on tokens already in prompt or output; 1 disables."""
+    seed: int | None = None
+    """Seed of this request's torch.Generator; None draws one from the OS."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end generation; the stop string itself is not returned."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation (in addition to EOS unless ignore_eos); the token is not returned."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token."""
+    logprobs: int | None = None
+    """Return the target's log-probability of each generated token and this many top alternatives
+    (0..20); None returns none. Computed from the target's raw logits, so exact under speculation."""
+
+    MAX_TEMPERATURE = 100.0
+    MAX_NEW_TOKENS = 1 << 20
+    MAX_STOP = 16
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        m = self.max_new_tokens
+        _check(_is_int(m) and 1 <= m <= self.MAX_NEW_TOKENS, "max_new_tokens",
+               f"must be an integer in [1, {self.MAX_NEW_TOKENS}], got {m!r}")
+        t = self.temperature
+        _check(_is_real(t) and math.isfinite(t) and 0 <= t <= self.MAX_TEMPERATURE, "temperature",
+               f"must be a finite number in [0, {self.MAX_TEMPERATURE}], got {t!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an integer >= 0, got {self.top_k!r}")
+        p = self.top_p
+        _check(_is_real(p) and 0 < p <= 1, "top_p", f"must be in (0, 1], got {p!r}")
+        mp = self.min_p
+        _check(_is_real(mp) and 0 <= mp <= 1, "min_p", f"must be in [0, 1], got {mp!r}")
+        r = self.repetition_penalty
+        _check(_is_real(r) and math.isfinite(r) and 0 < r <= 10, "repetition_penalty",
+               f"must be in (0, 10], got {r!r}")
+        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or null, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop), "stop",
+               "must be a string or a list of strings")
+        _check(len(self.stop) <= self.MAX_STOP, "stop", f"at most {self.MAX_STOP} stop strings, got {len(self.stop)}")
+        _check(all(len(s) > 0 for s in self.stop), "stop", "stop strings must not be empty")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be a list of non-negative integers")
+        lp = self.logprobs
+        _check(lp is None or (_is_int(lp) and 0 <= lp <= self.MAX_LOGPROBS), "logprobs",
+               f"must be null or an integer in [0, {self.MAX_LOGPROBS}], got {lp!r}")
+
+
+METHODS = ("none", "draft", "ngram", "suffix", "lookahead", "layerskip")
+
+
+@dataclass
+class SpecConfig:
+    """Which proposer to use and how many tokens it proposes per step."""
+
+    method: str = "draft"
+    """One of METHODS; 'none' is plain autoregressive decoding through the same engine."""
+    k: int = 5
+    """Speculative tokens per step (K >= 1); for tree proposers the number of tree nodes."""
+    draft: str | None = None
+    """Draft model (local directory or hub id) for method 'draft'."""
+    ngram_min: int = 1
+    """ngram/suffix: shortest suffix of the context matched."""
+    ngram_max: int = 4
+    """ngram/suffix: longest suffix of the context matched."""
+    window: int = 5
+    """lookahead: Jacobi window W (future positions iterated per step)."""
+    ngram_size: int = 4
+    """lookahead: n-gram size N collected into the pool."""
+    guess_set: int = 5
+    """lookahead: at most G candidate n-grams verified per step."""
+    skip_layers: list[int] | None = None
+    """layerskip: layer indices skipped by the draft pass; None chooses them from measured acceptance."""
+    corpus: str | None = None
+    """suffix: optional file or directory of text whose n-grams seed the static cache."""
+    adaptive_k: bool = True
+    """Lower K (to 0) when measured acceptance says speculation costs more than it saves."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check(self.method in METHODS, "method", f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        _check(_is_int(self.k) and 1 <= self.k <= 64, "k", f"must be an integer in [1, 64], got {self.k!r}")
+        _check(_is_int(self.ngram_min) and self.ngram_min >= 1, "ngram_min", f"must be >= 1, got {self.ngram_min!r}")
+        _check(_is_int(self.ngram_max) and self.ngram_max >= self.ngram_min, "ngram_max",
+               f"must be >= ngram_min ({self.ngram_min}), got {self.ngram_max!r}")
+        for name in ("window", "ngram_size", "guess_set"):
+            v = getattr(self, name)
+            _check(_is_int(v) and v >= 1, name, f"must be an integer >= 1, got {v!r}")
+        if self.method == "draft":
+            _check(self.draft is not None, "draft", "method 'draft' needs a draft model (--draft)")
+        if self.skip_layers is not None:
+            _check(all(_is_int(i) and i >= 0 for i in self.skip_layers), "skip_layers",
+                   "must be a list of non-negative layer indices")

@@ -1,0 +1,48 @@
+"""What the engine knows about one request while generating it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import SamplingParams
+from .detok import IncrementalDetokenizer
+from .stats import GenerationStats
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float                                   # the target's raw log-probability of token_id
+    top: list[tuple[int, float]] = field(default_factory=list)   # (token id, logprob), most likely first
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokens: list[int]                                # prompt + committed output
+    stop_ids: frozenset[int]                         # EOS (unless ignore_eos) and stop_token_ids
+    detok: IncrementalDetokenizer
+    stats: GenerationStats
+    generator: torch.Generator | None = None         # only for sampling requests
+    presence: torch.Tensor | None = None             # [V] bool, only with a repetition penalty
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None                 # "length" | "stop"
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - (len(self.tokens) - len(self.prompt_ids))
+
+
+@dataclass
+class StreamChunk:
+    text: str                            # newly final text
+    token_ids: list[int]                 # tokens committed by this step
+    finish_reason: str | None = None     # set on the last chunk
+    stats: GenerationStats | None = None # set on the last chunk
+    logprobs: list[TokenLogprob] | None = None

@@ -1,0 +1,71 @@
+"""Per-request speculation figures, as data: the CLI, server, logs and benchmarks only read them."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    method: str
+    k: int                                  # the configured K (the adaptive controller may use less per step)
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0                # decode-time target forwards (prefill not counted)
+    draft_tokens: int = 0                   # drafted (proposed) tokens
+    accepted_tokens: int = 0
+    steps_with_draft: int = 0               # steps that proposed at least one token
+    drafted_by_position: list[int] = field(default_factory=list)    # [K] how often position i was proposed
+    accepted_by_position: list[int] = field(default_factory=list)   # [K] how often position i was accepted
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    propose_s: float = 0.0                  # decode time spent in the proposer
+    score_s: float = 0.0                    # decode time spent in target forwards
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target forward, the recovered/bonus token included (plain decoding: 1)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    def record_step(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.target_forwards += 1
+        self.new_tokens += emitted
+        if drafted:
+            self.steps_with_draft += 1
+            self.draft_tokens += drafted
+            self.accepted_tokens += accepted
+            if len(self.drafted_by_position) < drafted:
+                grow = drafted - len(self.drafted_by_position)
+                self.drafted_by_position += [0] * grow
+                self.accepted_by_position += [0] * grow
+            for i in range(drafted):
+                self.drafted_by_position[i] += 1
+            for i in range(accepted):
+                self.accepted_by_position[i] += 1
+
+    def merge(self, other: "GenerationStats") -> None:
+        """Accumulate another request's figures (for -n samples and benchmark totals)."""
+        for f in ("prompt_tokens", "new_tokens", "target_forwards", "draft_tokens", "accepted_tokens",
+                  "steps_with_draft", "prefill_s", "decode_s", "propose_s", "score_s"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        n = max(len(self.drafted_by_position), len(other.drafted_by_position))
+        for name in ("drafted_by_position", "accepted_by_position"):
+            a, b = getattr(self, name), getattr(other, name)
+            setattr(self, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)])
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
+                 tokens_per_s=self.tokens_per_s, acceptance_by_position=self.acceptance_by_position)
+        return d

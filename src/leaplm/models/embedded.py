@@ -1,0 +1,33 @@
+"""The embedded model family that ships inside the package (trained by `leaplm train`, see its model cards)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "embedded"
+TARGET = "target"
+DRAFTS = ("draft-3m", "draft-1m")   # best first
+BEST_DRAFT = DRAFTS[0]
+
+
+def embedded_path(name: str) -> Path:
+    return EMBEDDED_DIR / name
+
+
+def available() -> dict[str, Path]:
+    """Embedded checkpoints present on disk, by name."""
+    return {p.name: p for p in sorted(EMBEDDED_DIR.iterdir()) if (p / "config.json").exists()} \
+        if EMBEDDED_DIR.is_dir() else {}
+
+
+def default_target() -> str:
+    p = embedded_path(TARGET)
+    if not (p / "config.json").exists():
+        from ..config import ConfigError
+
+        raise ConfigError("model", f"no --model given and the embedded default is missing at {p}")
+    return str(p)
+
+
+def default_draft() -> str | None:
+    p = embedded_path(BEST_DRAFT)
+    return str(p) if (p / "config.json").exists() else None

@@ -1,0 +1,88 @@
+"""Fallback adapter: any transformers causal LM (gpt2, gpt_neox, ...) behind leaplm's CausalLM protocol.
+
+Batch size 1 and chains only (no tree masks, no layer subsets). Rollback crops the DynamicCache lazily: the
+committed length lives in `lengths`, and entries past it are cropped before the next forward.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..config import ConfigError
+
+
+class HFCache:
+    def __init__(self, max_len: int):
+        from transformers import DynamicCache
+
+        self.pkv = DynamicCache()
+        self.lengths = [0]
+        self.max_len = max_len
+
+    @property
+    def batch_size(self) -> int:
+        return 1
+
+    def advance(self, n: int, row: int = 0) -> None:
+        self.lengths[row] += n
+
+    def truncate(self, length: int, row: int = 0) -> None:
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"truncate to {length} outside [0, {self.lengths[row]}]")
+        self.lengths[row] = length
+
+    def compact(self, offsets: list[int], row: int = 0) -> None:
+        if any(o != i for i, o in enumerate(offsets)):
+            raise NotImplementedError("the transformers fallback cannot compact a tree")
+
+    def sync(self) -> None:
+        excess = self.pkv.get_seq_length() - self.lengths[0]
+        if excess > 0:
+            self.pkv.crop(-excess)   # a negative count removes that many (transformers 4.x and 5.x alike)
+
+
+class HFCausalLM(torch.nn.Module):
+    supports_tree = False
+    supports_batch = False
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        cfg = model.config
+        self.vocab_size = cfg.vocab_size
+        self.num_layers = getattr(cfg, "num_hidden_layers", getattr(cfg, "n_layer", 0))
+        self.max_len = getattr(cfg, "max_position_embeddings", getattr(cfg, "n_positions", 2048))
+
+    @classmethod
+    def load(cls, path: Path, cfg: dict, device: str, dtype: torch.dtype) -> "HFCausalLM":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        try:
+            hf_cfg = AutoConfig.from_pretrained(str(path))
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        except (ValueError, KeyError, OSError) as e:
+            raise ConfigError("model", f"unsupported architecture {cfg.get('model_type')!r} "
+                                       f"(architectures={cfg.get('architectures')}): {str(e).splitlines()[0]}") from None
+        del hf_cfg
+        return cls(model.to(device).eval())
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> HFCache:
+        if batch_size != 1:
+            raise ValueError("the transformers fallback adapter runs one sequence at a time")
+        return HFCache(max_len or self.max_len)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: HFCache, *, tree_mask=None, position_offsets=None,
+                layers: Sequence[int] | None = None, last_only: bool = False) -> torch.Tensor:
+        if tree_mask is not None or layers is not None:
+            raise ValueError("the transformers fallback adapter supports neither tree masks nor layer subsets")
+        cache.sync()
+        out = self.model(input_ids=input_ids, past_key_values=cache.pkv, use_cache=True,
+                         logits_to_keep=1 if last_only else 0)
+        return out.logits

@@ -1,0 +1,338 @@
+"""Native Llama-family decoder (llama, mistral, qwen2, qwen3) over leaplm's preallocated KV cache.
+
+One forward takes a block of T new tokens per row: T = 1 for decoding, K + 1 for verifying a chain, the
+flattened tree for tree verification (with `tree_mask` and `position_offsets`). q/k/v and gate/up
+projections are fused into one matmul each at load time: fewer kernels per layer on the hot path.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache.kv_cache import KVCache
+
+
+
+def _sdpa_has_gqa() -> bool:
+    try:  # enable_gqa arrived in torch 2.5; we support 2.4
+        z = torch.zeros(1, 2, 1, 4)
+        F.scaled_dot_product_attention(z, z[:, :1], z[:, :1], enable_gqa=True)
+        return True
+    except TypeError:
+        return False
+
+
+_HAS_GQA = _sdpa_has_gqa()
+
+
+@dataclass
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None     # {"rope_type": "llama3" | "linear" | "default", ...}
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False         # qwen2: bias on q/k/v
+    qk_norm: bool = False                # qwen3: RMSNorm on each head's q and k
+    sliding_window: int | None = None    # mistral
+    model_type: str = "llama"
+    eos_token_id: list[int] = field(default_factory=list)
+
+
+def rope_inv_freq(a: LlamaArgs) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with the llama3 and linear scaling variants."""
+    inv = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float64) / a.head_dim))
+    rs = a.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "linear":
+        inv = inv / rs["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old = rs.get("original_max_position_embeddings", 8192)
+        lo_wl, hi_wl = old / lo, old / hi
+        wl = 2 * math.pi / inv
+        scaled = torch.where(wl > lo_wl, inv / factor, inv)
+        smooth = (old / wl - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wl >= hi_wl) & (wl <= lo_wl)
+        inv = torch.where(is_mid, mid, scaled)
+    elif kind not in ("default", None):
+        raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported (default, linear, llama3)")
+    return inv.float()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+def apply_rope(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] with each rotated pair (j, j + D/2) stored interleaved (see interleave_rope_rows);
+    cis [B, T, 1, D/2] complex. One complex multiply instead of rotate-half's slices and concatenation."""
+    B, T, H, D = x.shape
+    if x.dtype == torch.float32:
+        return torch.view_as_real(torch.view_as_complex(x.reshape(B, T, H, D // 2, 2)) * cis).view(B, T, H, D)
+    xc = torch.view_as_complex(x.float().reshape(B, T, H, D // 2, 2))
+    return torch.view_as_real(xc * cis).view(B, T, H, D).to(x.dtype)
+
+
+def interleave_rope_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder q/k projection rows (or bias, or q/k-norm weight) of each head from Hugging Face's
+    rotate-half layout [x_0..x_{D/2-1}, y_0..y_{D/2-1}] to pairs [x_0, y_0, x_1, y_1, ...]. q.k is unchanged
+    (q and k get the same permutation); only the cache's key layout is ours."""
+    half = head_dim // 2
+    perm = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)   # [D]
+    shape = w.shape
+    return w.reshape(n_heads, head_dim, *shape[1:])[:, perm].reshape(shape)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: LlamaArgs):
+        super().__init__()
+        self.h, self.hkv, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.qkv = nn.Linear(a.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=a.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, a.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
+
+
+class MLP(nn.Module):
+    def __init__(self, a: LlamaArgs):
+        super().__init__()
+        self.inter = a.intermediate_size
+        self.gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+
+class Block(nn.Module):
+    def __init__(self, a: LlamaArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Attention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = MLP(a)
+
+
+@dataclass
+class LayerWeights:
+    """Direct references to one layer's tensors: the hot loop skips nn.Module dispatch and attribute lookups."""
+    ln1: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    ln2: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LlamaForCausalLM(nn.Module):
+    """Implements leaplm's CausalLM protocol (see models/base.py)."""
+
+    supports_tree = True
+    supports_batch = True
+
+    def __init__(self, a: LlamaArgs):
+        super().__init__()
+        self.args = a
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        if a.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("rope_cis", self.rope_table(a), persistent=False)   # [P, D/2] complex64
+        self._fast: list[LayerWeights] | None = None
+
+    @staticmethod
+    def rope_table(a: LlamaArgs, device=None) -> torch.Tensor:
+        inv = rope_inv_freq(a)
+        t = torch.arange(a.max_position_embeddings, dtype=torch.float32)
+        return torch.polar(torch.ones(len(t), len(inv)), torch.outer(t, inv)).to(device)   # [P, D/2]
+
+    def _apply(self, fn, *args, **kwargs):
+        self._fast = None                  # .to() / .half() replace the tensors we hold references to
+        return super()._apply(fn, *args, **kwargs)
+
+    def layer_weights(self) -> list[LayerWeights]:
+        if self._fast is None:
+            self._fast = [LayerWeights(
+                b.input_layernorm.weight, b.self_attn.qkv.weight, b.self_attn.qkv.bias,
+                b.self_attn.q_norm.weight if b.self_attn.q_norm is not None else None,
+                b.self_attn.k_norm.weight if b.self_attn.k_norm is not None else None,
+                b.self_attn.o_proj.weight, b.post_attention_layernorm.weight, b.mlp.gate_up.weight,
+                b.mlp.down_proj.weight) for b in self.layers]
+        return self._fast
+
+    # --- protocol ----------------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.args.num_hidden_layers
+
+    @property
+    def max_len(self) -> int:
+        return self.args.max_position_embeddings
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
+        a = self.args
+        return KVCache(a.num_hidden_layers, batch_size, a.num_key_value_heads, a.head_dim,
+                       max_len or a.max_position_embeddings, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, *, tree_mask: torch.Tensor | None = None,
+                position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits [B, T, V] (or [B, 1, V] with last_only) for T new tokens per row after each row's cache.
+
+        input_ids [B, T]; tree_mask [T, T] bool (node i sees node j) for a flattened tree, whose
+        position_offsets [T] are node depths; layers: the subset of layers to run (layer-skip drafting).
+        Writes K/V at each row's [length, length + T) without moving the length (see KVCache).
+        """
+        B, T = input_ids.shape
+        cache.check_room(T, B)
+        lens = cache.lengths[:B]
+        offs = position_offsets if position_offsets is not None else torch.arange(T, device=input_ids.device)
+        if B == 1:
+            pos = (offs + lens[0]).unsqueeze(0)                     # [1, T]
+        else:
+            pos = torch.tensor(lens, device=input_ids.device).unsqueeze(1) + offs   # [B, T]
+        if int(pos.max()) >= self.args.max_position_embeddings:
+            raise ValueError(f"position {int(pos.max())} beyond max_position_embeddings="
+                             f"{self.args.max_position_embeddings}")
+        cis = self.rope_cis[pos].unsqueeze(2)                      # [B, T, 1, D/2]
+        kv_len = max(lens) + T
+        mask = self._mask(lens, T, kv_len, tree_mask, pos, offs, input_ids.device)
+        a = self.args
+        H, Hkv, D, hid, eps = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.hidden_size, a.rms_norm_eps
+        gqa = {"enable_gqa": True} if (Hkv != H and _HAS_GQA) else {}
+        rep = H // Hkv if (Hkv != H and not _HAS_GQA) else 1
+        fast = self.layer_weights()
+        x = F.embedding(input_ids, self.embed_tokens.weight)      # [B, T, hid]
+        for i in (range(len(fast)) if layers is None else layers):
+            w = fast[i]
+            h = F.rms_norm(x, (hid,), w.ln1, eps)
+            qkv = F.linear(h, w.qkv, w.qkv_bias).view(B, T, H + 2 * Hkv, D)
+            qk, v = qkv.split([H + Hkv, Hkv], dim=2)               # [B, T, H+Hkv | Hkv, D]
+            if w.q_norm is not None:
+                q, k = qk.split([H, Hkv], dim=2)
+                qk = torch.cat([F.rms_norm(q, (D,), w.q_norm, eps), F.rms_norm(k, (D,), w.k_norm, eps)], 2)
+            q, k = apply_rope(qk, cis).transpose(1, 2).split([H, Hkv], dim=1)   # [B, H|Hkv, T, D]
+            cache.write(i, k, v.transpose(1, 2))
+            keys = cache.k[i][:B, :, :kv_len]                      # [B, Hkv, S, D]
+            vals = cache.v[i][:B, :, :kv_len]
+            if rep > 1:
+                keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
+            y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, **gqa)   # [B, H, T, D]
+            x = x + F.linear(y.transpose(1, 2).reshape(B, T, H * D), w.o)
+            h = F.rms_norm(x, (hid,), w.ln2, eps)
+            g, u = F.linear(h, w.gate_up).chunk(2, dim=-1)         # [B, T, inter] each
+            x = x + F.linear(F.silu(g) * u, w.down)
+        if last_only:
+            x = x[:, -1:]
+        return F.linear(F.rms_norm(x, (hid,), self.norm.weight, eps), self.lm_head.weight)   # [B, T, V]
+
+    def _mask(self, lens, T, kv_len, tree_mask, pos, offs, device):
+        """Boolean attention mask [B, 1, T, S] (True = attend), or None when plain causal decoding of one token
+        per row of equal length needs none."""
+        sw = self.args.sliding_window
+        if T == 1 and tree_mask is None and len(set(lens)) == 1 and (sw is None or kv_len <= sw):
+            return None
+        j = torch.arange(kv_len, device=device)                   # key slot
+        B = len(lens)
+        L = torch.tensor(lens, device=device).view(B, 1, 1)        # [B, 1, 1]
+        rel = j.view(1, 1, -1) - L                                 # [B, 1, S] slot relative to new block
+        new = (rel >= 0) & (rel < T)
+        if tree_mask is None:
+            within = rel <= torch.arange(T, device=device).view(1, T, 1)   # causal among new tokens
+        else:
+            idx = rel.clamp(0, T - 1).expand(B, T, kv_len)
+            within = torch.gather(tree_mask.unsqueeze(0).expand(B, T, T), 2, idx)
+        m = (rel < 0) | (new & within)                             # [B, T, S]
+        if sw is not None:
+            key_pos = torch.where(rel < 0, j.view(1, 1, -1), L + offs[rel.clamp(0, T - 1)])   # [B, 1, S]
+            m = m & (pos.view(B, T, 1) - key_pos < sw)
+        return m.unsqueeze(1)
+
+
+def args_from_hf_config(cfg: dict) -> LlamaArgs:
+    """LlamaArgs from a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
+    mt = cfg.get("model_type")
+    heads = cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    sw = cfg.get("sliding_window")
+    if mt in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        sw = None
+    eos = cfg.get("eos_token_id")
+    return LlamaArgs(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=cfg.get("attention_bias", mt == "qwen2"), qk_norm=(mt == "qwen3"),
+        sliding_window=sw, model_type=mt,
+        eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
+    )
+
+
+def fuse_hf_state_dict(sd: dict[str, torch.Tensor], a: LlamaArgs) -> dict[str, torch.Tensor]:
+    """Map Hugging Face parameter names onto this module's (fusing q/k/v and gate/up)."""
+    out = {"embed_tokens.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
+    out["lm_head.weight"] = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    for i in range(a.num_hidden_layers):
+        p = f"model.layers.{i}."
+        o = f"layers.{i}."
+        at = p + "self_attn."
+        H, Hkv, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        q, k, v = (sd[at + n + "_proj.weight"] for n in "qkv")
+        out[o + "self_attn.qkv.weight"] = torch.cat([interleave_rope_rows(q, H, D), interleave_rope_rows(k, Hkv, D), v])
+        if a.attention_bias:
+            qb, kb, vb = (sd[at + n + "_proj.bias"] for n in "qkv")
+            out[o + "self_attn.qkv.bias"] = torch.cat([interleave_rope_rows(qb, H, D),
+                                                       interleave_rope_rows(kb, Hkv, D), vb])
+        out[o + "self_attn.o_proj.weight"] = sd[at + "o_proj.weight"]
+        if a.qk_norm:
+            out[o + "self_attn.q_norm.weight"] = interleave_rope_rows(sd[at + "q_norm.weight"], 1, D)
+            out[o + "self_attn.k_norm.weight"] = interleave_rope_rows(sd[at + "k_norm.weight"], 1, D)
+        out[o + "mlp.gate_up.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+        out[o + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"]
+        out[o + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
+        out[o + "post_attention_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
+    return out

@@ -1,0 +1,116 @@
+"""Load a model and its tokenizer from a Hugging Face checkpoint: a local directory or, with a network, a hub id.
+
+Native families (registry.NATIVE_FAMILIES) are built from config.json and the safetensors shards directly;
+any other causal LM goes through transformers (hf.HFCausalLM).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+from .registry import native_family
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: object            # implements base.CausalLM
+    tokenizer: object        # transformers PreTrainedTokenizerBase
+    path: str                # resolved local directory
+    name: str                # what the user asked for
+    config: dict             # config.json
+    eos_token_ids: list[int]
+    n_params: int
+
+
+def resolve_path(name: str, field: str = "model") -> Path:
+    """A local checkpoint directory for `name`; downloads a hub id when a network is there."""
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ConfigError(field, f"{name!r} is a directory without config.json, not a Hugging Face checkpoint")
+        return p
+    looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~")) and not p.exists()
+    if not looks_like_hub_id:
+        raise ConfigError(field, f"model path {name!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                             "*.jinja"]))
+    except Exception as e:  # no network, unknown repo, gated...
+        raise ConfigError(field, f"{name!r} is not a local directory and could not be fetched from the hub "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    shards = sorted(path.glob("*.safetensors"))
+    if shards:
+        sd: dict[str, torch.Tensor] = {}
+        for s in shards:
+            sd.update(load_file(str(s)))
+        return sd
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if bins:
+        sd = {}
+        for b in bins:
+            sd.update(torch.load(str(b), map_location="cpu", weights_only=True))
+        return sd
+    raise ConfigError("model", f"{path} has no *.safetensors or pytorch_model*.bin weights")
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: str = "model") -> LoadedModel:
+    """Load target or draft `name`; `field` names the user's option in errors ('model' or 'draft')."""
+    if dtype not in DTYPES:
+        raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    path = resolve_path(name, field)
+    cfg = json.loads((path / "config.json").read_text())
+    mt = cfg.get("model_type")
+    tok = load_tokenizer(path)
+    eos = cfg.get("eos_token_id")
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id", eos)
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not eos_ids and tok.eos_token_id is not None:
+        eos_ids = [tok.eos_token_id]
+    td = DTYPES[dtype]
+    if native_family(mt):
+        from .llama import LlamaForCausalLM, args_from_hf_config, fuse_hf_state_dict
+
+        args = args_from_hf_config(cfg)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(args)
+        sd = fuse_hf_state_dict(read_state_dict(path), args)
+        model = model.to_empty(device=device)
+        model.load_state_dict({k: v.to(td) for k, v in sd.items()}, strict=False, assign=False)
+        model = model.to(td)
+        # the rope table is a non-persistent buffer: rebuild it on the real device
+        model.rope_cis = LlamaForCausalLM.rope_table(args, device)
+        if args.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model._fast = None
+        model.eval()
+    else:
+        from .hf import HFCausalLM
+
+        model = HFCausalLM.load(path, cfg, device, td)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("loaded %s (%s, %.1fM parameters, %s)", name, mt, n_params / 1e6, dtype)
+    return LoadedModel(model, tok, str(path), name, cfg, eos_ids, n_params)

@@ -1,0 +1,44 @@
+"""The Proposer protocol: propose K tokens (with q, or None when deterministic; optionally a tree), then
+observe what the verifier made of them. One proposer instance per request, so its state is the request's."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..config import SamplingParams
+from ..sampling import LogitsProcessor
+from ..verify import VerifyResult
+
+
+@dataclass
+class ProposeContext:
+    tokens: list[int]                  # prompt + committed output, the last token not yet in the target cache
+    k: int                             # how many tokens (tree nodes) to propose at most
+    params: SamplingParams
+    processor: LogitsProcessor
+    generator: torch.Generator | None  # None for greedy requests: no random draws
+    presence: torch.Tensor | None      # [V] bool: tokens seen so far (repetition penalty), else None
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor               # [K] long: a chain, or the tree's nodes in topological order
+    q: torch.Tensor | None = None      # [K, V] draft distribution each token was sampled from; None = deterministic
+    parents: list[int] | None = None   # tree only: parent node index per node, -1 = the last committed token
+
+    @property
+    def k(self) -> int:
+        return self.tokens.numel()
+
+
+class Proposer(Protocol):
+    name: str
+    samples: bool   # True when it samples from q at temperature > 0 (then q is returned)
+
+    def propose(self, ctx: ProposeContext) -> Proposal: ...
+
+    def observe(self, proposal: Proposal, result: VerifyResult) -> None:
+        """Called after every verification; `result.accepted` draft tokens were kept."""
+        ...

@@ -1,0 +1,54 @@
+"""A smaller model with the same tokenizer drafts K tokens autoregressively over its own KV cache.
+
+Cache bookkeeping: before proposing, the draft feeds the committed tokens it has not seen (at least the last
+one); while drafting it feeds d_1..d_{K-1}. After verification it keeps the committed prefix it has cached:
+len(tokens) + min(accepted, K - 1) entries, so nothing is ever recomputed or copied.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..verify import VerifyResult
+from .base import Proposal, ProposeContext
+
+
+class DraftModelProposer:
+    name = "draft"
+    samples = True
+
+    def __init__(self, model, max_len: int):
+        self.model = model                       # CausalLM, shared by all requests
+        self.cache = model.new_cache(1, max_len)
+        self.n_ctx = 0                           # len(tokens) at the last proposal
+        self.k = 0
+
+    def propose(self, ctx: ProposeContext) -> Proposal:
+        toks = ctx.tokens
+        cached = self.cache.lengths[0]
+        feed = torch.tensor([toks[cached:]], device=self.model.device)   # [1, T] committed, unseen
+        k = max(1, min(ctx.k, self.cache.max_len - len(toks) - 1))
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        presence = ctx.presence.clone() if ctx.presence is not None else None   # [V]
+        for i in range(k):
+            logits = self.model(feed, self.cache, last_only=True)[0, -1:]  # [1, V]
+            self.cache.advance(feed.shape[1])
+            pres = presence.unsqueeze(0) if presence is not None else None
+            if ctx.generator is None:
+                t = int(ctx.processor.greedy(logits, pres))
+            else:
+                q = ctx.processor.probs(logits, pres)                      # [1, V]
+                t = int(ctx.processor.sample(q, ctx.generator))
+                qs.append(q[0])
+            drafts.append(t)
+            if presence is not None:
+                presence[t] = True
+            if i + 1 < k:
+                feed = torch.tensor([[t]], device=self.model.device)
+        self.n_ctx, self.k = len(toks), k
+        # the cache now holds toks + d_1..d_{k-1}
+        q = torch.stack(qs) if qs else None                               # [K, V]
+        return Proposal(torch.tensor(drafts, device=self.model.device), q)
+
+    def observe(self, proposal: Proposal, result: VerifyResult) -> None:
+        self.cache.truncate(self.n_ctx + min(result.accepted, self.k - 1))

@@ -1,0 +1,47 @@
+"""Method name -> proposer factory. The only place that maps SpecConfig.method to code."""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..config import ConfigError, SpecConfig
+from .base import Proposer
+
+# method -> builder(spec, target LoadedModel, draft LoadedModel | None) -> (max_len -> Proposer)
+Builder = Callable[[SpecConfig, object, object], Callable[[int], Proposer]]
+BUILDERS: dict[str, Builder] = {}
+
+
+def register(method: str):
+    def deco(fn: Builder) -> Builder:
+        BUILDERS[method] = fn
+        return fn
+    return deco
+
+
+@register("draft")
+def _draft(spec: SpecConfig, target, draft):
+    from .draft_model import DraftModelProposer
+
+    return lambda max_len: DraftModelProposer(draft.model, max_len)
+
+
+def make_proposer_factory(spec: SpecConfig, target, draft) -> Callable[[int], Proposer] | None:
+    """None for method 'none' (plain decoding through the same loop)."""
+    if spec.method == "none":
+        return None
+    _load_builtin()
+    if spec.method not in BUILDERS:
+        raise ConfigError("method", f"method {spec.method!r} is not available in this build")
+    return BUILDERS[spec.method](spec, target, draft)
+
+
+def _load_builtin() -> None:
+    """Import proposer modules so their @register runs (kept lazy: each pulls only what it needs)."""
+    import importlib
+
+    for mod in ("ngram", "suffix", "lookahead", "layer_skip"):
+        try:
+            importlib.import_module(f"{__package__}.{mod}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__package__}.{mod}":
+                raise

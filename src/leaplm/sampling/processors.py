@@ -1,0 +1,82 @@
+"""From raw logits to the processed distribution a request samples from.
+
+Order (as Hugging Face applies them): repetition penalty, temperature, top-k, top-p, min-p, softmax. The
+same processor turns target logits into p and draft logits into q, one row per position; the repetition
+penalty of row i counts the tokens before it, draft tokens of the same step included (block_presence), so
+p at every verified position is exactly what plain decoding would have used there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import SamplingParams
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def block_presence(base: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """Token-presence rows for a block of positions: row i = base plus drafts[:i].
+
+    base [V] bool (prompt + committed tokens); drafts [K] long -> [K + 1, V] bool.
+    """
+    K = drafts.numel()
+    rows = base.unsqueeze(0).repeat(K + 1, 1)                       # [K+1, V]
+    for j, t in enumerate(drafts.tolist()):                         # draft j is context for rows j+1..K
+        rows[j + 1 :, t] = True
+    return rows
+
+
+@dataclass
+class LogitsProcessor:
+    params: SamplingParams
+
+    @property
+    def uses_presence(self) -> bool:
+        return self.params.repetition_penalty != 1.0
+
+    def penalize(self, logits: torch.Tensor, presence: torch.Tensor | None) -> torch.Tensor:
+        """logits [N, V] float; presence [N, V] bool or None."""
+        r = self.params.repetition_penalty
+        if r == 1.0 or presence is None:
+            return logits
+        pen = torch.where(logits < 0, logits * r, logits / r)
+        return torch.where(presence, pen, logits)
+
+    def greedy(self, logits: torch.Tensor, presence: torch.Tensor | None = None) -> torch.Tensor:
+        """Argmax tokens [N] of the penalised logits [N, V] (top-k/p and min-p never remove the argmax)."""
+        return self.penalize(logits, presence).argmax(-1)
+
+    def probs(self, logits: torch.Tensor, presence: torch.Tensor | None = None) -> torch.Tensor:
+        """Processed distribution [N, V] float32 from logits [N, V]; requires temperature > 0."""
+        sp = self.params
+        x = self.penalize(logits.float(), presence) / sp.temperature
+        if sp.top_k and sp.top_k < x.shape[-1]:
+            kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]    # [N, 1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if sp.top_p < 1.0:
+            sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+            sp_probs = sorted_x.softmax(-1)
+            # keep a token while the mass strictly before it is < top_p (the top token always stays)
+            drop_sorted = (sp_probs.cumsum(-1) - sp_probs) >= sp.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+            x = x.masked_fill(drop, float("-inf"))
+        probs = x.softmax(-1)
+        if sp.min_p > 0.0:
+            keep = probs >= sp.min_p * probs.max(-1, keepdim=True).values
+            probs = probs * keep
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    @staticmethod
+    def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """One token per row of probs [N, V] -> [N] long."""
+        return torch.multinomial(probs, 1, generator=generator).view(-1)

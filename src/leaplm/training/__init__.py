@@ -1,0 +1,1 @@
+"""Recipes that train leaplm's embedded model family: tokenizer, pretraining, distillation, evaluation."""
