@@ -6,6 +6,7 @@ into a clear message (and an HTTP 400) without a traceback.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 
@@ -96,7 +97,8 @@ class SamplingParams:
                "must be a string or a list of strings")
         _check(len(self.stop) <= self.MAX_STOP, "stop", f"at most {self.MAX_STOP} stop strings, got {len(self.stop)}")
         _check(all(len(s) > 0 for s in self.stop), "stop", "stop strings must not be empty")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        _check(isinstance(self.stop_token_ids, (list, tuple))
+               and all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be a list of non-negative integers")
         lp = self.logprobs
         _check(lp is None or (_is_int(lp) and 0 <= lp <= self.MAX_LOGPROBS), "logprobs",
@@ -128,6 +130,9 @@ class SpecConfig:
     """lookahead: at most G candidate n-grams verified per step."""
     skip_layers: list[int] | None = None
     """layerskip: layer indices skipped by the draft pass; None chooses them from measured acceptance."""
+    skip_confidence: float = 0.5
+    """layerskip: stop drafting once the draft's top probability falls below this, in [0, 1) (0 drafts all K;
+    the first draft token is always proposed)."""
     corpus: str | None = None
     """suffix: optional file or directory of text whose n-grams seed the static cache."""
     adaptive_k: bool = True
@@ -142,11 +147,65 @@ class SpecConfig:
         _check(_is_int(self.ngram_min) and self.ngram_min >= 1, "ngram_min", f"must be >= 1, got {self.ngram_min!r}")
         _check(_is_int(self.ngram_max) and self.ngram_max >= self.ngram_min, "ngram_max",
                f"must be >= ngram_min ({self.ngram_min}), got {self.ngram_max!r}")
-        for name in ("window", "ngram_size", "guess_set"):
+        _check(self.ngram_max <= 64, "ngram_max", f"must be <= 64, got {self.ngram_max!r}")
+        for name, top in (("window", 64), ("ngram_size", 16), ("guess_set", 64)):
             v = getattr(self, name)
-            _check(_is_int(v) and v >= 1, name, f"must be an integer >= 1, got {v!r}")
+            _check(_is_int(v) and 1 <= v <= top, name, f"must be an integer in [1, {top}], got {v!r}")
+        if self.method == "lookahead":
+            _check(self.ngram_size >= 2, "ngram_size", f"lookahead needs n-grams of 2 tokens or more, got {self.ngram_size}")
         if self.method == "draft":
             _check(self.draft is not None, "draft", "method 'draft' needs a draft model (--draft)")
         if self.skip_layers is not None:
             _check(all(_is_int(i) and i >= 0 for i in self.skip_layers), "skip_layers",
                    "must be a list of non-negative layer indices")
+            _check(len(self.skip_layers) > 0, "skip_layers", "must name at least one layer (skipping none would "
+                                                             "make the draft the target itself)")
+        c = self.skip_confidence
+        _check(_is_real(c) and 0 <= c < 1, "skip_confidence", f"must be in [0, 1), got {c!r}")
+        if self.corpus is not None:
+            _check(isinstance(self.corpus, str) and os.path.exists(self.corpus), "corpus",
+                   f"no such file or directory: {self.corpus!r}")
+
+
+@dataclass
+class ServerConfig:
+    """`leaplm serve`: where to listen and how much to take on. Model, draft, method and K are the engine's."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; loopback by default (anything else exposes the server to the network)."""
+    port: int = 8000
+    """TCP port (0 lets the OS choose)."""
+    api_key: str | None = None
+    """When set, /v1/* requires `Authorization: Bearer <key>` (compared in constant time); /health, /metrics and
+    /openapi.json stay open so probes and scrapers need no secret (they expose no request content)."""
+    served_model_name: str | None = None
+    """The name clients pass as `model`; None uses the --model argument (or 'leaplm-embedded')."""
+    max_batch: int = 8
+    """Requests decoded together (rows of the batched KV cache)."""
+    max_queue: int = 64
+    """Requests waiting for a row; beyond it a request is refused at once with 429 and Retry-After."""
+    max_model_len: int | None = None
+    """Context length (prompt + output) per request; None: the model's."""
+    max_body_bytes: int = 4 << 20
+    """Largest request body; beyond it 413."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM: refuse new requests with 503, let running ones finish for up to this long, then abort them."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check(isinstance(self.host, str) and bool(self.host), "host", "must be a non-empty address")
+        _check(_is_int(self.port) and 0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port!r}")
+        _check(self.api_key is None or (isinstance(self.api_key, str) and self.api_key != ""), "api_key",
+               "must not be empty")
+        _check(_is_int(self.max_batch) and 1 <= self.max_batch <= 256, "max_batch",
+               f"must be an integer in [1, 256], got {self.max_batch!r}")
+        _check(_is_int(self.max_queue) and 0 <= self.max_queue <= 100_000, "max_queue",
+               f"must be an integer in [0, 100000], got {self.max_queue!r}")
+        _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
+               "max_model_len", f"must be an integer >= 2, got {self.max_model_len!r}")
+        _check(_is_int(self.max_body_bytes) and self.max_body_bytes >= 1024, "max_body_bytes",
+               f"must be an integer >= 1024, got {self.max_body_bytes!r}")
+        _check(_is_real(self.drain_timeout_s) and 0 <= self.drain_timeout_s <= 3600, "drain_timeout_s",
+               f"must be in [0, 3600] seconds, got {self.drain_timeout_s!r}")

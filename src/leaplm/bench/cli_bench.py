@@ -80,7 +80,7 @@ def bench(
     from ..engine.engine import Engine
     from ..models import embedded, load_model
     from .runner import hf_contenders, leaplm_contender, machine_info, run_bench, summarize
-    from .workloads import get_workload
+    from .workloads import fit_to_context, get_workload
 
     logging.basicConfig(level=logging.WARNING)
     if threads is not None:
@@ -95,6 +95,11 @@ def bench(
         wls = [get_workload(w.strip(), prompts) for w in workloads.split(",") if w.strip()]
         target_name = model or embedded.default_target()
         target = load_model(target_name, dtype=dtype, field="model")
+        room = target.model.max_len - max_new_tokens - max(k, 8) - 2
+        if room < 8:
+            _fail(f"--max-new-tokens: {max_new_tokens} leaves no room for a prompt in the context of "
+                  f"{target.model.max_len}")
+        wls = [fit_to_context(w, target.tokenizer, room) for w in wls]
         configs = parse_methods(methods, k)
         draft_name = draft or (embedded.default_draft() if model is None else None)
         drafts: dict[str, object] = {}

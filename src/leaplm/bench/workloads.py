@@ -69,6 +69,17 @@ def copy_workload(n: int = 8, max_chars: int = 1400, lead_lines: int = 2) -> Wor
     return Workload("copy", "a held-out function, then the start of a second copy of it", prompts)
 
 
+def fit_to_context(w: Workload, tokenizer, max_prompt_tokens: int) -> Workload:
+    """Cut prompts from the left (at line starts where possible) until they fit the model's context."""
+    fitted = []
+    for p in w.prompts:
+        while len(tokenizer(p, add_special_tokens=False)["input_ids"]) > max_prompt_tokens:
+            cut = p.find("\n", max(1, len(p) // 8))
+            p = p[cut + 1 :] if 0 <= cut < len(p) - 1 else p[len(p) // 8 :]
+        fitted.append(p)
+    return Workload(w.name, w.description, fitted)
+
+
 def get_workload(name: str, n: int) -> Workload:
     if name == "code":
         return code_workload(n)

@@ -68,8 +68,10 @@ class AdaptiveK:
                 return 1
         return best_k
 
-    def observe(self, drafted: int, accepted: int, propose_s: float, score_s: float) -> None:
-        self.costs.observe(drafted + 1, score_s)
+    def observe(self, drafted: int, accepted: int, propose_s: float, score_s: float,
+                scored: int | None = None) -> None:
+        """scored: tokens in the target forward when more than drafted + 1 (a tree proposal's extra tokens)."""
+        self.costs.observe(scored or drafted + 1, score_s)
         if drafted == 0:
             return
         d = self.decay
@@ -156,7 +158,7 @@ class BatchAdaptiveK:
     """Chooses the K of each batched step from measured forward costs and per-row acceptance (see above)."""
     costs: BatchCostModel
     enabled: bool = True
-    probe_every: int = 8           # at K = 0 chosen for low acceptance, still draft 1 token this often
+    probe_every: int = 8           # at K = 0 chosen for low acceptance, draft 1 token every probe_every * n steps
     _since_probe: int = 0
 
     def rate(self, rows: list[RowSpec], K: int) -> float:
@@ -186,9 +188,10 @@ class BatchAdaptiveK:
             # Probe only when acceptance is what keeps K at 0: if even perfect acceptance would not pay at this
             # batch size, drafting a token would only cost.
             perfect = [RowSpec(r.cap, 1.0, r.propose_s_per_token) for r in rows]
+            # A probe widens every row's block, so with n rows it comes n times less often.
             if self.best(perfect) > 0:
                 self._since_probe += 1
-                if self._since_probe >= self.probe_every:
+                if self._since_probe >= self.probe_every * len(rows):
                     self._since_probe = 0
                     return 1
         return K

@@ -26,6 +26,7 @@ from ..verify import VerifyResult
 from .adaptive import AdaptiveK, CostModel
 from .commit import commit, finish_chunk, new_request, verify_chain
 from .commit import token_logprobs  # noqa: F401  (re-exported: its home before the refactor)
+from .tree_step import extra_logits, tree_block, verify_tree
 from .request import Request, StreamChunk, TokenLogprob
 from .stats import GenerationStats
 
@@ -70,8 +71,14 @@ class Engine:
         self.tokenizer = self.target.tokenizer
         self.model = self.target.model
         self.max_model_len = min(max_model_len or self.model.max_len, self.model.max_len)
+        if self.draft is not None and self.draft.model.max_len < self.max_model_len:
+            # the draft must see every committed token: past its positions it would fail mid-request
+            log.warning("draft %s has a context of %d positions, shorter than %d: requests are limited to %d",
+                        self.draft.name, self.draft.model.max_len, self.max_model_len, self.draft.model.max_len)
+            self.max_model_len = self.draft.model.max_len
         self._proposer_factory = make_proposer_factory(spec, self.target, self.draft)
         self._cache = None
+        self._cache_busy = False
         self.costs = CostModel()
         if self._proposer_factory is not None and spec.adaptive_k:
             self._calibrate()
@@ -119,7 +126,14 @@ class Engine:
         self._last_prompt_ids = ids
         req = self._new_request(ids, params)
         proc = LogitsProcessor(params)
-        cache = self._target_cache()
+        cache = self._acquire_cache()
+        try:
+            yield from self._steps(req, proc, cache)
+        finally:
+            self._release_cache(cache)
+
+    def _steps(self, req: Request, proc: LogitsProcessor, cache) -> Iterator[StreamChunk]:
+        ids, params = req.prompt_ids, req.params
         proposer = self._proposer_factory(self.max_model_len) if self._proposer_factory else None
         ctl = AdaptiveK(self.spec.k, self.costs, enabled=self.spec.adaptive_k) if proposer else None
         dev = self.model.device
@@ -139,7 +153,7 @@ class Engine:
             proposal = None
             if k > 0:
                 proposal = proposer.propose(ProposeContext(req.tokens, k, params, proc, req.generator,
-                                                           req.presence))
+                                                           req.presence, cache))
             tp = time.perf_counter()
             # 2. score + 3. verify
             if proposal is not None and proposal.parents is not None:
@@ -150,9 +164,9 @@ class Engine:
             # 4. commit
             drafted = proposal.k if proposal is not None else 0
             if proposal is not None:
-                proposer.observe(proposal, result)
+                proposer.observe(proposal, result, extra_logits(proposal, logits))
             if ctl:
-                ctl.observe(drafted, result.accepted, tp - ts, tv - tp)
+                ctl.observe(drafted, result.accepted, tp - ts, tv - tp, scored=logits.shape[0])
             chunk = self._commit(req, result, logits, drafted, cache)
             te = time.perf_counter()
             req.stats.propose_s += tp - ts
@@ -169,17 +183,29 @@ class Engine:
         return verify_chain(req, proposal, proc, logits), logits
 
     def _score_verify_tree(self, req: Request, proposal: Proposal, proc: LogitsProcessor, cache):
-        raise NotImplementedError("tree proposals are verified by engine/tree_step.py")
+        block = tree_block(req, proposal)
+        logits = self.model(block.ids.unsqueeze(0), cache, tree_mask=block.layout.mask,
+                            position_offsets=block.layout.depths)[0]                    # [T, V]
+        return verify_tree(req, proposal, proc, logits, block.layout), logits
 
     def _commit(self, req: Request, result: VerifyResult, logits: torch.Tensor, drafted: int, cache) -> StreamChunk:
         return commit(req, result, logits, drafted, cache)
 
     # --- internals ---------------------------------------------------------------------------------------------
-    def _target_cache(self):
+    def _acquire_cache(self):
+        """The engine's preallocated cache, or a fresh one while another stream still holds it (two
+        interleaved streams must not share slots)."""
         if self._cache is None:
             self._cache = self.model.new_cache(1, self.max_model_len)
+        elif self._cache_busy:
+            return self.model.new_cache(1, self.max_model_len)
+        self._cache_busy = True
         self._cache.truncate(0)
         return self._cache
+
+    def _release_cache(self, cache) -> None:
+        if cache is self._cache:
+            self._cache_busy = False
 
     def _calibrate(self) -> None:
         """Measure target forward cost over T = 1..K+1 tokens for the adaptive K controller."""

@@ -43,6 +43,16 @@ class HFCache:
             self.pkv.crop(-excess)   # a negative count removes that many (transformers 4.x and 5.x alike)
 
 
+def _causal_lm_class_names() -> set[str]:
+    """Class names transformers builds for AutoModelForCausalLM (e.g. GPT2LMHeadModel, not BertModel)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names: set[str] = set()
+    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update([v] if isinstance(v, str) else v)
+    return names
+
+
 class HFCausalLM(torch.nn.Module):
     supports_tree = False
     supports_batch = False
@@ -56,16 +66,22 @@ class HFCausalLM(torch.nn.Module):
         self.max_len = getattr(cfg, "max_position_embeddings", getattr(cfg, "n_positions", 2048))
 
     @classmethod
-    def load(cls, path: Path, cfg: dict, device: str, dtype: torch.dtype) -> "HFCausalLM":
-        from transformers import AutoConfig, AutoModelForCausalLM
+    def load(cls, path: Path, cfg: dict, device: str, dtype: torch.dtype, field: str = "model") -> "HFCausalLM":
+        from transformers import AutoModelForCausalLM
 
+        what = f"unsupported architecture {cfg.get('model_type')!r} (architectures={cfg.get('architectures')})"
+        if cfg.get("is_encoder_decoder"):
+            raise ConfigError(field, f"{what}: an encoder-decoder model is not a causal LM")
+        archs = cfg.get("architectures") or []
+        if archs and not any(a in _causal_lm_class_names() for a in archs):
+            raise ConfigError(field, f"{what}: the checkpoint holds no causal-LM head")
         try:
-            hf_cfg = AutoConfig.from_pretrained(str(path))
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+            model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, output_loading_info=True)
         except (ValueError, KeyError, OSError) as e:
-            raise ConfigError("model", f"unsupported architecture {cfg.get('model_type')!r} "
-                                       f"(architectures={cfg.get('architectures')}): {str(e).splitlines()[0]}") from None
-        del hf_cfg
+            raise ConfigError(field, f"{what}: {str(e).splitlines()[0]}") from None
+        missing = sorted(info.get("missing_keys") or [])
+        if missing:   # transformers would fill them with random weights and generate garbage
+            raise ConfigError(field, f"{what}: weights missing from the checkpoint ({', '.join(missing[:3])}...)")
         return cls(model.to(device).eval())
 
     @property

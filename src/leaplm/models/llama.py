@@ -163,6 +163,7 @@ class LlamaForCausalLM(nn.Module):
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cis", self.rope_table(a), persistent=False)   # [P, D/2] complex64
+        self.register_buffer("positions", torch.arange(a.max_position_embeddings), persistent=False)   # [P]
         self._fast: list[LayerWeights] | None = None
 
     @staticmethod
@@ -173,7 +174,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         self._fast = None                  # .to() / .half() replace the tensors we hold references to
-        return super()._apply(fn, *args, **kwargs)
+        out = super()._apply(fn, *args, **kwargs)
+        if not self.rope_cis.is_complex():  # a dtype cast drops the imaginary part: rebuild the table
+            self.rope_cis = self.rope_table(self.args, self.rope_cis.device)
+        return out
 
     def layer_weights(self) -> list[LayerWeights]:
         if self._fast is None:
@@ -211,7 +215,6 @@ class LlamaForCausalLM(nn.Module):
         return KVCache(a.num_hidden_layers, batch_size, a.num_key_value_heads, a.head_dim,
                        max_len or a.max_position_embeddings, self.dtype, self.device)
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, *, tree_mask: torch.Tensor | None = None,
                 position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
                 last_only: bool = False) -> torch.Tensor:
@@ -221,10 +224,14 @@ class LlamaForCausalLM(nn.Module):
         position_offsets [T] are node depths; layers: the subset of layers to run (layer-skip drafting).
         Writes K/V at each row's [length, length + T) without moving the length (see KVCache).
         """
+        if not torch.is_inference_mode_enabled():   # entering the mode costs more than a small layer
+            with torch.inference_mode():
+                return self.forward(input_ids, cache, tree_mask=tree_mask, position_offsets=position_offsets,
+                                    layers=layers, last_only=last_only)
         B, T = input_ids.shape
         cache.check_room(T, B)
         lens = cache.lengths[:B]
-        offs = position_offsets if position_offsets is not None else torch.arange(T, device=input_ids.device)
+        offs = position_offsets if position_offsets is not None else self.positions[:T]
         if B == 1:
             pos = (offs + lens[0]).unsqueeze(0)                     # [1, T]
         else:

@@ -99,10 +99,10 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
             model = LlamaForCausalLM(args)
         sd = fuse_hf_state_dict(read_state_dict(path), args)
         model = model.to_empty(device=device)
-        model.load_state_dict({k: v.to(td) for k, v in sd.items()}, strict=False, assign=False)
-        model = model.to(td)
-        # the rope table is a non-persistent buffer: rebuild it on the real device
+        model.load_state_dict({k: v.to(device=device, dtype=td) for k, v in sd.items()}, strict=True, assign=True)
+        # non-persistent buffers: rebuild them on the real device
         model.rope_cis = LlamaForCausalLM.rope_table(args, device)
+        model.positions = torch.arange(args.max_position_embeddings, device=device)
         if args.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model._fast = None
@@ -110,7 +110,7 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
     else:
         from .hf import HFCausalLM
 
-        model = HFCausalLM.load(path, cfg, device, td)
+        model = HFCausalLM.load(path, cfg, device, td, field)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("loaded %s (%s, %.1fM parameters, %s)", name, mt, n_params / 1e6, dtype)
     return LoadedModel(model, tok, str(path), name, cfg, eos_ids, n_params)

@@ -20,6 +20,17 @@ class ProposeContext:
     processor: LogitsProcessor
     generator: torch.Generator | None  # None for greedy requests: no random draws
     presence: torch.Tensor | None      # [V] bool: tokens seen so far (repetition penalty), else None
+    target_cache: object | None = None # the request's target KVCache (layer-skip drafts into its free slots)
+
+
+@dataclass
+class ExtraTokens:
+    """Tokens a tree proposer wants scored in the same target forward but never verified or committed
+    (lookahead's Jacobi window). They see the committed context, the root and each other per `mask`; their
+    logits come back through observe(..., extra_logits)."""
+    tokens: torch.Tensor               # [A] long
+    mask: torch.Tensor                 # [A, A] bool: extra token a sees extra token b
+    depths: torch.Tensor               # [A] long: position offsets from the root (the last committed token)
 
 
 @dataclass
@@ -27,6 +38,7 @@ class Proposal:
     tokens: torch.Tensor               # [K] long: a chain, or the tree's nodes in topological order
     q: torch.Tensor | None = None      # [K, V] draft distribution each token was sampled from; None = deterministic
     parents: list[int] | None = None   # tree only: parent node index per node, -1 = the last committed token
+    extra: ExtraTokens | None = None   # tree only: scored beside the tree, see ExtraTokens
 
     @property
     def k(self) -> int:
@@ -39,6 +51,7 @@ class Proposer(Protocol):
 
     def propose(self, ctx: ProposeContext) -> Proposal: ...
 
-    def observe(self, proposal: Proposal, result: VerifyResult) -> None:
-        """Called after every verification; `result.accepted` draft tokens were kept."""
+    def observe(self, proposal: Proposal, result: VerifyResult, extra_logits: torch.Tensor | None = None) -> None:
+        """Called after every verification; `result.accepted` draft tokens were kept. extra_logits [A, V]: the
+        target's raw logits at proposal.extra's tokens (None when the proposal had none)."""
         ...

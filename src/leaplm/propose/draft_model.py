@@ -50,5 +50,5 @@ class DraftModelProposer:
         q = torch.stack(qs) if qs else None                               # [K, V]
         return Proposal(torch.tensor(drafts, device=self.model.device), q)
 
-    def observe(self, proposal: Proposal, result: VerifyResult) -> None:
+    def observe(self, proposal: Proposal, result: VerifyResult, extra_logits=None) -> None:
         self.cache.truncate(self.n_ctx + min(result.accepted, self.k - 1))

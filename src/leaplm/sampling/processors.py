@@ -35,6 +35,16 @@ def block_presence(base: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def tree_presence(base: torch.Tensor, nodes: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-presence rows for a tree block: row r = base plus the tokens on the path root..r.
+
+    base [V] bool; nodes [K] long; mask [K + 1, K + 1] bool (cache/tree.py) -> [K + 1, V] bool.
+    """
+    onehot = torch.nn.functional.one_hot(nodes, base.numel()).float()   # [K, V]
+    seen = mask[:, 1:].float() @ onehot                                 # [K+1, V] ancestors' tokens (and own)
+    return base.unsqueeze(0) | (seen > 0)
+
+
 @dataclass
 class LogitsProcessor:
     params: SamplingParams

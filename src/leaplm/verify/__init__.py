@@ -7,5 +7,7 @@ Each step emits accepted + 1 tokens.
 from .greedy import verify_greedy
 from .rejection import residual, verify_rejection
 from .result import VerifyResult
+from .tree import verify_tree_greedy, verify_tree_rejection
 
-__all__ = ["VerifyResult", "verify_greedy", "verify_rejection", "residual"]
+__all__ = ["VerifyResult", "verify_greedy", "verify_rejection", "residual", "verify_tree_greedy",
+           "verify_tree_rejection"]

@@ -1,0 +1,365 @@
+"""`leaplm bench serve`: a load test of the OpenAI server at several client concurrencies, with and without
+speculation.
+
+One `leaplm serve` subprocess on 127.0.0.1 serves every run; "without speculation" is the same server with the
+per-request extension `speculative: {"method": "none"}`, so both configurations share the process, the warm-up
+and the machine's state. Runs are interleaved (spec, none, none, spec, ...) after a warm-up, as DESIGN.md asks.
+Each run sends a bounded number of streaming greedy requests (ignore_eos, so every request generates exactly
+max_tokens) from `concurrency` client workers, each request with a timeout.
+
+Per configuration and concurrency: request and token throughput (median over rounds), TTFT and inter-token
+latency p50/p99 (pooled over rounds), errors, acceptance, and the server's K at the end of the run. Inter-token
+latency is per token: the gap between two streamed chunks shared evenly by the tokens the second one brought
+(the server reports tokens so far on every chunk with stream_options.continuous_usage_stats).
+
+--synthetic builds a target/draft pair when no trained family is at hand: the target has 8 layers of width 256
+(SYNTHETIC_WIDTH) whose layers 2..8 only weakly perturb what layer 1 computes (their output projections scaled by
+EPS), and the draft is layer 1 alone with the same embeddings and head. Costs are those of a ~8M-parameter target
+and a ~2M-parameter draft; acceptance is high but below 1, like a well-distilled draft's. Figures from it measure the
+serving machinery, not a trained model's acceptance; the report says which models ran.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PROMPTS = [
+    "def parse_config(path):\n    \"\"\"Read a configuration file and",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class LRUCache:\n    def __init__(self, capacity):\n",
+    "    for i, line in enumerate(lines):\n        if not line.strip():\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "with open(filename, encoding='utf-8') as f:\n    data =",
+    "    except KeyError as e:\n        raise ValueError(",
+    "# Copyright (c) Python Software Foundation.\n\n\"\"\"Utilities for",
+]
+EPS = 0.05
+SYNTHETIC_WIDTH = 256
+
+
+@dataclass
+class LoadBenchConfig:
+    model: str | None = None            # None: the embedded family
+    draft: str | None = None
+    method: str = "draft"
+    k: int = 5
+    synthetic: bool = False
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
+    requests: int = 0                    # per run; 0: max(8, 2 * concurrency)
+    max_tokens: int = 64
+    rounds: int = 2
+    max_batch: int = 16
+    threads: int | None = None
+    timeout_s: float = 120.0
+    out: str | None = "bench-serve.json"
+    startup_timeout_s: float = 600.0
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    tokens: int = 0
+    e2e_s: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class RunResult:
+    concurrency: int
+    speculative: bool
+    round: int
+    wall_s: float
+    results: list[RequestResult]
+    k_at_end: float | None = None
+
+    @property
+    def ok(self) -> list[RequestResult]:
+        return [r for r in self.results if r.ok]
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[i]
+
+
+def build_synthetic_pair(root: Path, eps: float = EPS, seed: int = 0, width: int = SYNTHETIC_WIDTH) -> tuple[str, str]:
+    """(target_dir, draft_dir): see the module docstring. A 4096-token byte-level BPE learnt from a few
+    standard-library files."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..training.corpus import corpus_texts
+    from ..training.tokenizer import train_tokenizer
+
+    tdir, ddir = root / "target", root / "draft"
+    tok = train_tokenizer(corpus_texts("stdlib", "train", 40), tdir, vocab_size=4096)
+    tok.save_pretrained(str(ddir))
+    eos = tok.eos_token_id
+    kw = dict(vocab_size=len(tok), hidden_size=width, intermediate_size=3 * width, num_attention_heads=width // 64,
+              num_key_value_heads=max(1, width // 128), max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=eos,
+              bos_token_id=eos, initializer_range=0.05)
+    torch.manual_seed(seed)
+    target = LlamaForCausalLM(LlamaConfig(num_hidden_layers=8, **kw))
+    with torch.no_grad():
+        for layer in target.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(eps)
+            layer.mlp.down_proj.weight.mul_(eps)
+    target.save_pretrained(str(tdir))
+    draft = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, **kw))
+    draft.load_state_dict({k: v for k, v in target.state_dict().items()
+                           if not any(f".layers.{i}." in k for i in range(1, 8))})
+    draft.save_pretrained(str(ddir))
+    return str(tdir), str(ddir)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, cfg: LoadBenchConfig, model: str | None, draft: str | None, log_path: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "leaplm.server", "--host", "127.0.0.1", "--port", str(self.port),
+               "--method", cfg.method, "--k", str(cfg.k), "--max-batch", str(cfg.max_batch),
+               "--max-queue", str(max(64, 2 * max(cfg.concurrency))), "--served-model-name", "bench",
+               "--log-level", "warning"]
+        if model:
+            cmd += ["--model", model]
+        if draft:
+            cmd += ["--draft", draft]
+        if cfg.threads:
+            cmd += ["--threads", str(cfg.threads)]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.log_path = log_path
+
+    def wait_ready(self, timeout: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}): {self.log_path.read_text()[-1500:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+async def _one(client, body: dict, timeout: float) -> RequestResult:
+    t0 = time.perf_counter()
+    res = RequestResult(ok=False)
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                    return res
+                last_t, last_n = None, 0
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    msg = json.loads(line[6:])
+                    if "error" in msg:
+                        res.error = msg["error"]["message"]
+                        return res
+                    usage = msg.get("usage") or {}
+                    n = usage.get("completion_tokens", last_n)
+                    now = time.perf_counter()
+                    if n > last_n:
+                        if last_t is None:
+                            res.ttft_s = now - t0
+                        else:
+                            res.itl_s.extend([(now - last_t) / (n - last_n)] * (n - last_n))
+                        last_t, last_n = now, n
+                    spec = usage.get("speculative")
+                    if spec:
+                        res.draft_tokens, res.accepted_tokens = spec["draft_tokens"], spec["accepted_tokens"]
+                res.tokens = last_n
+                res.ok = True
+    except (TimeoutError, asyncio.TimeoutError):
+        res.error = f"timeout after {timeout} s"
+    except Exception as e:  # noqa: BLE001 - counted as an error of this request
+        res.error = f"{type(e).__name__}: {e}"
+    res.e2e_s = time.perf_counter() - t0
+    return res
+
+
+async def _run_level(url: str, concurrency: int, n_requests: int, speculative: bool, cfg: LoadBenchConfig,
+                     offset: int) -> tuple[float, list[RequestResult]]:
+    import httpx
+
+    bodies = []
+    for i in range(n_requests):
+        b = {"model": "bench", "prompt": PROMPTS[(offset + i) % len(PROMPTS)], "max_tokens": cfg.max_tokens,
+             "temperature": 0, "ignore_eos": True, "stream": True,
+             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        if not speculative:
+            b["speculative"] = {"method": "none"}
+        bodies.append(b)
+    queue: asyncio.Queue = asyncio.Queue()
+    for b in bodies:
+        queue.put_nowait(b)
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=cfg.timeout_s) as client:
+        async def worker():
+            while True:
+                try:
+                    body = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                results.append(await _one(client, body, cfg.timeout_s))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[worker() for _ in range(concurrency)])
+        wall = time.perf_counter() - t0
+    return wall, results
+
+
+def _k_gauge(url: str) -> float | None:
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("leaplm_spec_decode_k "):
+            return float(line.split()[-1])
+    return None
+
+
+def summarize(runs: list[RunResult]) -> list[dict]:
+    rows = []
+    keys = sorted({(r.concurrency, r.speculative) for r in runs}, key=lambda x: (x[0], not x[1]))
+    for c, spec in keys:
+        rs = [r for r in runs if r.concurrency == c and r.speculative == spec]
+        ok = [x for r in rs for x in r.ok]
+        drafted = sum(x.draft_tokens for x in ok)
+        rows.append({
+            "concurrency": c, "speculative": spec, "rounds": len(rs),
+            "requests": sum(len(r.results) for r in rs), "errors": sum(len(r.results) - len(r.ok) for r in rs),
+            "requests_per_s": statistics.median(len(r.ok) / r.wall_s for r in rs),
+            "tokens_per_s": statistics.median(sum(x.tokens for x in r.ok) / r.wall_s for r in rs),
+            "ttft_p50_s": _pct([x.ttft_s for x in ok if x.ttft_s is not None], 50),
+            "ttft_p99_s": _pct([x.ttft_s for x in ok if x.ttft_s is not None], 99),
+            "itl_p50_s": _pct([t for x in ok for t in x.itl_s], 50),
+            "itl_p99_s": _pct([t for x in ok for t in x.itl_s], 99),
+            "acceptance_rate": sum(x.accepted_tokens for x in ok) / drafted if drafted else None,
+            "k_at_end": [r.k_at_end for r in rs],
+            "error_samples": sorted({x.error for r in rs for x in r.results if x.error})[:3],
+        })
+    by = {(r["concurrency"], r["speculative"]): r for r in rows}
+    for r in rows:
+        base = by.get((r["concurrency"], False))
+        r["speedup_vs_none"] = (r["tokens_per_s"] / base["tokens_per_s"]
+                                if base and base["tokens_per_s"] else None)
+    return rows
+
+
+def machine() -> dict:
+    import torch
+
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None}
+
+
+def run_load_bench(cfg: LoadBenchConfig) -> dict:
+    """Start the server, run every (concurrency, configuration) `rounds` times interleaved; return the report (and
+    write it as JSON to cfg.out)."""
+    from ..config import ConfigError
+
+    if cfg.max_tokens < 2:
+        raise ConfigError("max_tokens", "must be >= 2 (inter-token latency needs two tokens)")
+    if cfg.rounds < 1:
+        raise ConfigError("rounds", "must be >= 1")
+    with tempfile.TemporaryDirectory(prefix="leaplm-bench-serve-") as tmp:
+        model, draft = cfg.model, cfg.draft
+        if cfg.synthetic:
+            if model or draft:
+                raise ConfigError("synthetic", "give either --synthetic or --model/--draft")
+            model, draft = build_synthetic_pair(Path(tmp))
+        server = _Server(cfg, model, draft, Path(tmp) / "server.log")
+        try:
+            server.wait_ready(cfg.startup_timeout_s)
+            warm = LoadBenchConfig(**{**asdict(cfg), "max_tokens": min(cfg.max_tokens, 16)})
+            for spec in (True, False):
+                asyncio.run(_run_level(server.url, 2, 4, spec, warm, 0))
+            runs: list[RunResult] = []
+            for c in cfg.concurrency:
+                n = cfg.requests or max(8, 2 * c)
+                for rnd in range(cfg.rounds):
+                    order = (True, False) if rnd % 2 == 0 else (False, True)
+                    for spec in order:
+                        wall, results = asyncio.run(_run_level(server.url, c, n, spec, cfg, rnd))
+                        runs.append(RunResult(c, spec, rnd, wall, results, _k_gauge(server.url)))
+                        log.info("c=%d spec=%s round=%d: %.1f s, %d errors", c, spec, rnd, wall,
+                                 sum(not r.ok for r in results))
+        finally:
+            server.stop()
+    report = {
+        "command": "leaplm bench serve", "settings": asdict(cfg),
+        "models": {"target": cfg.model or ("synthetic" if cfg.synthetic else "embedded"),
+                   "draft": cfg.draft or ("synthetic" if cfg.synthetic else "embedded"), "method": cfg.method,
+                   "k": cfg.k},
+        "machine": machine(), "summary": summarize(runs),
+    }
+    if cfg.out:
+        Path(cfg.out).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def print_report(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s = report["settings"]
+    t = Table(title=f"leaplm bench serve: {report['models']['target']} + {report['models']['draft']} "
+                    f"({report['models']['method']}, K<={report['models']['k']}), {s['max_tokens']} tokens/request, "
+                    f"{s['rounds']} rounds")
+    cols = ["conc.", "spec", "req/s", "tok/s", "speedup", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "accept",
+            "K at end", "errors"]
+    for col in cols:
+        t.add_column(col, justify="right")
+    ms = lambda x: "-" if x is None else f"{1000 * x:.1f} ms"  # noqa: E731
+    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"     # noqa: E731
+    for r in report["summary"]:
+        t.add_row(str(r["concurrency"]), "on" if r["speculative"] else "off", f(r["requests_per_s"]),
+                  f(r["tokens_per_s"], 1), f(r["speedup_vs_none"]) + "x" if r["speedup_vs_none"] else "-",
+                  ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
+                  f(r["acceptance_rate"]), ",".join(f(k, 0) for k in r["k_at_end"]), str(r["errors"]))
+    Console().print(t)

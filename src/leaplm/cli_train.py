@@ -1,0 +1,353 @@
+"""`leaplm train ...` and `leaplm eval ...`: the training recipes' command line (mounted by cli.py).
+
+The library reports progress through on_step callbacks; rendering (rich progress bars) happens only here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+from rich.table import Table
+
+from .config import ConfigError
+from .training.distill import DistillConfig
+from .training.presets import PRESETS
+from .training.pretrain import PretrainConfig, StepLog
+
+train_app = typer.Typer(help="Train leaplm's embedded model family: tokenizer, pretraining, distillation.",
+                        no_args_is_help=True)
+eval_app = typer.Typer(help="Evaluate models: held-out perplexity, speculative acceptance.", no_args_is_help=True)
+
+err = Console(stderr=True)
+out = Console()
+
+
+@train_app.callback()
+def _train_group() -> None:
+    """Train leaplm's embedded model family: tokenizer, pretraining, distillation."""
+
+
+@eval_app.callback()
+def _eval_group() -> None:
+    """Evaluate models."""
+
+
+# ---- shared plumbing ---------------------------------------------------------------------------------------
+
+def _default(cls, name: str):
+    """Option defaults come from the config dataclass, so the CLI and the library never disagree."""
+    return {f.name: f.default for f in dataclasses.fields(cls)}[name]
+
+
+def _setup(threads: int | None) -> None:
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if not logging.getLogger().handlers:
+        from rich.logging import RichHandler
+
+        logging.basicConfig(level=logging.INFO, format="%(message)s",
+                            handlers=[RichHandler(console=err, show_path=False)])
+
+
+def _option_name(field: str) -> str:
+    return "--" + {"out_dir": "out", "tokenizer_dir": "tokenizer", "target_dir": "target",
+                   "draft_init": "draft-init"}.get(field, field).replace("_", "-")
+
+
+@contextmanager
+def _user_errors(fields: list[str]):
+    """Bad input raised by the library becomes a usage error naming the option (exit 2), not a traceback.
+
+    ConfigError names its field; other ValueErrors from the recipes start with the field name by convention."""
+    try:
+        yield
+    except ConfigError as e:
+        raise typer.BadParameter(e.message, param_hint=_option_name(e.field)) from None
+    except (ValueError, FileNotFoundError) as e:
+        msg = str(e)
+        head = msg.split(" ", 1)[0].rstrip(":")
+        if head in fields:
+            raise typer.BadParameter(msg.split(" ", 1)[1].lstrip(": ") if " " in msg else msg,
+                                     param_hint=_option_name(head)) from None
+        err.print(f"[bold red]error:[/] {msg}")
+        raise typer.Exit(2) from None
+
+
+def _check_preset(value: str) -> str:
+    if value not in PRESETS:
+        raise typer.BadParameter(f"{value!r} unknown; choose from {', '.join(PRESETS)}")
+    return value
+
+
+def _check_corpus(value: str) -> str:
+    if value != "stdlib" and not Path(value).exists():
+        raise typer.BadParameter(f"{value!r} is neither 'stdlib' nor an existing directory or file")
+    return value
+
+
+def _check_model_dir(value: Path) -> Path:
+    if not (value / "config.json").exists():
+        raise typer.BadParameter(f"{str(value)!r} is not a Hugging Face checkpoint directory (no config.json)")
+    return value
+
+
+def _check_tokenizer_dir(value: Path) -> Path:
+    if not (value / "tokenizer_config.json").exists():
+        raise typer.BadParameter(f"{str(value)!r} has no tokenizer (run `leaplm train tokenizer` first)")
+    return value
+
+
+def _check_draft_init(value: str) -> str:
+    if value not in PRESETS and not (Path(value) / "config.json").exists():
+        raise typer.BadParameter(f"{value!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+    return value
+
+
+class StepProgress:
+    """An on_step callback drawing a progress bar with loss and tokens/s; logs each held-out evaluation."""
+
+    def __init__(self, title: str):
+        self.title = title
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=err)
+        self.task = None
+        self.tps: float | None = None
+
+    def __enter__(self) -> "StepProgress":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def __call__(self, s: StepLog) -> None:
+        if self.task is None:  # created on the first step so a resumed run starts the bar where it left off
+            self.task = self.progress.add_task(self.title, total=s.steps, completed=s.step - 1, loss="-", tps="-")
+        self.tps = s.tokens_per_s if self.tps is None else 0.9 * self.tps + 0.1 * s.tokens_per_s
+        self.progress.update(self.task, completed=s.step, loss=f"{s.loss:.3f}", tps=f"{self.tps:,.0f}")
+        if s.eval_loss is not None:
+            kl = getattr(s, "eval_kl", None)
+            extra = f", held-out KL {kl:.4f}" if kl is not None else ""
+            self.progress.console.log(f"step {s.step}/{s.steps}: train {s.loss:.4f}, held-out CE {s.eval_loss:.4f}"
+                                      f"{extra}, {s.tokens_seen:,} tokens")
+
+
+# Options shared by pretrain and distill
+Threads = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's choice).")
+
+
+def _p(name: str, help: str, **kw):
+    return typer.Option(_default(PretrainConfig, name), help=help, **kw)
+
+
+def _d(name: str, help: str, **kw):
+    return typer.Option(_default(DistillConfig, name), help=help, **kw)
+
+
+# ---- leaplm train tokenizer --------------------------------------------------------------------------------
+
+@train_app.command("tokenizer")
+def tokenizer_cmd(
+    out_dir: Path = typer.Option(..., "--out", help="Directory to write the tokenizer to."),
+    corpus: str = typer.Option("stdlib", callback=_check_corpus,
+                               help="'stdlib', a directory of .py files, or a .jsonl file with a 'text' field."),
+    vocab_size: int = typer.Option(8192, min=300, help="Vocabulary size (256 bytes + merges + EOS)."),
+    max_files: Optional[int] = typer.Option(None, min=1, help="Use only the first N files (tests)."),
+    threads: Optional[int] = Threads,
+) -> None:
+    """Train a byte-level BPE tokenizer on the corpus's training split."""
+    from .training.corpus import corpus_texts
+    from .training.tokenizer import train_tokenizer
+
+    _setup(threads)
+    with _user_errors(["corpus", "vocab_size", "max_files"]):
+        with err.status("training tokenizer"):
+            tok = train_tokenizer(corpus_texts(corpus, "train", max_files), out_dir, vocab_size)
+    out.print(f"tokenizer with {len(tok)} tokens written to {out_dir}")
+
+
+# ---- leaplm train pretrain ---------------------------------------------------------------------------------
+
+@train_app.command("pretrain")
+def pretrain_cmd(
+    out_dir: Path = typer.Option(..., "--out", help="Run and checkpoint directory (rerun to resume)."),
+    tokenizer_dir: Path = typer.Option(..., "--tokenizer", callback=_check_tokenizer_dir,
+                                       help="Tokenizer directory from `leaplm train tokenizer`."),
+    preset: str = _p("preset", f"Architecture: {', '.join(PRESETS)}.", callback=_check_preset),
+    corpus: str = _p("corpus", "'stdlib', a directory of .py files, or a .jsonl file.", callback=_check_corpus),
+    tokens: int = _p("tokens", "Training budget in tokens.", min=1),
+    batch_size: int = _p("batch_size", "Sequences per step.", min=1),
+    seq_len: int = _p("seq_len", "Tokens per sequence.", min=2),
+    long_seq_len: int = _p("long_seq_len", "Sequence length of the final long-context phase.", min=2),
+    long_fraction: float = _p("long_fraction", "Fraction of steps in the long-context phase.", min=0.0, max=0.99),
+    lr: float = _p("lr", "Peak learning rate.", min=0.0),
+    min_lr: float = _p("min_lr", "Final learning rate of the cosine decay.", min=0.0),
+    warmup_steps: int = _p("warmup_steps", "Linear warm-up steps.", min=1),
+    weight_decay: float = _p("weight_decay", "AdamW weight decay.", min=0.0),
+    grad_clip: float = _p("grad_clip", "Gradient-norm clip.", min=0.0),
+    seed: int = _p("seed", "Random seed."),
+    save_every: int = _p("save_every", "Steps between resumable checkpoints.", min=1),
+    eval_every: int = _p("eval_every", "Steps between held-out evaluations (stdlib corpus only).", min=1),
+    eval_batches: int = _p("eval_batches", "Batches per held-out evaluation.", min=1),
+    max_files: Optional[int] = typer.Option(None, min=1, help="Use only the first N files of each split (tests)."),
+    bf16: bool = _p("bf16", "bf16 autocast (fp32 master weights)."),
+    threads: Optional[int] = Threads,
+) -> None:
+    """Pretrain a model (target or draft preset) with next-token cross-entropy; resumes from --out."""
+    from .training.pretrain import pretrain
+
+    _setup(threads)
+    cfg = PretrainConfig(out_dir=str(out_dir), tokenizer_dir=str(tokenizer_dir), preset=preset, corpus=corpus,
+                         tokens=tokens, batch_size=batch_size, seq_len=seq_len, long_seq_len=long_seq_len,
+                         long_fraction=long_fraction, lr=lr, min_lr=min_lr, warmup_steps=warmup_steps,
+                         weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, save_every=save_every,
+                         eval_every=eval_every, eval_batches=eval_batches, max_files=max_files, bf16=bf16)
+    with _user_errors([f.name for f in dataclasses.fields(cfg)]), StepProgress(f"pretrain {preset}") as bar:
+        last = pretrain(cfg, bar)
+    _report_done(out_dir, last)
+
+
+# ---- leaplm train distill ----------------------------------------------------------------------------------
+
+@train_app.command("distill")
+def distill_cmd(
+    target_dir: Path = typer.Option(..., "--target", callback=_check_model_dir,
+                                    help="Target checkpoint directory (with its tokenizer)."),
+    out_dir: Path = typer.Option(..., "--out", help="Run and checkpoint directory (rerun to resume)."),
+    draft_init: str = _d("draft_init", "Draft preset (random init) or checkpoint directory to start from.",
+                         callback=_check_draft_init),
+    alpha: float = _d("alpha", "Loss = alpha * KL(p || q) + (1 - alpha) * CE.", min=0.0, max=1.0),
+    corpus: str = _d("corpus", "'stdlib', a directory of .py files, or a .jsonl file.", callback=_check_corpus),
+    tokens: int = _d("tokens", "Training budget in tokens.", min=1),
+    batch_size: int = _d("batch_size", "Sequences per step.", min=1),
+    seq_len: int = _d("seq_len", "Tokens per sequence.", min=2),
+    long_seq_len: int = _d("long_seq_len", "Sequence length of the final long-context phase.", min=2),
+    long_fraction: float = _d("long_fraction", "Fraction of steps in the long-context phase.", min=0.0, max=0.99),
+    lr: float = _d("lr", "Peak learning rate.", min=0.0),
+    min_lr: float = _d("min_lr", "Final learning rate of the cosine decay.", min=0.0),
+    warmup_steps: int = _d("warmup_steps", "Linear warm-up steps.", min=1),
+    weight_decay: float = _d("weight_decay", "AdamW weight decay.", min=0.0),
+    grad_clip: float = _d("grad_clip", "Gradient-norm clip.", min=0.0),
+    seed: int = _d("seed", "Random seed."),
+    save_every: int = _d("save_every", "Steps between resumable checkpoints.", min=1),
+    eval_every: int = _d("eval_every", "Steps between held-out evaluations (stdlib corpus only).", min=1),
+    eval_batches: int = _d("eval_batches", "Batches per held-out evaluation.", min=1),
+    max_files: Optional[int] = typer.Option(None, min=1, help="Use only the first N files of each split (tests)."),
+    bf16: bool = _d("bf16", "bf16 autocast (draft has fp32 master weights; target runs in bf16)."),
+    threads: Optional[int] = Threads,
+) -> None:
+    """Distil a draft from a target: forward KL on the target's online logits, mixed with CE; resumes from --out."""
+    from .training.distill import distill
+
+    _setup(threads)
+    cfg = DistillConfig(target_dir=str(target_dir), out_dir=str(out_dir), draft_init=draft_init, alpha=alpha,
+                        corpus=corpus, tokens=tokens, batch_size=batch_size, seq_len=seq_len,
+                        long_seq_len=long_seq_len, long_fraction=long_fraction, lr=lr, min_lr=min_lr,
+                        warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, seed=seed,
+                        save_every=save_every, eval_every=eval_every, eval_batches=eval_batches,
+                        max_files=max_files, bf16=bf16)
+    with _user_errors([f.name for f in dataclasses.fields(cfg)]), StepProgress(f"distill {draft_init}") as bar:
+        last = distill(cfg, bar)
+    _report_done(out_dir, last)
+
+
+def _report_done(out_dir: Path, last: StepLog | None) -> None:
+    if last is None:
+        out.print(f"nothing to do: {out_dir} already finished its budget (raise --tokens to continue)")
+        return
+    ev = f", held-out CE {last.eval_loss:.4f}" if last.eval_loss is not None else ""
+    out.print(f"done: step {last.step}/{last.steps}, loss {last.loss:.4f}{ev}; checkpoint in {out_dir}")
+
+
+# ---- leaplm train card -------------------------------------------------------------------------------------
+
+@train_app.command("card")
+def card_cmd(
+    model_dir: Path = typer.Option(..., "--model", callback=_check_model_dir,
+                                   help="Model directory written by pretrain or distill."),
+    name: Optional[str] = typer.Option(None, help="Card title (default: the directory name)."),
+    with_perplexity: bool = typer.Option(True, "--perplexity/--no-perplexity",
+                                         help="Measure held-out perplexity (stdlib corpus) for the card."),
+    ppl_tokens: int = typer.Option(1 << 18, min=2, help="Tokens scored for the perplexity."),
+    acceptance: Optional[Path] = typer.Option(None, exists=True, dir_okay=False,
+                                              help="JSON file: a list of row objects for the acceptance table."),
+    threads: Optional[int] = Threads,
+) -> None:
+    """Write README.md (model card) and loss_curve.png into a model directory."""
+    from .training.modelcard import read_train_record, write_model_card
+    from .training.perplexity import perplexity
+
+    _setup(threads)
+    rows = None
+    if acceptance is not None:
+        try:
+            rows = json.loads(acceptance.read_text())
+        except json.JSONDecodeError as e:
+            raise typer.BadParameter(f"not valid JSON: {e}", param_hint="--acceptance") from None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise typer.BadParameter("must be a JSON list of objects", param_hint="--acceptance")
+    with _user_errors(["model_dir"]):
+        record = read_train_record(model_dir)
+        ppl = None
+        if with_perplexity and record.config.get("corpus") == "stdlib":
+            ppl = _perplexity_with_bar(perplexity, str(model_dir), "stdlib", "heldout",
+                                       max_tokens=ppl_tokens, max_files=record.config.get("max_files"))
+        path = write_model_card(model_dir, name=name, perplexity=ppl, acceptance=rows)
+    out.print(f"model card written to {path}")
+
+
+def _perplexity_with_bar(fn, model_dir: str, corpus: str, split: str, **kw):
+    with Progress(TextColumn("[bold]perplexity"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=err) as progress:
+        task = progress.add_task("perplexity", total=None)
+        return fn(model_dir, corpus, split, on_batch=lambda d, n: progress.update(task, completed=d, total=n), **kw)
+
+
+# ---- leaplm eval perplexity --------------------------------------------------------------------------------
+
+@eval_app.command("perplexity")
+def perplexity_cmd(
+    model_dir: Path = typer.Option(..., "--model", callback=_check_model_dir, help="Checkpoint directory."),
+    corpus: str = typer.Option("stdlib", callback=_check_corpus,
+                               help="'stdlib', a directory of .py files, or a .jsonl file (scored whole)."),
+    split: str = typer.Option("heldout", help="stdlib split: heldout or train."),
+    seq_len: int = typer.Option(512, min=2, help="Window length; each window's first token is not scored."),
+    batch_size: int = typer.Option(8, min=1, help="Windows per forward."),
+    max_tokens: int = typer.Option(1 << 18, min=2, help="Score at most this many tokens, spread over the split."),
+    max_files: Optional[int] = typer.Option(None, min=1, help="Use only the first N files (tests)."),
+    bf16: bool = typer.Option(True, help="bf16 autocast."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    threads: Optional[int] = Threads,
+) -> None:
+    """Held-out perplexity of a model on a corpus split (the stdlib's held-out modules by default)."""
+    from .training.perplexity import perplexity
+
+    if split not in ("heldout", "train"):
+        raise typer.BadParameter(f"must be 'heldout' or 'train', got {split!r}", param_hint="--split")
+    _setup(threads)
+    with _user_errors(["corpus", "split", "seq_len", "max_files"]):
+        r = _perplexity_with_bar(perplexity, str(model_dir), corpus, split, seq_len=seq_len,
+                                 batch_size=batch_size, max_tokens=max_tokens, max_files=max_files, bf16=bf16)
+    if as_json:
+        out.print_json(data=dataclasses.asdict(r) | {"perplexity": r.perplexity})
+        return
+    t = Table("model", "corpus/split", "tokens", "CE (nats)", "perplexity")
+    t.add_row(r.model_dir, f"{r.corpus}/{r.split}", f"{r.tokens:,}", f"{r.loss:.4f}", f"{r.perplexity:.3f}")
+    out.print(t)
+
+
+# ---- leaplm eval acceptance --------------------------------------------------------------------------------
+# Placeholder: the `acceptance` subcommand (acceptance rate and tau of a proposer against a target on held-out
+# prompts) is registered here on eval_app, beside perplexity, with @eval_app.command("acceptance").

@@ -1,0 +1,100 @@
+"""The per-request halves of a step, shared by Engine (one request) and BatchScheduler (many rows).
+
+  new_request   build a request's state: stop ids, detokenizer, stats, generator, presence
+  verify_chain  stage 3 for one row: the scored block's logits [K+1, V] -> VerifyResult
+  commit        stage 4 for one row: append the verified tokens (cut at a stop token, a stop string or
+                max_new_tokens), move that row's cache length, record stats and logprobs
+  finish_chunk  the last chunk of a request: release the held-back text, attach finish_reason and stats
+
+Only `commit` changes state. Neither the engine nor the scheduler re-implements these.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import SamplingParams
+from ..propose.base import Proposal
+from ..sampling import LogitsProcessor, block_presence, make_generator
+from ..verify import VerifyResult, verify_greedy, verify_rejection
+from .detok import IncrementalDetokenizer
+from .request import Request, StreamChunk, TokenLogprob
+from .stats import GenerationStats
+
+
+def new_request(ids: list[int], params: SamplingParams, *, tokenizer, eos_token_ids: list[int],
+                vocab_size: int, device, method: str, k: int) -> Request:
+    """A fresh Request for prompt `ids`; `k` is the configured K recorded in its stats (0 without a proposer)."""
+    stop_ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stop_ids.update(eos_token_ids)
+    presence = None
+    if params.repetition_penalty != 1.0:
+        presence = torch.zeros(vocab_size, dtype=torch.bool, device=device)      # [V]
+        presence[torch.tensor(ids, device=presence.device)] = True
+    return Request(
+        prompt_ids=ids, params=params, tokens=list(ids), stop_ids=frozenset(stop_ids),
+        detok=IncrementalDetokenizer(tokenizer, params.stop),
+        stats=GenerationStats(method, k, prompt_tokens=len(ids)),
+        generator=None if params.greedy else make_generator(params.seed, device),
+        presence=presence, logprobs=[] if params.logprobs is not None else None)
+
+
+def verify_chain(req: Request, proposal: Proposal | None, proc: LogitsProcessor,
+                 logits: torch.Tensor) -> VerifyResult:
+    """Verify a chain of drafts (or none) against logits [K+1, V] of the block [last token, drafts...]."""
+    device = logits.device
+    drafts = proposal.tokens if proposal is not None else torch.empty(0, dtype=torch.long, device=device)  # [K]
+    presence = block_presence(req.presence, drafts) if req.presence is not None else None  # [K+1, V]
+    if req.generator is None:
+        return verify_greedy(drafts, proc.greedy(logits, presence))
+    p = proc.probs(logits, presence)                                                   # [K+1, V]
+    return verify_rejection(drafts, proposal.q if proposal is not None else None, p, req.generator)
+
+
+def commit(req: Request, result: VerifyResult, logits: torch.Tensor, drafted: int, cache,
+           row: int = 0) -> StreamChunk:
+    """Append the verified tokens, cut at a stop token, stop string or max_new_tokens; move row's cache length.
+
+    logits [T, V]: the raw target logits of the block just scored for this row (for logprobs).
+    """
+    if result.path is not None:
+        cache.compact([0] + [i + 1 for i in result.path], row)
+    cache.advance(result.accepted + 1, row)     # the block's first token + the accepted drafts
+    emitted = result.tokens[: req.remaining]
+    finish = "length" if len(emitted) == req.remaining else None
+    for i, t in enumerate(emitted):
+        if t in req.stop_ids:
+            emitted, finish = emitted[:i], "stop"   # the stop token itself is not returned
+            break
+    req.stats.record_step(drafted, result.accepted, len(emitted))
+    if req.logprobs is not None and emitted:
+        req.logprobs.extend(token_logprobs(logits, result, emitted, req.params.logprobs or 0))
+    req.tokens.extend(emitted)
+    if req.presence is not None and emitted:
+        req.presence[torch.tensor(emitted, device=req.presence.device)] = True
+    text = req.detok.add(emitted)
+    if req.detok.stopped:
+        finish = "stop"
+    req.finish_reason = finish
+    return StreamChunk(text, emitted, logprobs=req.logprobs[-len(emitted):] if req.logprobs and emitted else None)
+
+
+def finish_chunk(req: Request, chunk: StreamChunk) -> StreamChunk:
+    """When req has finished: release the text held back and mark chunk as the last one."""
+    if req.finish_reason is not None:
+        chunk.text += req.detok.flush()
+        chunk.finish_reason, chunk.stats = req.finish_reason, req.stats
+    return chunk
+
+
+def token_logprobs(logits: torch.Tensor, result: VerifyResult, emitted: list[int], top: int) -> list[TokenLogprob]:
+    """The target's raw log-probabilities of the emitted tokens; logits [T, V] of the block just scored."""
+    rows = [0] + [i + 1 for i in result.path] if result.path is not None else list(range(len(emitted)))
+    lp = torch.log_softmax(logits[rows[: len(emitted)]].float(), -1)          # [n, V]
+    chosen = lp.gather(1, torch.tensor(emitted, device=lp.device).view(-1, 1)).view(-1).tolist()
+    if top:
+        vals, idx = lp.topk(top, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    else:
+        tops = [[] for _ in emitted]
+    return [TokenLogprob(t, c, tp) for t, c, tp in zip(emitted, chosen, tops)]

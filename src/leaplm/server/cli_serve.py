@@ -1,0 +1,189 @@
+"""`leaplm serve` and `leaplm bench serve` (cli.py and bench/cli_bench.py register these functions).
+
+Option names are leaplm's, with vLLM's spellings accepted as aliases (--speculative-model,
+--num-speculative-tokens, --speculative-method), so a vLLM command line mostly carries over.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from typing import Optional
+
+import typer
+import uvicorn
+from rich.console import Console
+
+from ..config import ConfigError, ServerConfig
+
+err = Console(stderr=True)
+log = logging.getLogger(__name__)
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", "-m",
+                                        help="Target: local HF checkpoint dir or hub id (default: the embedded model)."),
+    draft: Optional[str] = typer.Option(None, "--draft", "--speculative-model",
+                                        help="Draft model for --method draft (default: the embedded draft)."),
+    method: Optional[str] = typer.Option(None, "--method", "--speculative-method",
+                                         help="none|draft|ngram|suffix|lookahead|layerskip (default: draft when a "
+                                              "draft is known, else none). Requests may override it."),
+    k: int = typer.Option(5, "--k", "-k", "--num-speculative-tokens",
+                          help="Most speculative tokens per step; the server lowers it (to 0) as the batch fills."),
+    host: str = typer.Option("127.0.0.1", help="Bind address (loopback by default)."),
+    port: int = typer.Option(8000, help="TCP port."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LEAPLM_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on /v1/* (not /health, /metrics)."),
+    max_batch: int = typer.Option(8, "--max-batch", "--max-num-seqs", help="Requests decoded together."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Waiting requests beyond which new ones get 429."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context length per request."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="Name clients pass as `model` (default: --model)."),
+    drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds SIGTERM waits for running requests."),
+    max_body_bytes: int = typer.Option(4 << 20, "--max-body-bytes", help="Largest request body (413 beyond)."),
+    adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k", help="Choose K per step from measured costs."),
+    device: str = typer.Option("cpu", help="cpu|cuda|mps"),
+    dtype: str = typer.Option("float32", help="float32|bfloat16|float16"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
+    log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
+) -> None:
+    """Serve the OpenAI API (completions, chat, models) with speculative decoding and continuous batching."""
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
+                              max_batch=max_batch, max_queue=max_queue, max_model_len=max_model_len,
+                              max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout)
+    except ConfigError as e:
+        _fail(f"--{e.field.replace('_', '-')}: {e.message}")
+    if threads is not None:
+        if threads < 1:
+            _fail("--threads: must be >= 1")
+        import torch
+
+        torch.set_num_threads(threads)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s: the server is reachable beyond this machine%s", host,
+                    "" if api_key else " and has no --api-key")
+
+    def load():
+        from ..engine.engine import Engine
+
+        return Engine(model, draft=draft, method=method, k=k, device=device, dtype=dtype,
+                      max_model_len=max_model_len, adaptive_k=adaptive_k)
+
+    code = run_server(config, load, model_name=model or "leaplm-embedded")
+    raise typer.Exit(code)
+
+
+def run_server(config: ServerConfig, load, model_name: str) -> int:
+    """Run uvicorn with leaplm's drain on SIGTERM/SIGINT until it exits; returns the process exit code."""
+    from .app import create_app
+
+    holder: dict = {}
+
+    def on_load_error(message: str) -> None:
+        holder["failed"] = message
+        srv = holder.get("server")
+        if srv is not None:
+            srv.should_exit = True
+
+    app = create_app(config, load=load, model_name=model_name, on_load_error=on_load_error)
+    ucfg = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
+                          timeout_graceful_shutdown=5, lifespan="on")
+    server = DrainingServer(ucfg, app.state.leaplm, config.drain_timeout_s)
+    holder["server"] = server
+    log.info("leaplm serving %s on http://%s:%d", app.state.leaplm.model_name, config.host, config.port)
+    server.run()
+    if "failed" in holder:
+        err.print(f"[bold red]error:[/] {holder['failed']}")
+        return 1
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains instead of closing the socket at once: new requests get
+    503 while running ones finish (up to the drain timeout), then the server exits with status 0. A second
+    signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, state, drain_timeout: float):
+        super().__init__(config)
+        self.state, self.drain_timeout = state, drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets=None):
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame):
+        if self._draining or self._loop is None:
+            self.should_exit = True
+            if self._draining:
+                self.force_exit = True
+            return
+        self._draining = True
+        log.info("signal %s: draining (up to %.0f s)", signal.Signals(sig).name, self.drain_timeout)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.drain()))
+
+    async def drain(self) -> None:
+        state = self.state
+        state.draining = True
+        sched = state.scheduler
+        if sched is not None:
+            sched.close_admission()
+            deadline = time.monotonic() + self.drain_timeout
+            while not sched.idle and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if not sched.idle:
+                log.warning("drain timeout: aborting %d running and %d waiting requests", sched.running,
+                            sched.queue_depth)
+                sched.abort_all("the server is shutting down (drain timeout)")
+                for _ in range(100):
+                    if sched.idle:
+                        break
+                    await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)            # let handlers write their last bytes
+        self.should_exit = True
+
+
+def bench_serve(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target (default: the embedded model)."),
+    draft: Optional[str] = typer.Option(None, "--draft", "--speculative-model", help="Draft model."),
+    method: str = typer.Option("draft", "--method", "--speculative-method", help="Speculative method to compare."),
+    k: int = typer.Option(5, "--k", "-k", "--num-speculative-tokens"),
+    synthetic: bool = typer.Option(False, "--synthetic",
+                                   help="Build a synthetic target/draft pair (see bench/serve_load.py) instead."),
+    concurrency: str = typer.Option("1,4,16", help="Comma-separated client concurrency levels."),
+    requests: int = typer.Option(0, help="Requests per run (default: max(8, 2 x concurrency))."),
+    max_tokens: int = typer.Option(64, "--max-tokens"),
+    rounds: int = typer.Option(2, help="Runs of each configuration, interleaved (spec, none, spec, none, ...)."),
+    max_batch: int = typer.Option(16, "--max-batch"),
+    threads: Optional[int] = typer.Option(None, help="torch threads of the server."),
+    timeout: float = typer.Option(120.0, help="Per-request timeout, seconds."),
+    out: str = typer.Option("bench-serve.json", "--out", help="JSON report path."),
+) -> None:
+    """Load-test `leaplm serve` on 127.0.0.1 at several concurrencies, with and without speculation."""
+    from ..bench.serve_load import LoadBenchConfig, print_report, run_load_bench
+
+    try:
+        levels = [int(x) for x in concurrency.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--concurrency: expected comma-separated integers, got {concurrency!r}")
+    if not levels or any(c < 1 for c in levels):
+        _fail("--concurrency: levels must be >= 1")
+    cfg = LoadBenchConfig(model=model, draft=draft, method=method, k=k, synthetic=synthetic, concurrency=levels,
+                          requests=requests, max_tokens=max_tokens, rounds=rounds, max_batch=max_batch,
+                          threads=threads, timeout_s=timeout, out=out)
+    try:
+        report = run_load_bench(cfg)
+    except ConfigError as e:
+        _fail(f"--{e.field.replace('_', '-')}: {e.message}")
+    print_report(report)
+    err.print(f"wrote {out}")

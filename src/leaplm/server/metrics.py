@@ -1,0 +1,78 @@
+"""Prometheus metrics of one server (a CollectorRegistry per app, so several apps in one process never mix).
+
+Names follow vLLM's where one exists (spec_decode_num_drafts, ..._num_accepted_tokens_per_pos), so figures can be
+compared across engines. The scheduler reports each step as a StepReport (observer.on_step, called from its
+thread; prometheus_client is thread-safe); request-level figures are recorded by the HTTP handlers.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..engine.scheduler import StepReport
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                    20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+P = "leaplm_"
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(P + "requests", "HTTP requests by endpoint and status code.",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter(P + "request_finish", "Generated sequences by finish reason "
+                                "(stop, length, abort, error).", ["reason"], registry=r)
+        self.queue_depth = Gauge(P + "queue_depth", "Requests waiting for a batch row.", registry=r)
+        self.running = Gauge(P + "running_requests", "Requests in the running batch.", registry=r)
+        self.rows_in_use = Gauge(P + "kv_cache_rows_in_use", "Target KV-cache rows holding tokens.", registry=r)
+        self.cached_tokens = Gauge(P + "kv_cache_tokens", "Tokens held in the target KV cache.", registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between generated tokens (a step's time shared "
+                             "evenly by the tokens it emitted).", buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of admitted sequences.", registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", registry=r)
+        self.steps = Counter(P + "engine_steps", "Batched engine steps.", registry=r)
+        self.step_seconds = Histogram(P + "engine_step_seconds", "Duration of one batched step.",
+                                      buckets=_ITL_BUCKETS, registry=r)
+        self.batch_size = Histogram(P + "engine_step_batch_size", "Rows per batched step.",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.drafts = Counter(P + "spec_decode_num_drafts", "Row-steps that drafted at least one token.", registry=r)
+        self.draft_tokens = Counter(P + "spec_decode_num_draft_tokens", "Drafted tokens.", registry=r)
+        self.accepted_tokens = Counter(P + "spec_decode_num_accepted_tokens", "Accepted draft tokens.", registry=r)
+        self.accepted_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by position in the draft (0 = first).",
+                                        ["position"], registry=r)
+        self.k = Gauge(P + "spec_decode_k", "K of the last step (0: speculation off because it would not pay "
+                       "at this batch size, or no request speculates).", registry=r)
+        self.k_by_batch = Gauge(P + "spec_decode_k_by_batch_size", "K of the last step at each batch size.",
+                                ["batch_size"], registry=r)
+
+    def bind(self, scheduler) -> None:
+        """Gauges read from the scheduler at scrape time."""
+        self.queue_depth.set_function(lambda: scheduler.queue_depth)
+        self.running.set_function(lambda: scheduler.running)
+        self.rows_in_use.set_function(lambda: scheduler.rows_in_use)
+        self.cached_tokens.set_function(lambda: scheduler.cached_tokens)
+
+    # observer protocol of BatchScheduler
+    def on_step(self, s: StepReport) -> None:
+        self.steps.inc()
+        self.step_seconds.observe(s.step_s)
+        self.batch_size.observe(s.batch_size)
+        self.k.set(s.k)
+        self.k_by_batch.labels(str(s.batch_size)).set(s.k)
+        for d, a in zip(s.drafted, s.accepted):
+            if d:
+                self.drafts.inc()
+                self.draft_tokens.inc(d)
+                self.accepted_tokens.inc(a)
+                for pos in range(a):
+                    self.accepted_per_pos.labels(str(pos)).inc()
+        self.generation_tokens.inc(sum(s.emitted))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

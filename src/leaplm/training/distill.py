@@ -1,0 +1,246 @@
+"""Distilling a draft from a trained target, resumable, saved as a Hugging Face checkpoint.
+
+loss = alpha * KL(p || q) + (1 - alpha) * CE(text), per token, at temperature 1, where p is the target's
+distribution (computed online, frozen) and q the draft's. Forward KL is the quantity speculative sampling
+pays for: acceptance is 1 - TV(p, q), and KL(p || q) bounds TV by Pinsker. The CE term is plain next-token
+loss on the corpus text.
+
+A draft trained with plain CE needs nothing here: that is `pretrain.pretrain` with preset draft-3m or draft-1m
+(same tokenizer as the target); its output directory can then be this recipe's `draft_init`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError
+from .corpus import TokenStream, corpus_texts
+from .presets import PRESETS, llama_config
+from .pretrain import StepLog, load_tokenizer, lr_at, save_hf
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DistillConfig:
+    target_dir: str                   # HF checkpoint of the target, with its tokenizer
+    out_dir: str
+    draft_init: str = "draft-3m"      # a preset name (random init) or an HF checkpoint dir (e.g. a CE-pretrained draft)
+    corpus: str = "stdlib"
+    tokens: int = 4_000_000           # training budget in tokens
+    batch_size: int = 16
+    seq_len: int = 512
+    long_seq_len: int = 1024          # the last `long_fraction` of steps use this length (same tokens per step)
+    long_fraction: float = 0.1
+    # 1.0 = pure KL: acceptance depends only on p vs q, and the corpus text is a noisier signal of p than p itself
+    alpha: float = 1.0
+    lr: float = 1.5e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    save_every: int = 100             # steps between resumable checkpoints
+    eval_every: int = 100
+    eval_batches: int = 8
+    max_files: int | None = None      # limit the corpus (tests)
+    bf16: bool = True
+
+    def validate(self) -> None:
+        for name in ("tokens", "batch_size", "seq_len", "warmup_steps", "save_every", "eval_every", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.alpha <= 1:
+            raise ConfigError("alpha", f"must be in [0, 1], got {self.alpha}")
+        if not 0 <= self.long_fraction < 1:
+            raise ConfigError("long_fraction", f"must be in [0, 1), got {self.long_fraction}")
+        if self.lr <= 0:
+            raise ConfigError("lr", f"must be > 0, got {self.lr}")
+        if not (Path(self.target_dir) / "config.json").exists():
+            raise ConfigError("target_dir", f"{self.target_dir!r} is not a Hugging Face checkpoint (no config.json)")
+        if self.draft_init not in PRESETS:
+            if not (Path(self.draft_init) / "config.json").exists():
+                raise ConfigError("draft_init", f"{self.draft_init!r} is neither a preset {sorted(PRESETS)} "
+                                                "nor a Hugging Face checkpoint directory")
+            # a pretrain out_dir holds its own train_state.pt, which this run would otherwise "resume"
+            if Path(self.draft_init).resolve() == Path(self.out_dir).resolve():
+                raise ConfigError("out_dir", "must differ from draft_init")
+
+    @property
+    def steps(self) -> int:
+        return max(1, self.tokens // (self.batch_size * self.seq_len))
+
+
+@dataclass
+class DistillStepLog(StepLog):
+    """StepLog.loss is the mixed loss; eval_loss is the draft's held-out CE."""
+
+    kl: float = 0.0                   # KL(p || q) on this batch, nats per token
+    ce: float = 0.0                   # draft CE on this batch's text, nats per token
+    eval_kl: float | None = None      # held-out KL(p || q)
+
+
+@dataclass
+class DistillLoss:
+    loss: torch.Tensor                # [] the mixed loss, differentiable
+    kl: torch.Tensor                  # [] KL(p || q) per token
+    ce: torch.Tensor                  # [] CE per predicted token
+
+
+def distill_loss(draft_logits: torch.Tensor, target_logp: torch.Tensor, ids: torch.Tensor,
+                 alpha: float) -> DistillLoss:
+    """alpha * KL(p || q) + (1 - alpha) * CE, averaged over tokens.
+
+    draft_logits: [batch, seq, vocab]; target_logp: [batch, seq, vocab] fp32 log p; ids: [batch, seq].
+    """
+    logq = F.log_softmax(draft_logits.float(), dim=-1)  # [batch, seq, vocab]
+    vocab = logq.shape[-1]
+    # KL at every position; batchmean over the flattened [batch * seq] rows = per-token mean
+    kl = F.kl_div(logq.reshape(-1, vocab), target_logp.reshape(-1, vocab), log_target=True, reduction="batchmean")
+    ce = F.nll_loss(logq[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+    return DistillLoss(alpha * kl + (1 - alpha) * ce, kl, ce)
+
+
+def target_logprobs(target, ids: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """log p of the frozen target: [batch, seq] -> [batch, seq, vocab] fp32, usable in autograd."""
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logp = F.log_softmax(target(input_ids=ids).logits.float(), dim=-1)
+    # inference tensors cannot be saved for backward (kl_div saves its target); a clone outside the mode can
+    return logp.clone()
+
+
+def check_same_vocab(target, draft, target_tok, draft_tok=None) -> None:
+    """A draft must score the target's tokens: equal vocab sizes, and equal tokenizers when the draft has one."""
+    t, d = target.config.vocab_size, draft.config.vocab_size
+    if t != d:
+        raise ConfigError("draft_init", f"draft vocab_size {d} != target vocab_size {t}; "
+                                        "a draft must use the target's tokenizer")
+    if draft_tok is not None and draft_tok.get_vocab() != target_tok.get_vocab():
+        raise ConfigError("draft_init", f"draft tokenizer differs from the target's (both {t} tokens); "
+                                        "a draft must use the target's tokenizer")
+
+
+@dataclass
+class DistillEval:
+    ce: float                         # draft held-out CE, nats per token
+    kl: float                         # held-out KL(p || q), nats per token
+
+
+@torch.no_grad()
+def eval_distill(draft, target, stream: TokenStream, cfg: DistillConfig, n_batches: int) -> DistillEval:
+    """Held-out CE and KL on fixed random windows (same windows every call)."""
+    draft.eval()
+    rng = random.Random(1234)
+    ce, kl = 0.0, 0.0
+    for _ in range(n_batches):
+        x = stream.batch(rng, cfg.batch_size, cfg.seq_len)  # [batch, seq]
+        logp = target_logprobs(target, x, cfg.bf16)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            r = distill_loss(draft(input_ids=x).logits, logp, x, cfg.alpha)
+        ce, kl = ce + r.ce.item(), kl + r.kl.item()
+    draft.train()
+    return DistillEval(ce / n_batches, kl / n_batches)
+
+
+def _load_draft(cfg: DistillConfig, target, target_tok):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    if cfg.draft_init in PRESETS:
+        config = llama_config(cfg.draft_init, vocab_size=target.config.vocab_size, eos_id=target_tok.eos_token_id,
+                              max_position_embeddings=target.config.max_position_embeddings)
+        draft = LlamaForCausalLM(config)
+        draft_tok = None
+    else:
+        draft = AutoModelForCausalLM.from_pretrained(cfg.draft_init, dtype=torch.float32)  # fp32 master weights
+        has_tok = (Path(cfg.draft_init) / "tokenizer_config.json").exists()
+        draft_tok = load_tokenizer(cfg.draft_init) if has_tok else None
+    check_same_vocab(target, draft, target_tok, draft_tok)
+    return draft
+
+
+def distill(cfg: DistillConfig,
+            on_step: Callable[[DistillStepLog], None] | None = None) -> DistillStepLog | None:
+    """Train (or resume) the draft and write its checkpoint, with the target's tokenizer, to cfg.out_dir.
+
+    Returns the last step's log (None when a resumed run had no steps left)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg.validate()
+    out = Path(cfg.out_dir)
+    tok = load_tokenizer(cfg.target_dir)
+    target = AutoModelForCausalLM.from_pretrained(cfg.target_dir, dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
+    target.eval().requires_grad_(False)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    draft = _load_draft(cfg, target, tok)
+    train = TokenStream.build(corpus_texts(cfg.corpus, "train", cfg.max_files), tok, tok.eos_token_id)
+    held = None
+    if cfg.corpus == "stdlib":
+        held = TokenStream.build(corpus_texts("stdlib", "heldout", cfg.max_files), tok, tok.eos_token_id)
+    log.info("corpus: %d training tokens, %s held-out", len(train), len(held) if held else "no")
+
+    out.mkdir(parents=True, exist_ok=True)
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    state_path = out / "train_state.pt"
+    start, tokens_seen, elapsed, rng = 0, 0, 0.0, random.Random(cfg.seed)
+    if state_path.exists():
+        st = torch.load(state_path, weights_only=False)
+        draft.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        start, tokens_seen, elapsed = st["step"], st["tokens_seen"], st["elapsed_s"]
+        rng.setstate(st["rng"])
+        log.info("resumed at step %d", start)
+    with (out / "train_config.json").open("w") as f:
+        json.dump(asdict(cfg) | {"kind": "distill",
+                                 "n_params": sum(p.numel() for p in draft.parameters()),
+                                 "target_n_params": sum(p.numel() for p in target.parameters()),
+                                 "train_tokens_available": len(train)}, f, indent=1)
+    log_f = (out / "train_log.jsonl").open("a")
+    draft.train()
+    last = None
+    long_from = int(cfg.steps * (1 - cfg.long_fraction))
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        if step >= long_from and cfg.long_seq_len > cfg.seq_len:
+            x = train.batch(rng, max(1, cfg.batch_size * cfg.seq_len // cfg.long_seq_len), cfg.long_seq_len)
+        else:
+            x = train.batch(rng, cfg.batch_size, cfg.seq_len)  # [batch, seq]
+        lr = lr_at(step, cfg)  # same warm-up + cosine as pretraining (reads lr, min_lr, warmup_steps, steps)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        logp = target_logprobs(target, x, cfg.bf16)  # [batch, seq, vocab]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            r = distill_loss(draft(input_ids=x).logits, logp, x, cfg.alpha)
+        r.loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        elapsed += dt
+        tokens_seen += x.numel()
+        last = DistillStepLog(step + 1, cfg.steps, r.loss.item(), lr, tokens_seen, x.numel() / dt, elapsed,
+                              kl=r.kl.item(), ce=r.ce.item())
+        done = step + 1 == cfg.steps
+        if held is not None and ((step + 1) % cfg.eval_every == 0 or done):
+            ev = eval_distill(draft, target, held, cfg, cfg.eval_batches)
+            last.eval_loss, last.eval_kl = ev.ce, ev.kl
+        log_f.write(json.dumps(asdict(last)) + "\n")
+        log_f.flush()
+        if on_step:
+            on_step(last)
+        if (step + 1) % cfg.save_every == 0 or done:
+            torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "step": step + 1,
+                        "tokens_seen": tokens_seen, "elapsed_s": elapsed, "rng": rng.getstate()},
+                       str(state_path) + ".tmp")
+            Path(str(state_path) + ".tmp").replace(state_path)
+    log_f.close()
+    save_hf(draft, tok, out)
+    return last

@@ -1,0 +1,45 @@
+"""leaplm bench end to end on tiny models: interleaved runs, paired speedups, greedy identity checks, HF peers."""
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from leaplm.bench.runner import Sample, summarize
+from leaplm.bench.workloads import code_workload, copy_workload
+from leaplm.cli import app
+
+
+def test_workloads_are_heldout_and_deterministic():
+    a, b = copy_workload(4), copy_workload(4)
+    assert a.prompts == b.prompts and len(a.prompts) == 4
+    for p in a.prompts:                      # the second copy starts exactly like the first
+        first, _, second = p.partition("\n\n\n")
+        assert second and first.startswith(second.rstrip("\n").splitlines()[0])
+    assert all("def " in p for p in code_workload(3).prompts)
+
+
+def test_summarize_pairs_by_round_and_prompt():
+    s = [Sample("none", "w", 0, 0, 10, 1.0, [1, 2]), Sample("x", "w", 0, 0, 10, 0.5, [1, 2]),
+         Sample("none", "w", 1, 0, 10, 2.0, [3]), Sample("x", "w", 1, 0, 10, 0.5, [4])]
+    by = {r.config: r for r in summarize(s, "none")}
+    assert by["x"].speedup == 3.0            # median of ratios 2.0 and 4.0
+    assert by["x"].identical is False and by["none"].identical is None
+
+
+def test_bench_cli_with_hf_baselines(checkpoint, tmp_path):
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(app, [
+        "bench", "--model", checkpoint("llama_tied"), "--draft", checkpoint("llama_draft"),
+        "--methods", "none,draft,draft:adaptive_k=0", "--k", "2", "--workloads", "code,copy", "--prompts", "1",
+        "--rounds", "1", "--max-new-tokens", "6", "--baselines", "hf", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    configs = {(s["workload"], s["config"]) for s in data["summaries"]}
+    for w in ("code", "copy"):
+        for c in ("none", "draft k=2", "draft k=2 adaptive_k=0", "hf", "hf-assisted k=2", "hf-prompt-lookup k=2"):
+            assert (w, c) in configs
+    for s in data["summaries"]:
+        if s["config"].startswith("draft"):
+            assert s["identical"] is True    # greedy speculation is token-identical to none
+        assert s["tokens_per_s"] > 0

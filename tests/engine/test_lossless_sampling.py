@@ -1,0 +1,146 @@
+"""Lossless sampling through the real engine, by Monte Carlo on a vocabulary of 8 tokens.
+
+The statistic: the joint distribution of generated positions 2 and 3 (both after speculation has started:
+position 1 already comes from a speculative step, so 2 and 3 cover accepted, recovered and bonus tokens and
+the rollbacks between steps), estimated from N generations with seeds 0..N-1, against the exact target
+distribution enumerated from the target model through transformers and transformers' own processors
+(`reference_probs`), independently of leaplm's model and sampling code.
+
+The bound: cells of the exact distribution with probability >= 0.01 are kept, the rest merged into one, fixed
+before sampling (k cells in all). Weissman et al. (2003): P(||p_hat - p||_1 >= e) <= (2^k - 2) exp(-N e^2 / 2),
+so with TV = ||.||_1 / 2, P(TV >= t) <= 2^k exp(-2 N t^2) = DELTA gives t = sqrt((k ln 2 + ln(1 / DELTA)) / 2N).
+A correct engine exceeds it with probability below DELTA = 1e-6; the seeds are fixed, so the outcome is too.
+The negative control runs the same test with a verifier that accepts every draft token and must exceed it.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from leaplm.config import SamplingParams
+from leaplm.engine.engine import Engine
+from leaplm.verify import VerifyResult
+
+N = 1500
+DELTA = 1e-6
+MIN_CELL = 0.01
+PROMPT = [1, 2, 3]
+
+PLAIN = dict()
+PROCESSED = dict(temperature=0.8, top_k=6, top_p=0.9, min_p=0.05, repetition_penalty=1.3)
+
+
+def exact_positions_2_3(path: str, params: SamplingParams, reference_probs) -> torch.Tensor:
+    """P(y2 = a, y3 = b) [V, V] = sum over y1 of p(y1) p(y2 | y1) p(y3 | y1, y2), by enumeration."""
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    V = model.config.vocab_size
+
+    def next_probs(prefixes: list[tuple]) -> torch.Tensor:                     # [len(prefixes), V]
+        ids = torch.tensor([PROMPT + list(pre) for pre in prefixes])
+        with torch.no_grad():
+            logits = model(ids).logits[:, -1]
+        return reference_probs(logits, [PROMPT + list(pre) for pre in prefixes], params).double()
+
+    p1 = next_probs([()])[0]                                                      # [V]
+    p2 = next_probs([(a,) for a in range(V)])                                     # [V(y1), V]
+    pairs = list(itertools.product(range(V), repeat=2))
+    p3 = next_probs(pairs).view(V, V, V)                                          # [y1, y2, y3]
+    joint = torch.einsum("a,ab,abc->bc", p1, p2, p3)                              # [y2, y3]
+    assert abs(float(joint.sum()) - 1) < 1e-6
+    return joint
+
+
+def sample_positions_2_3(engine: Engine, params: dict, n: int = N) -> tuple[torch.Tensor, float]:
+    """Empirical joint [V, V] of positions 2 and 3 over seeds 0..n-1, and the acceptance rate seen."""
+    V = engine.model.vocab_size
+    counts = torch.zeros(V, V, dtype=torch.float64)
+    drafted = accepted = 0
+    for seed in range(n):
+        out = engine.generate(PROMPT, SamplingParams(max_new_tokens=3, seed=seed, ignore_eos=True, **params))
+        assert len(out.token_ids) == 3
+        counts[out.token_ids[1], out.token_ids[2]] += 1
+        drafted += out.stats.draft_tokens
+        accepted += out.stats.accepted_tokens
+    return counts / n, accepted / max(drafted, 1)
+
+
+def tv_and_bound(empirical: torch.Tensor, exact: torch.Tensor, n: int = N) -> tuple[float, float]:
+    """Total variation over the cells fixed by `exact`, and the DELTA-level bound for n samples."""
+    keep = exact.flatten() >= MIN_CELL
+    e, x = empirical.flatten(), exact.flatten()
+    cells_e = torch.cat([e[keep], e[~keep].sum().view(1)])
+    cells_x = torch.cat([x[keep], x[~keep].sum().view(1)])
+    k = int(keep.sum()) + 1
+    tv = 0.5 * float((cells_e - cells_x).abs().sum())
+    return tv, math.sqrt((k * math.log(2) + math.log(1 / DELTA)) / (2 * n))
+
+
+def engine(tiny_vocab, method: str, draft: str | None = None, k: int = 2) -> Engine:
+    """adaptive_k off: K is then fixed, so the run is a function of the seeds alone."""
+    if method == "none":
+        return Engine(tiny_vocab["target"], method="none")
+    return Engine(tiny_vocab["target"], draft=tiny_vocab[draft], method="draft", k=k, adaptive_k=False)
+
+
+CASES = {
+    # name: (sampling params, draft, K)
+    "plain-far-k2": (PLAIN, "far", 2),
+    "processed-near-k3": (PROCESSED, "near", 3),
+}
+
+
+@pytest.mark.parametrize("method", ["none", "draft"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_positions_2_and_3_follow_the_target(case, method, tiny_vocab, ref_probs):
+    params, draft, k = CASES[case]
+    exact = exact_positions_2_3(tiny_vocab["target"].path, SamplingParams(**params), ref_probs)
+    eng = engine(tiny_vocab, method, draft, k)
+    got, acceptance = sample_positions_2_3(eng, params)
+    if method == "draft":                # the regimes the drafts were built for: both branches well exercised
+        assert (0.05 < acceptance < 0.4) if draft == "far" else (0.5 < acceptance < 0.95), acceptance
+    tv, bound = tv_and_bound(got, exact)
+    assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f} ({case}, {method})"
+
+
+def always_accept(draft, q, p, generator) -> VerifyResult:
+    """A wrong verifier: keeps every draft token and adds a bonus from p."""
+    always_accept.calls += 1
+    bonus = int(torch.multinomial(p[draft.numel()], 1, generator=generator))
+    return VerifyResult(tokens=draft.tolist() + [bonus], accepted=draft.numel())
+
+
+def test_negative_control_always_accept_fails_the_bound(tiny_vocab, ref_probs, monkeypatch):
+    """The same test as plain-far-k2/draft with the verifier replaced wherever the engine looks it up."""
+    patched = [m for name, m in list(sys.modules.items())
+               if name.startswith("leaplm.engine") and hasattr(m, "verify_rejection")]
+    assert patched
+    for m in patched:
+        monkeypatch.setattr(m, "verify_rejection", always_accept)
+    always_accept.calls = 0
+    params, draft, k = CASES["plain-far-k2"]
+    exact = exact_positions_2_3(tiny_vocab["target"].path, SamplingParams(**params), ref_probs)
+    got, _ = sample_positions_2_3(engine(tiny_vocab, "draft", draft, k), params)
+    tv, bound = tv_and_bound(got, exact)
+    assert always_accept.calls >= N                                # the wrong verifier really ran
+    assert tv > bound, f"the wrong verifier passed: TV {tv:.4f} < bound {bound:.4f}"
+
+
+def test_the_exact_distribution_is_not_trivial(tiny_vocab, ref_probs):
+    """Control on the statistic: the cases spread mass over enough cells, and the processors change it."""
+    plain = exact_positions_2_3(tiny_vocab["target"].path, SamplingParams(**PLAIN), ref_probs)
+    processed = exact_positions_2_3(tiny_vocab["target"].path, SamplingParams(**PROCESSED), ref_probs)
+    for joint in (plain, processed):
+        assert int((joint >= MIN_CELL).sum()) >= 6 and float(joint.max()) < 0.6
+    assert 0.5 * float((plain - processed).abs().sum()) > 0.1
+
+
+def test_a_seed_reproduces_a_speculative_sample(tiny_vocab):
+    eng = engine(tiny_vocab, "draft", "far", 2)
+    runs = [eng.generate(PROMPT, SamplingParams(max_new_tokens=12, seed=s, ignore_eos=True)).token_ids
+            for s in (7, 7, 8)]
+    assert runs[0] == runs[1] != runs[2]

@@ -1,0 +1,261 @@
+"""BatchScheduler (continuous batching) against the single-request Engine, in the test process (no server)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leaplm import Engine, SamplingParams
+from leaplm.engine.adaptive import BatchAdaptiveK, BatchCostModel, RowSpec, expected_tokens
+from leaplm.engine.scheduler import BatchScheduler, QueueFull, SchedulerClosed, SeqRequest
+
+PROMPTS = ["the quick brown fox", "déjà vu", "def add(a, b):", "東京 と 大阪", "speculative decoding",
+           "un café crème", "🙂", "größer über"]
+
+
+def run(sched: BatchScheduler, prompts, params, **seq_kw) -> list[dict]:
+    """Submit every prompt at once, step until idle; per request: tokens, text, finish reason, stats, error."""
+    eng = sched.engine
+    outs: dict[int, list] = {}
+    seqs = []
+    for i, p in enumerate(prompts):
+        ids = eng.encode(p, params[i] if isinstance(params, list) else params)
+        seqs.append(SeqRequest(ids, params[i] if isinstance(params, list) else params,
+                               on_output=lambda o, i=i: outs.setdefault(i, []).append(o), **seq_kw))
+    sched.submit(seqs)
+    sched.run_until_idle()
+    res = []
+    for i in range(len(prompts)):
+        evs = outs[i]
+        chunks = [e.chunk for e in evs if e.chunk is not None]
+        res.append({"tokens": [t for c in chunks for t in c.token_ids], "text": "".join(c.text for c in chunks),
+                    "finish": chunks[-1].finish_reason if chunks else None,
+                    "stats": chunks[-1].stats if chunks else None, "error": evs[-1].error,
+                    "logprobs": [lp for c in chunks for lp in (c.logprobs or [])]})
+    return res
+
+
+@pytest.fixture(scope="module")
+def target(loaded):
+    return loaded("llama_tied")
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return Engine(target, method="none")
+
+
+def engine_for(target, loaded, method: str, k: int = 4, adaptive: bool = False) -> Engine:
+    if method == "draft-self":     # the target as its own draft: every draft accepted, blocks of K + 1 tokens
+        return Engine(target, draft=target, method="draft", k=k, adaptive_k=adaptive)
+    if method == "draft":
+        return Engine(target, draft=loaded("llama_draft"), method="draft", k=k, adaptive_k=adaptive)
+    if method == "layerskip":      # the tiny target has 2 layers: skip the second
+        return Engine(target, method=method, k=k, adaptive_k=adaptive, skip_layers=[1])
+    return Engine(target, method=method, k=k, adaptive_k=adaptive)
+
+
+@pytest.mark.parametrize("method", ["none", "draft", "draft-self", "ngram", "suffix", "lookahead", "layerskip"])
+def test_batched_greedy_equals_single_request_none(target, loaded, reference, method):
+    params = SamplingParams(max_new_tokens=40, temperature=0)
+    refs = [reference.generate(p, params) for p in PROMPTS]
+    sched = BatchScheduler(engine_for(target, loaded, method), max_batch=4, calibrate=False)
+    for got, ref in zip(run(sched, PROMPTS, params), refs):
+        assert got["error"] is None
+        assert got["tokens"] == ref.token_ids
+        assert got["text"] == ref.text
+        assert got["finish"] == ref.finish_reason
+    assert sched.rows_in_use == 0 and sched.cached_tokens == 0 and sched.running == 0
+
+
+def test_rows_of_different_lengths_join_and_leave(target, loaded, reference):
+    """Different max_new_tokens: requests leave at different steps and waiting ones take their rows."""
+    params = [SamplingParams(max_new_tokens=3 + 7 * i, temperature=0, ignore_eos=True) for i in range(len(PROMPTS))]
+    sched = BatchScheduler(engine_for(target, loaded, "draft-self"), max_batch=3, calibrate=False)
+    for got, p, prm in zip(run(sched, PROMPTS, params), PROMPTS, params):
+        ref = reference.generate(p, prm)
+        assert got["tokens"] == ref.token_ids and len(got["tokens"]) == prm.max_new_tokens
+        assert got["finish"] == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(target, loaded):
+    eng = engine_for(target, loaded, "draft", adaptive=True)
+    p = SamplingParams(max_new_tokens=30, temperature=0.9, seed=11)
+    alone = run(BatchScheduler(eng, max_batch=1, calibrate=False), PROMPTS[:1], p)[0]
+    crowd = run(BatchScheduler(eng, max_batch=8), PROMPTS[:1] * 5 + PROMPTS[1:4], p)
+    assert all(c["tokens"] == alone["tokens"] for c in crowd[:5])
+    assert alone["stats"].draft_tokens > 0
+
+
+def test_sampling_without_speculation_equals_the_engine(target, reference):
+    """Method none draws exactly what the single-request engine draws: one generator per request."""
+    sched = BatchScheduler(Engine(target, method="none"), max_batch=4, calibrate=False)
+    params = [SamplingParams(max_new_tokens=25, temperature=1.0, top_k=20, seed=i) for i in range(len(PROMPTS))]
+    for got, p, prm in zip(run(sched, PROMPTS, params), PROMPTS, params):
+        assert got["tokens"] == reference.generate(p, prm).token_ids
+
+
+def test_stop_token_inside_an_accepted_block(target, loaded, reference):
+    """With the target as draft every step accepts K tokens; a stop id in the middle of a block ends the output
+    just before it, with finish_reason 'stop', and nothing after it is returned."""
+    base = reference.generate(PROMPTS[0], SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))
+    stop_at = 6
+    stop_id = base.token_ids[stop_at]
+    first = base.token_ids.index(stop_id)
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    sched = BatchScheduler(engine_for(target, loaded, "draft-self", k=5), max_batch=2, calibrate=False)
+    got = run(sched, PROMPTS[:1], params)[0]
+    assert got["tokens"] == base.token_ids[:first]
+    assert got["finish"] == "stop"
+    assert got["stats"].mean_accepted_length > 1
+
+
+def test_stop_string_inside_an_accepted_block(target, loaded, reference):
+    base = reference.generate(PROMPTS[2], SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))
+    stop = base.text[8:11]
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+    sched = BatchScheduler(engine_for(target, loaded, "draft-self", k=5), max_batch=2, calibrate=False)
+    got = run(sched, PROMPTS[2:3], params)[0]
+    assert got["text"] == base.text[: base.text.index(stop)]
+    assert got["finish"] == "stop"
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 4, 5, 6, 7, 11])
+def test_max_new_tokens_holds_exactly(target, loaded, max_new):
+    params = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
+    sched = BatchScheduler(engine_for(target, loaded, "draft-self", k=4), max_batch=4, calibrate=False)
+    for got in run(sched, PROMPTS[:4], params):
+        assert len(got["tokens"]) == max_new and got["finish"] == "length"
+
+
+def test_logprobs_match_the_single_request_engine(target, loaded, reference):
+    params = SamplingParams(max_new_tokens=12, temperature=0, logprobs=2)
+    sched = BatchScheduler(engine_for(target, loaded, "draft-self"), max_batch=4, calibrate=False)
+    for got, p in zip(run(sched, PROMPTS[:4], params), PROMPTS[:4]):
+        ref = reference.generate(p, params)
+        assert [lp.token_id for lp in got["logprobs"]] == [lp.token_id for lp in ref.logprobs]
+        assert [lp.logprob for lp in got["logprobs"]] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-4)
+
+
+def test_prompt_logprobs(target, reference):
+    sched = BatchScheduler(Engine(target, method="none"), max_batch=2, calibrate=False)
+    ids = reference.encode(PROMPTS[0], SamplingParams())
+    outs = []
+    sched.submit([SeqRequest(ids, SamplingParams(max_new_tokens=2, temperature=0), outs.append, prompt_logprobs=2)])
+    sched.run_until_idle()
+    plp = outs[0].prompt_logprobs
+    assert plp[0] is None and len(plp) == len(ids)
+    logits = target.model(torch.tensor([ids]), target.model.new_cache(1, 64))[0]
+    want = torch.log_softmax(logits, -1)
+    for j in range(1, len(ids)):
+        assert plp[j].token_id == ids[j]
+        assert plp[j].logprob == pytest.approx(float(want[j - 1, ids[j]]), abs=1e-4)
+        assert len(plp[j].top) == 2
+
+
+def test_abort_frees_the_row_at_the_next_step(target, loaded, reference):
+    sched = BatchScheduler(engine_for(target, loaded, "draft"), max_batch=4, calibrate=False)
+    params = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True)
+    outs: dict[int, list] = {}
+    seqs = [SeqRequest(reference.encode(p, params), params, lambda o, i=i: outs.setdefault(i, []).append(o))
+            for i, p in enumerate(PROMPTS[:4])]
+    sched.submit(seqs)
+    for _ in range(3):
+        sched.step()
+    assert sched.running == 4 and sched.rows_in_use == 4
+    sched.abort(seqs[1])
+    sched.abort(seqs[3])
+    before = len(outs[1])
+    sched.step()
+    assert sched.running == 2 and sched.rows_in_use == 2
+    assert outs[1][-1].error == "aborted" and len(outs[1]) == before + 1
+    sched.run_until_idle()
+    assert sched.rows_in_use == 0 and sched.cached_tokens == 0
+    # the survivors, which moved rows, are unaffected
+    for i in (0, 2):
+        ref = reference.generate(PROMPTS[i], params)
+        assert [t for o in outs[i] if o.chunk for t in o.chunk.token_ids] == ref.token_ids
+
+
+def test_queue_bound_and_close(target):
+    sched = BatchScheduler(Engine(target, method="none"), max_batch=1, max_queue=2, calibrate=False)
+    mk = lambda: SeqRequest([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0), lambda o: None)  # noqa: E731
+    sched.submit([mk(), mk()])
+    with pytest.raises(QueueFull):
+        sched.submit([mk()])
+    sched.run_until_idle()
+    sched.submit([mk()])
+    sched.close_admission()
+    with pytest.raises(SchedulerClosed):
+        sched.submit([mk()])
+
+
+def test_threaded_loop_serves_and_stops(target, reference):
+    import threading
+
+    sched = BatchScheduler(Engine(target, method="none"), max_batch=4, calibrate=False)
+    sched.start()
+    done = threading.Event()
+    got = []
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+
+    def on(o):
+        got.append(o)
+        if o.finished:
+            done.set()
+    sched.submit([SeqRequest(reference.encode(PROMPTS[0], params), params, on)])
+    assert done.wait(30)
+    assert [t for o in got if o.chunk for t in o.chunk.token_ids] == reference.generate(PROMPTS[0], params).token_ids
+    sched.stop(timeout=10)
+    assert not sched._thread.is_alive()
+
+
+# --- the K policy --------------------------------------------------------------------------------------------------
+def compute_bound_costs(k_max: int = 8, max_n: int = 16) -> BatchCostModel:
+    """A forward costs 0.5 ms of overhead plus 0.2 ms per token in the batch: cheap to widen while the batch is small,
+    proportional to n * T once it is large (what a real model does as it turns compute-bound)."""
+    c = BatchCostModel()
+    for n in (1, 2, 4, 8, 16):
+        for T in range(1, k_max + 2):
+            c.observe(n, T, 5e-4 + 2e-4 * n * T)
+    return c
+
+
+def test_k_shrinks_to_zero_as_the_batch_fills():
+    ctl = BatchAdaptiveK(compute_bound_costs())
+    ks = [ctl.best([RowSpec(8, 0.8, 2e-5)] * n) for n in (1, 2, 4, 8, 16)]
+    assert ks[0] >= 3
+    assert all(a >= b for a, b in zip(ks, ks[1:])), ks
+    assert ks[-1] == 0
+
+
+def test_k_is_zero_when_acceptance_is_low_and_probes_now_and_then():
+    ctl = BatchAdaptiveK(compute_bound_costs(), probe_every=4)
+    rows = [RowSpec(8, 0.05, 1e-4)]
+    picks = [ctl.choose(rows) for _ in range(8)]
+    assert picks.count(0) == 6 and picks.count(1) == 2
+
+
+def test_no_probe_when_even_perfect_acceptance_would_not_pay():
+    costs = BatchCostModel()
+    for T in range(1, 10):
+        costs.observe(16, T, 1e-3 * T)          # fully compute-bound: T tokens cost T times one
+    ctl = BatchAdaptiveK(costs, probe_every=1)
+    assert [ctl.choose([RowSpec(8, 0.05, 1e-4)] * 16) for _ in range(5)] == [0] * 5
+
+
+def test_rate_model_matches_the_formula():
+    costs = compute_bound_costs()
+    ctl = BatchAdaptiveK(costs)
+    rows = [RowSpec(4, 0.7, 1e-4), RowSpec(0, 0.0, 0.0)]
+    K = 3
+    want = (expected_tokens(0.7, 3) + 1.0) / (costs.cost(2, 4) + 3 * 1e-4)
+    assert ctl.rate(rows, K) == pytest.approx(want)
+
+
+def test_cost_model_interpolates_between_measured_batch_sizes():
+    c = BatchCostModel()
+    c.observe(2, 3, 2.0)
+    c.observe(8, 3, 8.0)
+    assert c.cost(2, 3) == 2.0 and c.cost(5, 3) == pytest.approx(5.0)
+    assert c.cost(16, 3) == pytest.approx(16.0)     # beyond: linear in n
+    assert c.cost(8, 6) == pytest.approx(16.0)      # beyond the measured T: linear in T

@@ -1,0 +1,186 @@
+"""Bad input: each case gets the right status, OpenAI's error shape naming the field, and the server still answers
+a normal request right after it."""
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+
+from serverkit import API_KEY, MODEL
+
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_CMPL = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+def c(**kw):
+    return {**OK_CMPL, **kw}
+
+
+def ch(**kw):
+    return {**OK_CHAT, **kw}
+
+
+def drop(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+LONG = "the quick brown fox " * 300           # far beyond the 1024-token context
+
+# (id, path, body: dict or raw bytes, status, param expected in the error, words expected in the message)
+CASES = [
+    ("malformed-json", CMPL, b'{"model": "tiny", "prompt": ', 400, None, ["JSON"]),
+    ("non-object-json", CMPL, b'[1, 2, 3]', 400, None, ["object"]),
+    ("string-json", CHAT, b'"hello"', 400, None, ["object"]),
+    ("empty-body", CMPL, b'', 400, None, ["body"]),
+    ("missing-model", CMPL, drop(OK_CMPL, "model"), 400, "model", ["required"]),
+    ("missing-prompt", CMPL, drop(OK_CMPL, "prompt"), 400, "prompt", ["required"]),
+    ("empty-prompt", CMPL, c(prompt=""), 400, "prompt", ["empty"]),
+    ("empty-prompt-list", CMPL, c(prompt=[]), 400, "prompt", ["non-empty"]),
+    ("empty-string-in-list", CMPL, c(prompt=["a", ""]), 400, "prompt", ["empty"]),
+    ("prompt-wrong-type", CMPL, c(prompt={"text": "x"}), 400, "prompt", []),
+    ("token-id-out-of-vocab", CMPL, c(prompt=[1, 2, 10**6]), 400, "prompt", ["vocabulary", "1000000"]),
+    ("token-id-negative", CMPL, c(prompt=[1, -5]), 400, "prompt", []),
+    ("empty-messages", CHAT, ch(messages=[]), 400, "messages", []),
+    ("messages-not-list", CHAT, ch(messages="hi"), 400, "messages", []),
+    ("bad-role", CHAT, ch(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role", ["wizard"]),
+    ("image-content", CHAT, ch(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "messages[0].content", ["image_url"]),
+    ("content-number", CHAT, ch(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content", []),
+    ("tool-role-field", CHAT, ch(messages=[{"role": "user", "content": "x", "tool_calls": []}]), 400,
+     "messages[0].tool_calls", ["unknown"]),
+    ("prompt-longer-than-context", CMPL, c(prompt=LONG), 400, "prompt", ["1024"]),
+    ("prompt-plus-max-tokens", CMPL, c(prompt="hello world", max_tokens=1020), 400, "max_tokens", ["1020", "1024"]),
+    ("chat-plus-max-completion-tokens", CHAT, ch(max_completion_tokens=1023, max_tokens=None), 400,
+     "max_completion_tokens", ["1023", "1024"]),
+    ("max-tokens-zero", CMPL, c(max_tokens=0), 400, "max_tokens", []),
+    ("max-tokens-negative", CMPL, c(max_tokens=-3), 400, "max_tokens", []),
+    ("max-tokens-fractional", CMPL, c(max_tokens=2.5), 400, "max_tokens", ["integer"]),
+    ("max-tokens-integral-float", CMPL, c(max_tokens=3.0), 400, "max_tokens", ["integer"]),
+    ("max-tokens-string", CMPL, c(max_tokens="5"), 400, "max_tokens", ["integer"]),
+    ("max-tokens-bool", CMPL, c(max_tokens=True), 400, "max_tokens", []),
+    ("max-tokens-huge", CMPL, c(max_tokens=10**30), 400, "max_tokens", []),
+    ("temperature-negative", CMPL, c(temperature=-0.5), 400, "temperature", []),
+    ("temperature-nan", CMPL, b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400, "temperature", ["finite"]),
+    ("temperature-inf", CMPL, b'{"model": "tiny", "prompt": "x", "temperature": Infinity}', 400, "temperature", []),
+    ("temperature-huge", CMPL, c(temperature=1e9), 400, "temperature", []),
+    ("temperature-string", CMPL, c(temperature="hot"), 400, "temperature", []),
+    ("top-p-zero", CMPL, c(top_p=0), 400, "top_p", []),
+    ("top-p-above-one", CMPL, c(top_p=1.5), 400, "top_p", []),
+    ("top-k-negative", CMPL, c(top_k=-1), 400, "top_k", []),
+    ("top-k-float", CMPL, c(top_k=2.5), 400, "top_k", []),
+    ("min-p-above-one", CMPL, c(min_p=2), 400, "min_p", []),
+    ("repetition-penalty-zero", CMPL, c(repetition_penalty=0), 400, "repetition_penalty", []),
+    ("repetition-penalty-huge", CMPL, c(repetition_penalty=1000), 400, "repetition_penalty", []),
+    ("presence-penalty", CMPL, c(presence_penalty=0.5), 400, "presence_penalty", ["not supported"]),
+    ("frequency-penalty", CHAT, ch(frequency_penalty=-1), 400, "frequency_penalty", ["not supported"]),
+    ("logit-bias", CMPL, c(logit_bias={"5": 10}), 400, "logit_bias", ["not supported"]),
+    ("n-zero", CMPL, c(n=0), 400, "n", []),
+    ("n-too-big", CMPL, c(n=1000), 400, "n", []),
+    ("best-of", CMPL, c(best_of=3), 400, "best_of", []),
+    ("suffix", CMPL, c(suffix="end"), 400, "suffix", ["not supported"]),
+    ("top-logprobs-above-20", CHAT, ch(logprobs=True, top_logprobs=21), 400, "top_logprobs", []),
+    ("top-logprobs-without-logprobs", CHAT, ch(top_logprobs=2), 400, "top_logprobs", ["logprobs"]),
+    ("completion-logprobs-above-20", CMPL, c(logprobs=50), 400, "logprobs", []),
+    ("empty-stop", CMPL, c(stop=""), 400, "stop", ["empty"]),
+    ("empty-stop-in-list", CMPL, c(stop=["a", ""]), 400, "stop", ["empty"]),
+    ("too-many-stops", CMPL, c(stop=[f"s{i}" for i in range(17)]), 400, "stop", ["16"]),
+    ("stop-wrong-type", CMPL, c(stop=5), 400, "stop", []),
+    ("seed-string", CMPL, c(seed="abc"), 400, "seed", []),
+    ("seed-huge", CMPL, c(seed=2**70), 400, "seed", []),
+    ("stream-options-without-stream", CMPL, c(stream_options={"include_usage": True}), 400, "stream_options", []),
+    ("unknown-field", CMPL, c(frobnicate=1), 400, "frobnicate", ["unknown"]),
+    ("tools", CHAT, ch(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", ["not supported"]),
+    ("response-format-json", CHAT, ch(response_format={"type": "json_object"}), 400, "response_format", []),
+    ("speculative-unknown-method", CMPL, c(speculative={"method": "magic"}), 400, "speculative.method", []),
+    ("speculative-unavailable-method", CMPL, c(speculative={"method": "layerskip"}), 400, "speculative.method",
+     ["layerskip"]),
+    ("speculative-k-zero", CMPL, c(speculative={"method": "draft", "k": 0}), 400, "speculative.k", []),
+    ("speculative-not-object", CMPL, c(speculative="none"), 400, "speculative", []),
+    ("unknown-model", CMPL, c(model="gpt-4"), 404, "model", ["gpt-4"]),
+]
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as h:
+        yield h
+
+
+def assert_error_shape(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str)
+    return err
+
+
+def assert_still_works(http: httpx.Client) -> None:
+    r = http.post(CMPL, json={**OK_CMPL, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[x[0] for x in CASES])
+def test_bad_input(http, case):
+    _, path, body, status, param, words = case
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        body = {k: v for k, v in body.items() if v is not None}
+        r = http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    err = assert_error_shape(r, status)
+    assert err["param"] == param, err
+    if param is not None:
+        assert param.split("[")[0].split(".")[0] in err["message"], err
+    for w in words:
+        assert w in err["message"], err
+    assert_still_works(http)
+
+
+def test_no_nan_in_sampling_params_reaches_the_engine():
+    assert not math.isfinite(float("nan"))     # guard for the NaN cases above: json.loads accepts NaN
+
+
+def test_missing_and_bad_api_key(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": "Basic x"}):
+        r = httpx.post(server.url + CMPL, json=OK_CMPL, headers=headers, timeout=30)
+        err = assert_error_shape(r, 401)
+        assert err["type"] == "authentication_error"
+        assert API_KEY not in r.text
+    r = httpx.get(server.url + "/v1/models", timeout=30)
+    assert_error_shape(r, 401)
+    # documented policy: probes and scrapers need no key
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    assert httpx.get(server.url + "/metrics", timeout=30).status_code == 200
+
+
+def test_body_over_the_limit_is_413(http):
+    big = json.dumps({**OK_CMPL, "prompt": "x" * (5 << 20)})
+    err = assert_error_shape(http.post(CMPL, content=big, headers={"Content-Type": "application/json"}), 413)
+    assert "bytes" in err["message"]
+
+    def chunks():                       # no Content-Length: counted while read
+        for _ in range(6):
+            yield b"x" * (1 << 20)
+    assert_error_shape(http.post(CMPL, content=chunks(), headers={"Content-Type": "application/json"}), 413)
+    assert_still_works(http)
+
+
+def test_unknown_route_and_method(http):
+    assert_error_shape(http.get("/v1/nothing"), 404)
+    assert_error_shape(http.get(CMPL), 405)
+    assert_still_works(http)
+
+
+def test_non_json_content_type(http):
+    r = http.post(CMPL, content=b"model=tiny&prompt=x", headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert_error_shape(r, 400)
+    r = http.post(CMPL, content=b"\xff\xfe\x00", headers={"Content-Type": "application/json"})
+    assert_error_shape(r, 400)
+    assert_still_works(http)
