@@ -73,7 +73,9 @@ def generate(
     window: int = typer.Option(5, "--window", help="lookahead: Jacobi window W."),
     ngram_size: int = typer.Option(4, "--ngram-size", help="lookahead: n-gram size N."),
     guess_set: int = typer.Option(5, "--guess-set", help="lookahead: candidates G per step."),
-    skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help="layerskip: e.g. 2,4,6."),
+    skip_layers: Optional[str] = typer.Option(None, "--skip-layers", help="layerskip: e.g. 2,4,6 (default: searched)."),
+    skip_confidence: float = typer.Option(0.5, "--skip-confidence",
+                                          help="layerskip: stop drafting when the draft's top probability drops below this."),
     corpus: Optional[str] = typer.Option(None, "--corpus", help="suffix: extra text file or directory."),
     device: str = typer.Option("cpu", help="cpu|cuda|mps"),
     dtype: str = typer.Option("float32", help="float32|bfloat16|float16"),
@@ -99,6 +101,7 @@ def generate(
         engine = Engine(model=model, draft=draft, method=method, k=k, device=device, dtype=dtype,
                         adaptive_k=adaptive_k, ngram_min=ngram_min, ngram_max=ngram_max, window=window,
                         ngram_size=ngram_size, guess_set=guess_set, skip_layers=_skip_layers(skip_layers),
+                        skip_confidence=skip_confidence,
                         corpus=corpus)
         engine.encode(prompt, params[0])
     except ConfigError as e:

@@ -349,5 +349,71 @@ def perplexity_cmd(
 
 
 # ---- leaplm eval acceptance --------------------------------------------------------------------------------
-# Placeholder: the `acceptance` subcommand (acceptance rate and tau of a proposer against a target on held-out
-# prompts) is registered here on eval_app, beside perplexity, with @eval_app.command("acceptance").
+@eval_app.command("acceptance")
+def acceptance_cmd(
+    target: Optional[str] = typer.Option(None, "--target", help="Target checkpoint (default: the embedded target)."),
+    draft: Optional[str] = typer.Option(None, "--draft", help="Draft checkpoint (default: the embedded draft)."),
+    ks: str = typer.Option("1,2,3,4,5,6,7,8", "--k", help="Comma list of K."),
+    temperatures: str = typer.Option("0,0.8", "--temperatures", help="Comma list of temperatures (0 = greedy)."),
+    prompts: int = typer.Option(8, min=1, help="Held-out prompts (code workload, never trained on)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
+    seed: int = typer.Option(0),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the rows here (input of `train card`)."),
+    threads: Optional[int] = Threads,
+) -> None:
+    """Acceptance rate and mean accepted length of a draft against its target, per K and temperature."""
+    from .bench.workloads import code_workload, fit_to_context
+    from .models import embedded, load_model
+    from .training.acceptance import eval_acceptance
+
+    _setup(threads)
+    try:
+        k_list = [int(x) for x in ks.split(",") if x.strip()]
+        temps = [float(x) for x in temperatures.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter("expected comma-separated numbers", param_hint="--k/--temperatures") from None
+    if not k_list or min(k_list) < 1:
+        raise typer.BadParameter("each K must be >= 1", param_hint="--k")
+    if not temps or min(temps) < 0:
+        raise typer.BadParameter("temperatures must be >= 0", param_hint="--temperatures")
+    with _user_errors(["model", "draft"]):
+        tgt = load_model(target or embedded.default_target(), field="model")
+        drf = load_model(draft or embedded.default_draft() or "", field="draft")
+    w = fit_to_context(code_workload(prompts), tgt.tokenizer, tgt.model.max_len - max_new_tokens - max(k_list) - 2)
+    t = Table("temperature", "K", "acceptance rate", "mean accepted length", "drafted", title=f"{drf.name} -> {tgt.name}")
+    rows = eval_acceptance(tgt, drf, w.prompts, k_list, temps, max_new_tokens, seed,
+                           on_row=lambda r: err.print(f"[dim]T={r.temperature} K={r.k}: "
+                                                      f"acceptance {r.acceptance_rate:.3f}[/]"))
+    for r in rows:
+        t.add_row(f"{r.temperature:g}", str(r.k), f"{r.acceptance_rate:.3f}", f"{r.mean_accepted_length:.2f}",
+                  str(r.draft_tokens))
+    out.print(t)
+    if json_out:
+        json_out.write_text(json.dumps([{"temperature": r.temperature, "K": r.k,
+                                         "acceptance rate": round(r.acceptance_rate, 3),
+                                         "mean accepted length": round(r.mean_accepted_length, 2),
+                                         "drafted": r.draft_tokens, "prompts": r.prompts} for r in rows], indent=1))
+
+
+@train_app.command("ondata")
+def ondata_cmd(
+    target_dir: Path = typer.Option(..., "--target", callback=_check_model_dir, help="Target checkpoint directory."),
+    out_path: Path = typer.Option(..., "--out", help="JSONL file to write ({'text': ...} per line)."),
+    n_seqs: int = typer.Option(2048, "--n-seqs", min=1, help="Sequences to generate."),
+    prompt_tokens: int = typer.Option(64, "--prompt-tokens", min=1, help="Corpus window used as each prompt."),
+    new_tokens: int = typer.Option(128, "--new-tokens", min=1, help="Target tokens generated per prompt."),
+    batch_size: int = typer.Option(64, "--batch-size", min=1),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy continuations (what greedy acceptance sees)."),
+    seed: int = typer.Option(0),
+    threads: Optional[int] = Threads,
+) -> None:
+    """Generate on-policy distillation data: the target's continuations of training-corpus prompts."""
+    from .training.ondata import generate_target_corpus
+
+    _setup(threads)
+    with Progress(TextColumn("target continuations"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err) as prog:
+        task = prog.add_task("gen", total=n_seqs)
+        rows = generate_target_corpus(str(target_dir), out_path, n_seqs, prompt_tokens, new_tokens, batch_size,
+                                      temperature, seed, on_batch=lambda r: prog.update(task, completed=r))
+    out.print(f"wrote {rows} sequences to {out_path}")

@@ -7,8 +7,9 @@ and the machine's state. Runs are interleaved (spec, none, none, spec, ...) afte
 Each run sends a bounded number of streaming greedy requests (ignore_eos, so every request generates exactly
 max_tokens) from `concurrency` client workers, each request with a timeout.
 
-Per configuration and concurrency: request and token throughput (median over rounds), TTFT and inter-token
-latency p50/p99 (pooled over rounds), errors, acceptance, and the server's K at the end of the run. Inter-token
+Per configuration and concurrency: request and token throughput (median over rounds), the speedup (median over
+rounds of the ratio of a round's two adjacent runs), TTFT and inter-token latency p50/p99 (pooled over rounds),
+errors, acceptance, and the server's K at the end of each run. Inter-token
 latency is per token: the gap between two streamed chunks shared evenly by the tokens the second one brought
 (the server reports tokens so far on every chunk with stream_options.continuous_usage_stats).
 
@@ -59,7 +60,7 @@ class LoadBenchConfig:
     k: int = 5
     synthetic: bool = False
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
-    requests: int = 0                    # per run; 0: max(8, 2 * concurrency)
+    requests: int = 0                    # per run; 0: max(16, 4 * concurrency)
     max_tokens: int = 64
     rounds: int = 2
     max_batch: int = 16
@@ -283,12 +284,24 @@ def summarize(runs: list[RunResult]) -> list[dict]:
             "k_at_end": [r.k_at_end for r in rs],
             "error_samples": sorted({x.error for r in rs for x in r.results if x.error})[:3],
         })
-    by = {(r["concurrency"], r["speculative"]): r for r in rows}
     for r in rows:
-        base = by.get((r["concurrency"], False))
-        r["speedup_vs_none"] = (r["tokens_per_s"] / base["tokens_per_s"]
-                                if base and base["tokens_per_s"] else None)
+        r["speedup_vs_none"] = paired_speedup(runs, r["concurrency"]) if r["speculative"] else 1.0
     return rows
+
+
+def _tokens_per_s(run: RunResult) -> float:
+    return sum(x.tokens for x in run.ok) / run.wall_s
+
+
+def paired_speedup(runs: list[RunResult], concurrency: int) -> float | None:
+    """Median over rounds of (tokens/s with speculation) / (tokens/s without) of the same round: the two runs of a
+    round are adjacent in time, so slow changes in the machine's load cancel out of each ratio."""
+    ratios = []
+    for rnd in sorted({r.round for r in runs if r.concurrency == concurrency}):
+        pair = {r.speculative: r for r in runs if r.concurrency == concurrency and r.round == rnd}
+        if True in pair and False in pair and _tokens_per_s(pair[False]) > 0:
+            ratios.append(_tokens_per_s(pair[True]) / _tokens_per_s(pair[False]))
+    return statistics.median(ratios) if ratios else None
 
 
 def machine() -> dict:
@@ -321,7 +334,7 @@ def run_load_bench(cfg: LoadBenchConfig) -> dict:
                 asyncio.run(_run_level(server.url, 2, 4, spec, warm, 0))
             runs: list[RunResult] = []
             for c in cfg.concurrency:
-                n = cfg.requests or max(8, 2 * c)
+                n = cfg.requests or max(16, 4 * c)
                 for rnd in range(cfg.rounds):
                     order = (True, False) if rnd % 2 == 0 else (False, True)
                     for spec in order:
@@ -337,6 +350,9 @@ def run_load_bench(cfg: LoadBenchConfig) -> dict:
                    "draft": cfg.draft or ("synthetic" if cfg.synthetic else "embedded"), "method": cfg.method,
                    "k": cfg.k},
         "machine": machine(), "summary": summarize(runs),
+        "runs": [{"concurrency": r.concurrency, "speculative": r.speculative, "round": r.round, "wall_s": r.wall_s,
+                  "tokens_per_s": _tokens_per_s(r), "errors": len(r.results) - len(r.ok), "k_at_end": r.k_at_end}
+                 for r in runs],
     }
     if cfg.out:
         Path(cfg.out).write_text(json.dumps(report, indent=2))

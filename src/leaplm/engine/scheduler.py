@@ -116,7 +116,6 @@ class _Row:
     cap: int                                         # this request's own K (0: no speculation)
     fixed_k: bool = False                            # draft cap tokens every step (seeded sampling), see below
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
-    propose_s_per_token: float = 0.0
 
 
 class BatchScheduler:
@@ -146,6 +145,7 @@ class BatchScheduler:
         self.steps = 0
         self._factories: dict[str, Callable[[int], Proposer] | None] = {"none": None}
         self._factories_lock = threading.Lock()
+        self._propose_cost: dict[str, float] = {}        # method -> EMA of proposer seconds per drafted token
         self._waiting: deque[SeqRequest] = deque()
         self._running: list[_Row] = []                   # row i of the cache <-> _running[i]; loop thread only
         self._cond = threading.Condition()
@@ -279,7 +279,8 @@ class BatchScheduler:
         # catching up with the prompt as well (time to first token).
         specs = [RowSpec(max(0, min(r.cap, room, r.req.remaining - 1))
                          if r.proposer is not None and r.req.stats.target_forwards else 0,
-                         r.acceptance.rate, r.propose_s_per_token) for r, room in zip(rows, rooms)]
+                         r.acceptance.rate, self._propose_cost.get(r.req.stats.method, 0.0))
+                 for r, room in zip(rows, rooms)]
         fixed = [r.fixed_k for r in rows]
         K = self.policy.choose([sp for sp, f in zip(specs, fixed) if not f])
         K = max([K] + [sp.cap for sp, f in zip(specs, fixed) if f])
@@ -359,8 +360,11 @@ class BatchScheduler:
             prop = Proposal(prop.tokens[:k], prop.q[:k] if prop.q is not None else None)
         if prop.k == 0:
             return None, dt
-        per = dt / prop.k
-        r.propose_s_per_token = per if r.propose_s_per_token == 0 else 0.9 * r.propose_s_per_token + 0.1 * per
+        # Seconds per drafted token, per method (every request of a method drafts with the same model), the
+        # draft's catching up on tokens it has not seen included: what drafting really costs here.
+        per, m = dt / prop.k, r.req.stats.method
+        old = self._propose_cost.get(m)
+        self._propose_cost[m] = per if old is None else 0.9 * old + 0.1 * per
         return prop, dt
 
     def _score_verify_tree(self, i: int, r: _Row, p: Proposal):

@@ -161,7 +161,7 @@ def bench_serve(
     synthetic: bool = typer.Option(False, "--synthetic",
                                    help="Build a synthetic target/draft pair (see bench/serve_load.py) instead."),
     concurrency: str = typer.Option("1,4,16", help="Comma-separated client concurrency levels."),
-    requests: int = typer.Option(0, help="Requests per run (default: max(8, 2 x concurrency))."),
+    requests: int = typer.Option(0, help="Requests per run (default: max(16, 4 x concurrency))."),
     max_tokens: int = typer.Option(64, "--max-tokens"),
     rounds: int = typer.Option(2, help="Runs of each configuration, interleaved (spec, none, spec, none, ...)."),
     max_batch: int = typer.Option(16, "--max-batch"),
