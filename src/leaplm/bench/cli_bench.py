@@ -15,7 +15,7 @@ from ..config import ConfigError, SamplingParams
 
 bench_app = typer.Typer(add_completion=False, invoke_without_command=True,
                         help="Benchmark methods side by side; `leaplm bench serve` for the server load test.")
-console = Console()
+console = Console(width=150)
 err = Console(stderr=True)
 
 

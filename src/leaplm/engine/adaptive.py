@@ -21,6 +21,7 @@ class CostModel:
     """Seconds per target forward over T tokens, T = 1..k_max+1 (EMA of measurements)."""
     target_s: dict[int, float] = field(default_factory=dict)
     decay: float = 0.9
+    propose_s_per_token: float = 0.0    # calibrated proposer cost (draft models), the controllers' prior
 
     def observe(self, T: int, seconds: float) -> None:
         old = self.target_s.get(T)
@@ -44,8 +45,11 @@ class AdaptiveK:
     accepted: float = 4.0         # EMA-weighted counts: prior acceptance 0.8
     rejected: float = 1.0
     propose_s_per_token: float = 0.0
-    probe_every: int = 8          # at K = 0, still propose this often to keep measuring acceptance
-    _since_probe: int = 0
+    probe_every: int = 8          # at K = 0, still propose this often to keep measuring acceptance; the
+    max_probe_every: int = 128    # interval doubles while probes keep saying K = 0 (a probe also pays the
+    _since_probe: int = 0         # proposer's catch-up on the tokens it skipped)
+    _interval: int = 0
+    extra_tokens: float = 0.0     # EMA of tokens a proposal adds to the forward beyond its K (lookahead's window)
     decay: float = 0.9
 
     @property
@@ -57,16 +61,29 @@ class AdaptiveK:
             return self.k_max
         a = self.acceptance
         best_k, best = 0, 1.0 / self.costs.cost(1)
+        extra = round(self.extra_tokens)
         for k in range(1, self.k_max + 1):
-            rate = expected_tokens(a, k) / (self.costs.cost(k + 1) + k * self.propose_s_per_token)
+            rate = expected_tokens(a, k) / (self.costs.cost(k + 1 + extra) + k * self.propose_s_per_token)
             if rate > best:
                 best_k, best = k, rate
         if best_k == 0:
+            if not self._could_pay():
+                return 0                 # not even perfect acceptance beats plain decoding: never probe
+            self._interval = self._interval or self.probe_every
             self._since_probe += 1
-            if self._since_probe >= self.probe_every:
+            if self._since_probe >= self._interval:
                 self._since_probe = 0
+                self._interval = min(2 * self._interval, self.max_probe_every)
                 return 1
+        else:
+            self._interval = 0
         return best_k
+
+    def _could_pay(self) -> bool:
+        plain = 1.0 / self.costs.cost(1)
+        extra = round(self.extra_tokens)
+        return any(expected_tokens(1.0, k) / (self.costs.cost(k + 1 + extra) + k * self.propose_s_per_token)
+                   > plain for k in range(1, self.k_max + 1))
 
     def observe(self, drafted: int, accepted: int, propose_s: float, score_s: float,
                 scored: int | None = None) -> None:
@@ -75,6 +92,8 @@ class AdaptiveK:
         if drafted == 0:
             return
         d = self.decay
+        extra = max(0, (scored or drafted + 1) - drafted - 1)
+        self.extra_tokens = extra if self.extra_tokens == 0 else d * self.extra_tokens + (1 - d) * extra
         self.accepted = d * self.accepted + accepted
         self.rejected = d * self.rejected + (1 if accepted < drafted else 0)
         per = propose_s / drafted

@@ -135,7 +135,8 @@ class Engine:
     def _steps(self, req: Request, proc: LogitsProcessor, cache) -> Iterator[StreamChunk]:
         ids, params = req.prompt_ids, req.params
         proposer = self._proposer_factory(self.max_model_len) if self._proposer_factory else None
-        ctl = AdaptiveK(self.spec.k, self.costs, enabled=self.spec.adaptive_k) if proposer else None
+        ctl = AdaptiveK(self.spec.k, self.costs, enabled=self.spec.adaptive_k,
+                        propose_s_per_token=self.costs.propose_s_per_token) if proposer else None
         dev = self.model.device
 
         t0 = time.perf_counter()
@@ -217,6 +218,17 @@ class Engine:
             t = time.perf_counter()
             self.model(torch.zeros(1, T, dtype=torch.long, device=self.model.device), cache)
             self.costs.observe(T, time.perf_counter() - t)
+        if self.draft is not None:      # a draft token costs at least one draft forward: known before step 1
+            d = self.draft.model
+            dc = d.new_cache(1, self.max_model_len)
+            d(torch.zeros(1, ctx, dtype=torch.long, device=d.device), dc)
+            dc.advance(ctx)
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                d(torch.zeros(1, 1, dtype=torch.long, device=d.device), dc, last_only=True)
+                times.append(time.perf_counter() - t)
+            self.costs.propose_s_per_token = sorted(times)[1]
 
 
 def check_vocab(target: LoadedModel, draft: LoadedModel) -> None:
