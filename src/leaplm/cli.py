@@ -15,7 +15,12 @@ from .config import ConfigError, SamplingParams
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Lossless speculative decoding for Hugging Face causal LMs.")
 err = Console(stderr=True)
-out = Console()
+out = Console(width=160)      # tables only: generated text goes to stdout unwrapped (_write)
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -111,23 +116,22 @@ def generate(
     for i, sp in enumerate(params):
         if stream and not as_json:
             if n > 1:
-                out.print(f"[dim]--- sample {i + 1} ---[/]")
-            out.print(prompt, end="", style="dim", markup=False, highlight=False)
+                _write(f"--- sample {i + 1} ---\n")
+            _write(prompt)
             text, ids, reason, st = "", [], None, None
             for chunk in engine.stream(prompt, sp):
-                out.print(chunk.text, end="", markup=False, highlight=False)
+                _write(chunk.text)
                 text += chunk.text
                 ids += chunk.token_ids
                 reason, st = chunk.finish_reason or reason, chunk.stats or st
-            out.print()
+            _write("\n")
         else:
             o = engine.generate(prompt, sp)
             text, ids, reason, st = o.text, o.token_ids, o.finish_reason, o.stats
             if not as_json:
                 if n > 1:
-                    out.print(f"[dim]--- sample {i + 1} ---[/]")
-                out.print(prompt, end="", style="dim", markup=False, highlight=False)
-                out.print(text, markup=False, highlight=False)
+                    _write(f"--- sample {i + 1} ---\n")
+                _write(prompt + text + "\n")
         samples.append({"text": text, "token_ids": ids, "finish_reason": reason})
         total.merge(st)
     if as_json:
