@@ -189,26 +189,15 @@ def _param_count(path) -> int:
 
 
 def _mount_subcommands() -> None:
-    """Commands that live in their own modules (so a missing optional part does not break the CLI)."""
-    try:
-        from .bench.cli_bench import bench_app
+    """Commands that live in their own modules (imported here so `leaplm --help` lists them all)."""
+    from .bench.cli_bench import bench_app
+    from .cli_train import eval_app, train_app
+    from .server.cli_serve import serve
 
-        app.add_typer(bench_app, name="bench")
-    except ImportError as e:  # pragma: no cover - only while a part is being built
-        logging.getLogger(__name__).debug("bench unavailable: %s", e)
-    try:
-        from .cli_train import eval_app, train_app
-
-        app.add_typer(train_app, name="train", help="Train the tokenizer, pretrain and distill models.")
-        app.add_typer(eval_app, name="eval", help="Evaluate perplexity and draft acceptance.")
-    except ImportError as e:  # pragma: no cover
-        logging.getLogger(__name__).debug("train unavailable: %s", e)
-    try:
-        from .server.cli_serve import serve
-
-        app.command("serve")(serve)
-    except ImportError as e:  # pragma: no cover
-        logging.getLogger(__name__).debug("serve unavailable: %s", e)
+    app.add_typer(bench_app, name="bench")
+    app.add_typer(train_app, name="train", help="Train the tokenizer, pretrain and distill models.")
+    app.add_typer(eval_app, name="eval", help="Evaluate perplexity and draft acceptance.")
+    app.command("serve")(serve)
 
 
 _mount_subcommands()

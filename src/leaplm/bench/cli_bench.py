@@ -158,12 +158,9 @@ def print_table(summaries, settings) -> None:
 
 
 def _mount() -> None:
-    try:
-        from ..server.cli_serve import bench_serve
+    from ..server.cli_serve import bench_serve
 
-        bench_app.command("serve")(bench_serve)
-    except ImportError:  # pragma: no cover - while the server is being built
-        pass
+    bench_app.command("serve")(bench_serve)
 
 
 _mount()
