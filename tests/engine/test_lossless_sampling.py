@@ -25,10 +25,9 @@ from transformers import AutoModelForCausalLM
 from leaplm.config import SamplingParams
 from leaplm.engine.engine import Engine
 from leaplm.verify import VerifyResult
+from mc_bounds import DELTA, MIN_CELL, tv_and_bound  # noqa: F401  (shared bound, see its docstring)
 
 N = 1500
-DELTA = 1e-6
-MIN_CELL = 0.01
 PROMPT = [1, 2, 3]
 
 PLAIN = dict()
@@ -69,17 +68,6 @@ def sample_positions_2_3(engine: Engine, params: dict, n: int = N) -> tuple[torc
     return counts / n, accepted / max(drafted, 1)
 
 
-def tv_and_bound(empirical: torch.Tensor, exact: torch.Tensor, n: int = N) -> tuple[float, float]:
-    """Total variation over the cells fixed by `exact`, and the DELTA-level bound for n samples."""
-    keep = exact.flatten() >= MIN_CELL
-    e, x = empirical.flatten(), exact.flatten()
-    cells_e = torch.cat([e[keep], e[~keep].sum().view(1)])
-    cells_x = torch.cat([x[keep], x[~keep].sum().view(1)])
-    k = int(keep.sum()) + 1
-    tv = 0.5 * float((cells_e - cells_x).abs().sum())
-    return tv, math.sqrt((k * math.log(2) + math.log(1 / DELTA)) / (2 * n))
-
-
 def engine(tiny_vocab, method: str, draft: str | None = None, k: int = 2) -> Engine:
     """adaptive_k off: K is then fixed, so the run is a function of the seeds alone."""
     if method == "none":
@@ -103,7 +91,7 @@ def test_positions_2_and_3_follow_the_target(case, method, tiny_vocab, ref_probs
     got, acceptance = sample_positions_2_3(eng, params)
     if method == "draft":                # the regimes the drafts were built for: both branches well exercised
         assert (0.05 < acceptance < 0.4) if draft == "far" else (0.5 < acceptance < 0.95), acceptance
-    tv, bound = tv_and_bound(got, exact)
+    tv, bound = tv_and_bound(got, exact, N)
     assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f} ({case}, {method})"
 
 
@@ -125,7 +113,7 @@ def test_negative_control_always_accept_fails_the_bound(tiny_vocab, ref_probs, m
     params, draft, k = CASES["plain-far-k2"]
     exact = exact_positions_2_3(tiny_vocab["target"].path, SamplingParams(**params), ref_probs)
     got, _ = sample_positions_2_3(engine(tiny_vocab, "draft", draft, k), params)
-    tv, bound = tv_and_bound(got, exact)
+    tv, bound = tv_and_bound(got, exact, N)
     assert always_accept.calls >= N                                # the wrong verifier really ran
     assert tv > bound, f"the wrong verifier passed: TV {tv:.4f} < bound {bound:.4f}"
 

@@ -32,6 +32,7 @@ from leaplm.engine.engine import Engine
 from leaplm.propose import registry
 from leaplm.propose.base import Proposal
 from leaplm.verify import VerifyResult
+from mc_bounds import DELTA, MIN_CELL, tv_and_bound  # noqa: F401  (shared bound, see its docstring)
 
 NEW = 40
 LOOP = [1, 2, 3, 4, 5] * 3                      # a repetitive prompt: the draft-free methods find matches in it
@@ -264,8 +265,6 @@ def test_layerskip_needs_layers_to_choose_from(loaded):
 # --- sampling: Monte Carlo against the exact target distribution ------------------------------------------------
 N = 1500
 N_CONTROL = 300
-DELTA = 1e-6
-MIN_CELL = 0.01
 PROCESSED = dict(temperature=0.8, top_k=6, top_p=0.95, repetition_penalty=1.2)
 MC_METHODS = {                                              # name: (Engine options, sampling params)
     "ngram": (dict(method="ngram", k=3), {}),
@@ -316,16 +315,6 @@ def sample_first_three(engine: Engine, prompt: list[int], params: dict, n: int) 
         counts[tuple(out.token_ids)] += 1
         accepted += out.stats.accepted_tokens
     return counts / n, accepted
-
-
-def tv_and_bound(empirical: torch.Tensor, exact: torch.Tensor, n: int) -> tuple[float, float]:
-    keep = exact.flatten() >= MIN_CELL
-    e, x = empirical.flatten(), exact.flatten()
-    cells_e = torch.cat([e[keep], e[~keep].sum().view(1)])
-    cells_x = torch.cat([x[keep], x[~keep].sum().view(1)])
-    k = int(keep.sum()) + 1
-    tv = 0.5 * float((cells_e - cells_x).abs().sum())
-    return tv, math.sqrt((k * math.log(2) + math.log(1 / DELTA)) / (2 * n))
 
 
 @pytest.mark.parametrize("name", MC_METHODS)

@@ -1,0 +1,39 @@
+"""`leaplm eval acceptance` and `leaplm train ondata`: bad options are refused naming the option; a tiny run works."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from leaplm.cli import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--k", "0"], "--k"),
+    (["--k", "two"], "--k"),
+    (["--temperatures", "-1"], "--temperatures"),
+    (["--draft", "/no/such/draft"], "--draft"),
+])
+def test_eval_acceptance_bad_options(checkpoint, args, needle):
+    res = runner.invoke(app, ["eval", "acceptance", "--target", checkpoint("llama_tied"), *args])
+    assert res.exit_code == 2, res.output
+    assert needle in res.output and "Traceback" not in res.output
+
+
+def test_eval_acceptance_writes_rows(checkpoint, tmp_path):
+    out = tmp_path / "acc.json"
+    res = runner.invoke(app, ["eval", "acceptance", "--target", checkpoint("llama_tied"), "--draft",
+                              checkpoint("llama_tied"), "--k", "1,2", "--temperatures", "0", "--prompts", "1",
+                              "--max-new-tokens", "6", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())
+    assert [r["K"] for r in rows] == [1, 2]
+    assert all(r["acceptance rate"] == 1.0 for r in rows)     # the target as its own draft is always accepted
+
+
+def test_ondata_refuses_missing_target(tmp_path):
+    res = runner.invoke(app, ["train", "ondata", "--target", str(tmp_path / "none"), "--out", str(tmp_path / "x.jsonl")])
+    assert res.exit_code == 2 and "--target" in res.output
