@@ -140,6 +140,8 @@ class StepProgress:
         if s.eval_loss is not None:
             kl = getattr(s, "eval_kl", None)
             extra = f", held-out KL {kl:.4f}" if kl is not None else ""
+            agree = getattr(s, "eval_agree", None)
+            extra += f", greedy agreement {agree:.3f}" if agree is not None else ""
             self.progress.console.log(f"step {s.step}/{s.steps}: train {s.loss:.4f}, held-out CE {s.eval_loss:.4f}"
                                       f"{extra}, {s.tokens_seen:,} tokens")
 
@@ -246,9 +248,13 @@ def distill_cmd(
     eval_batches: int = _d("eval_batches", "Batches per held-out evaluation.", min=1),
     max_files: Optional[int] = typer.Option(None, min=1, help="Use only the first N files of each split (tests)."),
     bf16: bool = _d("bf16", "bf16 autocast (draft has fp32 master weights; target runs in bf16)."),
+    logits_dir: Optional[Path] = typer.Option(
+        None, "--logits-dir", help="Train on cached target logits (`train ondata --top-k`) instead of running the "
+                                   "target: --tokens then counts generated positions; --corpus and --seq-len are unused."),
     threads: Optional[int] = Threads,
 ) -> None:
-    """Distil a draft from a target: forward KL on the target's online logits, mixed with CE; resumes from --out."""
+    """Distil a draft from a target: forward KL on the target's logits (online, or cached by `train ondata
+    --top-k`), mixed with CE; resumes from --out."""
     from .training.distill import distill
 
     _setup(threads)
@@ -257,7 +263,7 @@ def distill_cmd(
                         long_seq_len=long_seq_len, long_fraction=long_fraction, lr=lr, min_lr=min_lr,
                         warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, seed=seed,
                         save_every=save_every, eval_every=eval_every, eval_batches=eval_batches,
-                        max_files=max_files, bf16=bf16)
+                        max_files=max_files, bf16=bf16, logits_dir=str(logits_dir) if logits_dir else None)
     with _user_errors([f.name for f in dataclasses.fields(cfg)]), StepProgress(f"distill {draft_init}") as bar:
         last = distill(cfg, bar)
     _report_done(out_dir, last)
@@ -398,22 +404,41 @@ def acceptance_cmd(
 @train_app.command("ondata")
 def ondata_cmd(
     target_dir: Path = typer.Option(..., "--target", callback=_check_model_dir, help="Target checkpoint directory."),
-    out_path: Path = typer.Option(..., "--out", help="JSONL file to write ({'text': ...} per line)."),
-    n_seqs: int = typer.Option(2048, "--n-seqs", min=1, help="Sequences to generate."),
-    prompt_tokens: int = typer.Option(64, "--prompt-tokens", min=1, help="Corpus window used as each prompt."),
+    out_path: Path = typer.Option(..., "--out", help="JSONL file to write ({'text': ...} per line); with --top-k, "
+                                                     "a directory of logit shards."),
+    n_seqs: int = typer.Option(2048, "--n-seqs", min=1, help="Sequences to generate (with --top-k: over all parts)."),
+    prompt_tokens: int = typer.Option(64, "--prompt-tokens", min=1,
+                                      help="Corpus window used as each prompt (JSONL mode; shards cycle 96/192/320 "
+                                           "tokens ending at a def line)."),
     new_tokens: int = typer.Option(128, "--new-tokens", min=1, help="Target tokens generated per prompt."),
     batch_size: int = typer.Option(64, "--batch-size", min=1),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy continuations (what greedy acceptance sees)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", min=1, max=256,
+                                        help="Also cache the target's top-k log-probs per generated token, as "
+                                             "safetensors shards for `train distill --logits-dir` (greedy only)."),
+    part: int = typer.Option(0, "--part", min=0, help="With --top-k: this process's part (run --parts of them)."),
+    parts: int = typer.Option(1, "--parts", min=1, help="With --top-k: processes sharing the output directory."),
     seed: int = typer.Option(0),
     threads: Optional[int] = Threads,
 ) -> None:
     """Generate on-policy distillation data: the target's continuations of training-corpus prompts."""
-    from .training.ondata import generate_target_corpus
+    from .training.ondata import generate_target_corpus, generate_target_logits
 
     _setup(threads)
+    if top_k is not None and temperature > 0:
+        raise typer.BadParameter("cached logits are for greedy continuations; drop --temperature",
+                                 param_hint="--temperature")
+    if part >= parts:
+        raise typer.BadParameter(f"must be < --parts ({parts}), got {part}", param_hint="--part")
     with Progress(TextColumn("target continuations"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err) as prog:
-        task = prog.add_task("gen", total=n_seqs)
-        rows = generate_target_corpus(str(target_dir), out_path, n_seqs, prompt_tokens, new_tokens, batch_size,
-                                      temperature, seed, on_batch=lambda r: prog.update(task, completed=r))
+        task = prog.add_task("gen", total=n_seqs if top_k is None else -(-n_seqs // parts))
+        if top_k is None:
+            rows = generate_target_corpus(str(target_dir), out_path, n_seqs, prompt_tokens, new_tokens, batch_size,
+                                          temperature, seed, on_batch=lambda r: prog.update(task, completed=r))
+        else:
+            with _user_errors(["n_seqs", "top_k", "part"]):
+                rows = generate_target_logits(str(target_dir), out_path, n_seqs, new_tokens, top_k, batch_size,
+                                              seed, part=part, parts=parts,
+                                              on_batch=lambda r: prog.update(task, completed=r))
     out.print(f"wrote {rows} sequences to {out_path}")

@@ -252,6 +252,38 @@ def test_rate_model_matches_the_formula():
     assert ctl.rate(rows, K) == pytest.approx(want)
 
 
+def test_catch_up_cost_is_charged_only_to_rows_that_draft():
+    costs = compute_bound_costs()
+    ctl = BatchAdaptiveK(costs)
+    rows = [RowSpec(4, 0.7, 1e-4, catchup_s=2e-3), RowSpec(0, 0.0, 0.0, catchup_s=5.0)]
+    want = (expected_tokens(0.7, 3) + 1.0) / (costs.cost(2, 4) + 3 * 1e-4 + 2e-3)
+    assert ctl.rate(rows, 3) == pytest.approx(want)
+    assert ctl.rate(rows, 0) == pytest.approx(2.0 / costs.cost(2, 1))
+
+
+def test_a_draft_that_must_catch_up_near_the_end_of_a_request_does_not_start():
+    """A row whose draft has seen nothing pays the prefill once; spread over many remaining steps it is worth it,
+    charged to the last few steps of a request it is not."""
+    ctl = BatchAdaptiveK(compute_bound_costs())
+    assert ctl.best([RowSpec(8, 0.8, 2e-5, catchup_s=1e-4)]) >= 3
+    assert ctl.best([RowSpec(8, 0.8, 2e-5, catchup_s=5e-3)]) == 0
+
+
+def test_scheduler_spreads_the_draft_catch_up_over_the_remaining_steps(target, loaded):
+    sched = BatchScheduler(engine_for(target, loaded, "draft", adaptive=True), max_batch=2)
+    assert sched.draft_prefill_s_per_token > 0             # calibrated with the target costs
+    prompt = list(range(1, 41))
+    sched.submit([SeqRequest(prompt, SamplingParams(max_new_tokens=30, temperature=0), lambda o: None)])
+    sched.step()                                           # the first step never drafts
+    row = sched._running[0]
+    assert row.proposer.lag(len(row.req.tokens)) == len(row.req.tokens) == 41   # nothing cached: the whole context
+    want = 41 * sched.draft_prefill_s_per_token / (row.req.remaining / expected_tokens(row.acceptance.rate, 4))
+    assert sched._catchup_s(row) == pytest.approx(want)
+    sched._propose(0, row, 2)                              # once it has drafted, only the new tokens remain
+    assert row.proposer.lag(len(row.req.tokens)) == 0 and sched._catchup_s(row) == 0.0
+    sched.run_until_idle()
+
+
 def test_cost_model_interpolates_between_measured_batch_sizes():
     c = BatchCostModel()
     c.observe(2, 3, 2.0)

@@ -22,10 +22,13 @@ class Workload:
     prompts: list[str]
 
 
-def _functions(min_lines: int = 8, max_lines: int = 40) -> list[tuple[list[str], int, int]]:
-    """(file lines, start, end) of top-level functions and methods in held-out files, in a fixed order."""
+def functions(split: str = "heldout", min_lines: int = 8, max_lines: int = 40,
+              max_files: int | None = None) -> list[tuple[list[str], int, int]]:
+    """(file lines, start, end) of functions and methods in a stdlib split's files, in a fixed order.
+
+    Benchmarks read the held-out split; on-policy distillation data reads the training split."""
     found = []
-    for path in stdlib_files("heldout"):
+    for path in stdlib_files(split)[:max_files]:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
         for i, line in enumerate(lines):
             m = _DEF.match(line)
@@ -52,7 +55,7 @@ def _spread(items: list, n: int) -> list:
 
 def code_workload(n: int = 8, context_lines: int = 30, max_chars: int = 1200) -> Workload:
     prompts = []
-    for lines, i, _ in _spread(_functions(), n):
+    for lines, i, _ in _spread(functions(), n):
         text = "".join(lines[max(0, i - context_lines) : i + 1])
         prompts.append(text[-max_chars:])
     return Workload("code", "continue held-out stdlib code after a def line", prompts)
@@ -60,7 +63,7 @@ def code_workload(n: int = 8, context_lines: int = 30, max_chars: int = 1200) ->
 
 def copy_workload(n: int = 8, max_chars: int = 1400, lead_lines: int = 2) -> Workload:
     prompts = []
-    for lines, i, j in _spread(_functions(), n):
+    for lines, i, j in _spread(functions(), n):
         fn = "".join(lines[i:j])
         if len(fn) > max_chars:
             fn = fn[:max_chars].rsplit("\n", 1)[0] + "\n"

@@ -153,6 +153,13 @@ class AcceptanceEstimate:
     rejected: float = 1.0
     decay: float = 0.9
 
+    @classmethod
+    def seeded(cls, rate: float, strength: float = 5.0) -> "AcceptanceEstimate":
+        """A new request's estimate, starting from what its method has measured on earlier requests (worth
+        `strength` drafts) instead of the fixed prior: a full batch keeps admitting new rows, and an optimistic
+        prior on each would keep buying drafts that the measured acceptance does not pay for."""
+        return cls(accepted=strength * rate, rejected=strength * (1 - rate))
+
     @property
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
@@ -170,6 +177,8 @@ class RowSpec:
     cap: int                       # this row's own K (0: the row does not speculate)
     acceptance: float              # per-token acceptance estimate
     propose_s_per_token: float     # measured proposer seconds per drafted token
+    catchup_s: float = 0.0         # a draft model's prefill of tokens it has not seen, spread over the request's
+                                   # remaining steps (paid once, then drafting is cheap): charged when it drafts
 
 
 @dataclass
@@ -184,7 +193,8 @@ class BatchAdaptiveK:
         """Expected tokens per second of a step with K over these rows."""
         n = len(rows)
         tokens = sum(expected_tokens(r.acceptance, min(K, r.cap)) for r in rows)
-        seconds = self.costs.cost(n, K + 1) + sum(min(K, r.cap) * r.propose_s_per_token for r in rows)
+        seconds = self.costs.cost(n, K + 1) + sum(min(K, r.cap) * r.propose_s_per_token
+                                                  + (r.catchup_s if min(K, r.cap) else 0.0) for r in rows)
         return tokens / seconds
 
     def best(self, rows: list[RowSpec]) -> int:
@@ -206,7 +216,7 @@ class BatchAdaptiveK:
         if K == 0:
             # Probe only when acceptance is what keeps K at 0: if even perfect acceptance would not pay at this
             # batch size, drafting a token would only cost.
-            perfect = [RowSpec(r.cap, 1.0, r.propose_s_per_token) for r in rows]
+            perfect = [RowSpec(r.cap, 1.0, r.propose_s_per_token, r.catchup_s) for r in rows]
             # A probe widens every row's block, so with n rows it comes n times less often.
             if self.best(perfect) > 0:
                 self._since_probe += 1

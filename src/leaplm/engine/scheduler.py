@@ -45,7 +45,7 @@ from ..config import ConfigError, SamplingParams
 from ..propose.base import Proposal, ProposeContext, Proposer
 from ..propose.registry import make_proposer_factory
 from ..sampling import LogitsProcessor
-from .adaptive import AcceptanceEstimate, BatchAdaptiveK, BatchCostModel, RowSpec
+from .adaptive import AcceptanceEstimate, BatchAdaptiveK, BatchCostModel, RowSpec, expected_tokens
 from .commit import commit, finish_chunk, new_request, verify_chain
 from .request import Request, StreamChunk, TokenLogprob
 from .tree_step import extra_logits, tree_block, verify_tree
@@ -142,10 +142,13 @@ class BatchScheduler:
         self.cache = self.model.new_cache(max_batch, self.max_len)
         self.policy = BatchAdaptiveK(BatchCostModel(), enabled=engine.spec.adaptive_k)
         self.current_k = 0                               # K of the last step (exported as a gauge)
+        self.draft_prefill_s_per_token = 0.0             # calibrated: a draft model's prefill cost per token
         self.steps = 0
         self._factories: dict[str, Callable[[int], Proposer] | None] = {"none": None}
         self._factories_lock = threading.Lock()
         self._propose_cost: dict[str, float] = {}        # method -> EMA of proposer seconds per drafted token
+        # method -> acceptance over all its requests (slow EMA): the starting estimate of a new request's row
+        self._method_acceptance: dict[str, AcceptanceEstimate] = {}
         self._waiting: deque[SeqRequest] = deque()
         self._running: list[_Row] = []                   # row i of the cache <-> _running[i]; loop thread only
         self._cond = threading.Condition()
@@ -279,7 +282,7 @@ class BatchScheduler:
         # catching up with the prompt as well (time to first token).
         specs = [RowSpec(max(0, min(r.cap, room, r.req.remaining - 1))
                          if r.proposer is not None and r.req.stats.target_forwards else 0,
-                         r.acceptance.rate, self._propose_cost.get(r.req.stats.method, 0.0))
+                         r.acceptance.rate, self._propose_cost.get(r.req.stats.method, 0.0), self._catchup_s(r))
                  for r, room in zip(rows, rooms)]
         fixed = [r.fixed_k for r in rows]
         K = self.policy.choose([sp for sp, f in zip(specs, fixed) if not f])
@@ -315,6 +318,8 @@ class BatchScheduler:
                 if p is not None:
                     r.proposer.observe(p, result, extra_logits(p, row_logits))
                     r.acceptance.observe(d, result.accepted)
+                    self._method_acceptance.setdefault(r.req.stats.method, AcceptanceEstimate(decay=0.98)).observe(
+                        d, result.accepted)
                 chunk = commit(r.req, result, row_logits, d, self.cache, row=i)
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 log.exception("request %s failed in a step", r.seq.request_id)
@@ -342,6 +347,15 @@ class BatchScheduler:
         if self.observer is not None:
             self.observer.on_step(StepReport(n, K, T, drafted, accepted, emitted, propose_s, tv - tp, te - ts))
         return True
+
+    def _catchup_s(self, r: _Row) -> float:
+        """Seconds a draft model needs to prefill what it has not seen (a row that has not drafted yet: its whole
+        context), spread over the steps the request has left: near the end of a request it does not pay."""
+        lag = getattr(r.proposer, "lag", None)
+        if lag is None or not self.draft_prefill_s_per_token:
+            return 0.0
+        steps_left = max(1.0, r.req.remaining / expected_tokens(r.acceptance.rate, max(1, r.cap)))
+        return lag(len(r.req.tokens)) * self.draft_prefill_s_per_token / steps_left
 
     def _row_cache(self, i: int):
         """Row i as a batch-1 cache (the cache itself when it has one row)."""
@@ -433,7 +447,9 @@ class BatchScheduler:
         # A seeded sampling request drafts a fixed K: its random draws then do not depend on the batch it shares
         # steps with or on measured timings, so the same seed gives the same text (greedy output never depends on K).
         fixed = proposer is not None and not seq.params.greedy and seq.params.seed is not None
-        self._running.append(_Row(seq, req, LogitsProcessor(seq.params), proposer, cap, fixed))
+        seen = self._method_acceptance.get(method)
+        acceptance = AcceptanceEstimate.seeded(seen.rate) if seen is not None else AcceptanceEstimate()
+        self._running.append(_Row(seq, req, LogitsProcessor(seq.params), proposer, cap, fixed, acceptance))
         if prompt_lps is not None:
             self._emit(seq, SeqOutput(seq.request_id, StreamChunk("", []), prompt_logprobs=prompt_lps))
 
@@ -459,7 +475,7 @@ class BatchScheduler:
     # --- cost calibration -------------------------------------------------------------------------------------
     def calibrate(self, ctx: int = 64, repeats: int = 2) -> None:
         """Measure batched forward costs at n in 1, 2, 4, ... max_batch rows and T = 1 .. K + 1 tokens (before
-        the loop starts; live steps keep refreshing them)."""
+        the loop starts; live steps keep refreshing them), and a draft model's prefill cost per token."""
         if self._running:
             raise RuntimeError("calibrate() before serving requests")
         ctx = max(1, min(ctx, self.max_len // 2))
@@ -476,6 +492,17 @@ class BatchScheduler:
                     self.policy.costs.observe(n, T, time.perf_counter() - t)
             for r in range(n):
                 self.cache.lengths[r] = 0
+        if self.engine.draft is not None:
+            draft = self.engine.draft.model
+            n_tok = max(1, min(ctx, draft.max_len))
+            cache = draft.new_cache(1, n_tok)
+            best = float("inf")
+            for _ in range(repeats + 1):
+                cache.lengths[0] = 0
+                t = time.perf_counter()
+                draft(torch.zeros(1, n_tok, dtype=torch.long, device=draft.device), cache, last_only=True)
+                best = min(best, time.perf_counter() - t)
+            self.draft_prefill_s_per_token = best / n_tok
 
 
 def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:

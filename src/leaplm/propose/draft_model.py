@@ -50,5 +50,9 @@ class DraftModelProposer:
         q = torch.stack(qs) if qs else None                               # [K, V]
         return Proposal(torch.tensor(drafts, device=self.model.device), q)
 
+    def lag(self, n_tokens: int) -> int:
+        """Committed tokens the draft has not cached yet: what its next proposal must prefill first."""
+        return max(0, n_tokens - self.cache.lengths[0])
+
     def observe(self, proposal: Proposal, result: VerifyResult, extra_logits=None) -> None:
         self.cache.truncate(self.n_ctx + min(result.accepted, self.k - 1))

@@ -5,6 +5,11 @@ distribution (computed online, frozen) and q the draft's. Forward KL is the quan
 pays for: acceptance is 1 - TV(p, q), and KL(p || q) bounds TV by Pinsker. The CE term is plain next-token
 loss on the corpus text.
 
+With `logits_dir` (shards from `ondata.generate_target_logits`) the target is not run at all: the draft trains
+on the target's own greedy continuations against their cached top-k log-probs, loss = alpha * KL(p_k || q)
++ (1 - alpha) * CE(target's greedy token), where p_k is p renormalised over its top k. That is on-policy
+distillation at the cost of the draft alone, so it can run for many epochs.
+
 A draft trained with plain CE needs nothing here: that is `pretrain.pretrain` with preset draft-3m or draft-1m
 (same tokenizer as the target); its output directory can then be this recipe's `draft_init`.
 """
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -53,6 +59,9 @@ class DistillConfig:
     eval_batches: int = 8
     max_files: int | None = None      # limit the corpus (tests)
     bf16: bool = True
+    # cached target logits (shards of ondata.generate_target_logits); then `corpus` and the seq_len fields are
+    # unused and `tokens` counts supervised (generated) positions
+    logits_dir: str | None = None
 
     def validate(self) -> None:
         for name in ("tokens", "batch_size", "seq_len", "warmup_steps", "save_every", "eval_every", "eval_batches"):
@@ -64,6 +73,8 @@ class DistillConfig:
             raise ConfigError("long_fraction", f"must be in [0, 1), got {self.long_fraction}")
         if self.lr <= 0:
             raise ConfigError("lr", f"must be > 0, got {self.lr}")
+        if self.logits_dir is not None and not Path(self.logits_dir).is_dir():
+            raise ConfigError("logits_dir", f"{self.logits_dir!r} is not a directory")
         if not (Path(self.target_dir) / "config.json").exists():
             raise ConfigError("target_dir", f"{self.target_dir!r} is not a Hugging Face checkpoint (no config.json)")
         if self.draft_init not in PRESETS:
@@ -86,6 +97,8 @@ class DistillStepLog(StepLog):
     kl: float = 0.0                   # KL(p || q) on this batch, nats per token
     ce: float = 0.0                   # draft CE on this batch's text, nats per token
     eval_kl: float | None = None      # held-out KL(p || q)
+    agree: float | None = None        # cached logits: how often argmax q = the target's greedy token (train batch)
+    eval_agree: float | None = None   # the same on the validation shards: per-token greedy acceptance
 
 
 @dataclass
@@ -109,6 +122,46 @@ def distill_loss(draft_logits: torch.Tensor, target_logp: torch.Tensor, ids: tor
     return DistillLoss(alpha * kl + (1 - alpha) * ce, kl, ce)
 
 
+@dataclass
+class CachedLoss(DistillLoss):
+    agree: torch.Tensor               # [] fraction of positions where argmax q is the target's greedy token
+
+
+def cached_loss(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor,
+                alpha: float) -> CachedLoss:
+    """alpha * KL(p_k || q) + (1 - alpha) * CE(greedy token), averaged over positions.
+
+    draft_logits: [batch, new, vocab]; topk_ids: [batch, new, k] (column 0 is the target's argmax);
+    topk_logp: [batch, new, k] log p. p_k renormalises p over its top k: the tail holds little mass and
+    was not stored."""
+    logq = F.log_softmax(draft_logits.float(), dim=-1)          # [batch, new, vocab]
+    logq_k = logq.gather(-1, topk_ids)                          # [batch, new, k]
+    logp_k = F.log_softmax(topk_logp, dim=-1)                   # [batch, new, k] renormalised
+    kl = (logp_k.exp() * (logp_k - logq_k)).sum(-1).mean()
+    ce = -logq_k[..., 0].mean()
+    agree = (logq.argmax(-1) == topk_ids[..., 0]).float().mean()
+    return CachedLoss(alpha * kl + (1 - alpha) * ce, kl, ce, agree)
+
+
+def _cached_step(draft, b, cfg: DistillConfig) -> CachedLoss:
+    """Draft forward over prompt + continuation; logits only where the target's distribution is known."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        logits = draft(input_ids=b.input_ids[:, :-1], logits_to_keep=b.new_tokens).logits  # [batch, new, vocab]
+        return cached_loss(logits, b.topk_ids, b.topk_logp, cfg.alpha)
+
+
+@torch.no_grad()
+def eval_cached(draft, shards, cfg: DistillConfig, n_batches: int) -> tuple[DistillEval, float]:
+    """Validation-shard CE, KL and greedy agreement: (DistillEval, agree)."""
+    draft.eval()
+    batches = shards.valid_batches(cfg.batch_size, n_batches)
+    rs = [_cached_step(draft, b, cfg) for b in batches]
+    draft.train()
+    n = len(rs)
+    return (DistillEval(sum(r.ce.item() for r in rs) / n, sum(r.kl.item() for r in rs) / n),
+            sum(r.agree.item() for r in rs) / n)
+
+
 def target_logprobs(target, ids: torch.Tensor, bf16: bool) -> torch.Tensor:
     """log p of the frozen target: [batch, seq] -> [batch, seq, vocab] fp32, usable in autograd."""
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -117,9 +170,9 @@ def target_logprobs(target, ids: torch.Tensor, bf16: bool) -> torch.Tensor:
     return logp.clone()
 
 
-def check_same_vocab(target, draft, target_tok, draft_tok=None) -> None:
+def check_same_vocab(target_config, draft, target_tok, draft_tok=None) -> None:
     """A draft must score the target's tokens: equal vocab sizes, and equal tokenizers when the draft has one."""
-    t, d = target.config.vocab_size, draft.config.vocab_size
+    t, d = target_config.vocab_size, draft.config.vocab_size
     if t != d:
         raise ConfigError("draft_init", f"draft vocab_size {d} != target vocab_size {t}; "
                                         "a draft must use the target's tokenizer")
@@ -150,19 +203,19 @@ def eval_distill(draft, target, stream: TokenStream, cfg: DistillConfig, n_batch
     return DistillEval(ce / n_batches, kl / n_batches)
 
 
-def _load_draft(cfg: DistillConfig, target, target_tok):
+def _load_draft(cfg: DistillConfig, target_config, target_tok):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     if cfg.draft_init in PRESETS:
-        config = llama_config(cfg.draft_init, vocab_size=target.config.vocab_size, eos_id=target_tok.eos_token_id,
-                              max_position_embeddings=target.config.max_position_embeddings)
+        config = llama_config(cfg.draft_init, vocab_size=target_config.vocab_size, eos_id=target_tok.eos_token_id,
+                              max_position_embeddings=target_config.max_position_embeddings)
         draft = LlamaForCausalLM(config)
         draft_tok = None
     else:
         draft = AutoModelForCausalLM.from_pretrained(cfg.draft_init, dtype=torch.float32)  # fp32 master weights
         has_tok = (Path(cfg.draft_init) / "tokenizer_config.json").exists()
         draft_tok = load_tokenizer(cfg.draft_init) if has_tok else None
-    check_same_vocab(target, draft, target_tok, draft_tok)
+    check_same_vocab(target_config, draft, target_tok, draft_tok)
     return draft
 
 
@@ -171,21 +224,35 @@ def distill(cfg: DistillConfig,
     """Train (or resume) the draft and write its checkpoint, with the target's tokenizer, to cfg.out_dir.
 
     Returns the last step's log (None when a resumed run had no steps left)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .logit_shards import LogitShards
 
     cfg.validate()
     out = Path(cfg.out_dir)
     tok = load_tokenizer(cfg.target_dir)
-    target = AutoModelForCausalLM.from_pretrained(cfg.target_dir, dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
-    target.eval().requires_grad_(False)
+    target_config = AutoConfig.from_pretrained(cfg.target_dir)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    draft = _load_draft(cfg, target, tok)
-    train = TokenStream.build(corpus_texts(cfg.corpus, "train", cfg.max_files), tok, tok.eos_token_id)
-    held = None
-    if cfg.corpus == "stdlib":
-        held = TokenStream.build(corpus_texts("stdlib", "heldout", cfg.max_files), tok, tok.eos_token_id)
-    log.info("corpus: %d training tokens, %s held-out", len(train), len(held) if held else "no")
+    draft = _load_draft(cfg, target_config, tok)
+    shards = train = held = target = None
+    if cfg.logits_dir is not None:
+        shards = LogitShards.load(cfg.logits_dir)
+        if shards.vocab_bound > target_config.vocab_size:
+            raise ConfigError("logits_dir", f"shards hold token id {shards.vocab_bound - 1}, outside the target's "
+                                            f"vocabulary of {target_config.vocab_size}")
+        per_step = cfg.batch_size * shards.train[0].topk_ids.shape[1]
+        log.info("cached logits: %d supervised tokens, %d validation shards", shards.train_tokens, len(shards.valid))
+    else:
+        target = AutoModelForCausalLM.from_pretrained(cfg.target_dir,
+                                                      dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
+        target.eval().requires_grad_(False)
+        train = TokenStream.build(corpus_texts(cfg.corpus, "train", cfg.max_files), tok, tok.eos_token_id)
+        if cfg.corpus == "stdlib":
+            held = TokenStream.build(corpus_texts("stdlib", "heldout", cfg.max_files), tok, tok.eos_token_id)
+        per_step = cfg.batch_size * cfg.seq_len
+        log.info("corpus: %d training tokens, %s held-out", len(train), len(held) if held else "no")
+    steps = max(1, cfg.tokens // per_step)
 
     out.mkdir(parents=True, exist_ok=True)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -198,40 +265,52 @@ def distill(cfg: DistillConfig,
         start, tokens_seen, elapsed = st["step"], st["tokens_seen"], st["elapsed_s"]
         rng.setstate(st["rng"])
         log.info("resumed at step %d", start)
+    available = shards.train_tokens if shards else len(train)
     with (out / "train_config.json").open("w") as f:
-        json.dump(asdict(cfg) | {"kind": "distill",
+        json.dump(asdict(cfg) | {"kind": "distill", "steps": steps,
                                  "n_params": sum(p.numel() for p in draft.parameters()),
-                                 "target_n_params": sum(p.numel() for p in target.parameters()),
-                                 "train_tokens_available": len(train)}, f, indent=1)
+                                 "target_n_params": _n_params(cfg.target_dir, target),
+                                 "train_tokens_available": available}, f, indent=1)
     log_f = (out / "train_log.jsonl").open("a")
     draft.train()
     last = None
-    long_from = int(cfg.steps * (1 - cfg.long_fraction))
-    for step in range(start, cfg.steps):
+    long_from = int(steps * (1 - cfg.long_fraction))
+    for step in range(start, steps):
         t0 = time.perf_counter()
-        if step >= long_from and cfg.long_seq_len > cfg.seq_len:
-            x = train.batch(rng, max(1, cfg.batch_size * cfg.seq_len // cfg.long_seq_len), cfg.long_seq_len)
-        else:
-            x = train.batch(rng, cfg.batch_size, cfg.seq_len)  # [batch, seq]
-        lr = lr_at(step, cfg)  # same warm-up + cosine as pretraining (reads lr, min_lr, warmup_steps, steps)
+        lr = lr_at(step, cfg, steps)  # same warm-up + cosine as pretraining
         for g in opt.param_groups:
             g["lr"] = lr
-        logp = target_logprobs(target, x, cfg.bf16)  # [batch, seq, vocab]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            r = distill_loss(draft(input_ids=x).logits, logp, x, cfg.alpha)
+        if shards is not None:
+            b = shards.batch(rng, cfg.batch_size)
+            r = _cached_step(draft, b, cfg)
+            n_tok = b.topk_ids.shape[0] * b.new_tokens
+        else:
+            if step >= long_from and cfg.long_seq_len > cfg.seq_len:
+                x = train.batch(rng, max(1, cfg.batch_size * cfg.seq_len // cfg.long_seq_len), cfg.long_seq_len)
+            else:
+                x = train.batch(rng, cfg.batch_size, cfg.seq_len)  # [batch, seq]
+            logp = target_logprobs(target, x, cfg.bf16)  # [batch, seq, vocab]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                r = distill_loss(draft(input_ids=x).logits, logp, x, cfg.alpha)
+            n_tok = x.numel()
         r.loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         elapsed += dt
-        tokens_seen += x.numel()
-        last = DistillStepLog(step + 1, cfg.steps, r.loss.item(), lr, tokens_seen, x.numel() / dt, elapsed,
-                              kl=r.kl.item(), ce=r.ce.item())
-        done = step + 1 == cfg.steps
-        if held is not None and ((step + 1) % cfg.eval_every == 0 or done):
-            ev = eval_distill(draft, target, held, cfg, cfg.eval_batches)
-            last.eval_loss, last.eval_kl = ev.ce, ev.kl
+        tokens_seen += n_tok
+        last = DistillStepLog(step + 1, steps, r.loss.item(), lr, tokens_seen, n_tok / dt, elapsed,
+                              kl=r.kl.item(), ce=r.ce.item(),
+                              agree=r.agree.item() if isinstance(r, CachedLoss) else None)
+        done = step + 1 == steps
+        if (step + 1) % cfg.eval_every == 0 or done:
+            if shards is not None and shards.valid:
+                ev, last.eval_agree = eval_cached(draft, shards, cfg, cfg.eval_batches)
+                last.eval_loss, last.eval_kl = ev.ce, ev.kl
+            elif held is not None:
+                ev = eval_distill(draft, target, held, cfg, cfg.eval_batches)
+                last.eval_loss, last.eval_kl = ev.ce, ev.kl
         log_f.write(json.dumps(asdict(last)) + "\n")
         log_f.flush()
         if on_step:
@@ -244,3 +323,16 @@ def distill(cfg: DistillConfig,
     log_f.close()
     save_hf(draft, tok, out)
     return last
+
+
+def _n_params(target_dir: str, target) -> int:
+    """The target's parameter count, from the loaded model or from its safetensors headers (no load)."""
+    if target is not None:
+        return sum(p.numel() for p in target.parameters())
+    from safetensors import safe_open
+
+    n = 0
+    for f in Path(target_dir).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            n += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return n

@@ -120,27 +120,36 @@ def card_text(record: TrainRecord, name: str, perplexity: Perplexity | None = No
               acceptance: list[dict] | None = None, plot_file: str | None = PLOT) -> str:
     """The README.md text; see write_model_card."""
     c, last = record.config, (record.steps[-1] if record.steps else {})
+    cached = c.get("logits_dir")                  # distilled on cached target logits (on-policy)
     corpus = c.get("corpus", "?")
-    held = ", ".join(HELD_OUT_MODULES) if corpus == "stdlib" else None
+    held = ", ".join(HELD_OUT_MODULES) if corpus == "stdlib" or cached else None
+    objective = "next-token cross-entropy"
+    if record.kind == "distill":
+        a = c.get("alpha", 1)
+        objective = (f"{a} * KL(p_k || q) + {1 - a:.3g} * CE(target's greedy token); p_k: cached top-k target "
+                     "log-probs" if cached else f"{a} * KL(p || q) + {1 - a:.3g} * CE, temperature 1")
     facts = [
         ("recipe", record.kind),
         ("architecture", _architecture(c)),
         ("parameters", f"{c['n_params']:,}" if "n_params" in c else None),
         ("target", f"{c.get('target_dir')} ({c.get('target_n_params', 0):,} parameters)" if record.kind == "distill"
          else None),
-        ("objective", f"{c.get('alpha')} * KL(p || q) + {1 - c.get('alpha', 1):.3g} * CE, temperature 1"
-         if record.kind == "distill" else "next-token cross-entropy"),
-        ("corpus", "Python standard library" if corpus == "stdlib" else corpus),
+        ("objective", objective),
+        ("corpus", f"the target's greedy continuations of training-split prompts, with its logits ({cached})"
+         if cached else "Python standard library" if corpus == "stdlib" else corpus),
         ("held-out modules (never trained on)", held),
         ("steps", f"{last.get('step', 0)} of {last.get('steps', '?')}"),
         ("tokens seen", f"{last.get('tokens_seen', 0):,}"),
         ("wall time", _hms(last.get("elapsed_s", 0.0))),
-        ("batch x sequence", f"{c.get('batch_size')} x {c.get('seq_len')}"),
+        ("batch x sequence", f"{c.get('batch_size')} x (prompt + generated)" if cached
+         else f"{c.get('batch_size')} x {c.get('seq_len')}"),
         ("learning rate", f"{c.get('lr')} -> {c.get('min_lr')} (warm-up {c.get('warmup_steps')} steps, cosine)"),
         ("final train loss (mean of last 20 steps)", record.final_train("loss")),
         ("final train KL(p || q) (mean of last 20 steps)", record.final_train("kl") if record.kind == "distill" else None),
         ("final held-out CE", record.final("eval_loss")),
-        ("final held-out KL(p || q)", record.final("eval_kl") if record.kind == "distill" else None),
+        ("final held-out KL(p || q)" + (" (validation shards)" if cached else ""),
+         record.final("eval_kl") if record.kind == "distill" else None),
+        ("final greedy agreement, argmax q = target token (validation shards)", record.final("eval_agree")),
     ]
     if perplexity is not None:
         facts.append((f"perplexity on {perplexity.corpus}/{perplexity.split} ({perplexity.tokens:,} tokens)",

@@ -44,3 +44,84 @@ def generate_target_corpus(target_dir: str, out_path: str | Path, n_seqs: int = 
             if on_batch:
                 on_batch(rows)
     return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cached target logits: on-policy sequences with the target's top-k log-probabilities at every generated position.
+#
+# Online distillation pays a target forward for every draft step; here the target runs once, while generating,
+# and the draft then trains for many epochs on the stored top-k (a 1M-parameter draft trains ~10x faster than
+# the target generates). Prompts are built like the `code` benchmark's (context before a `def` line plus that
+# line) but from the training split, so the draft learns the situation it is judged in without seeing held-out
+# code. Shards are safetensors files: input_ids [rows, P + new] int32, topk_ids [rows, new, k] int16 and
+# topk_logp [rows, new, k] fp16; topk_*[:, t] is the target's distribution over input_ids[:, P + t].
+
+PROMPT_LENGTHS = (96, 192, 320)      # prompt tokens; one length per shard, cycled (eval prompts run ~100-400)
+
+
+def def_line_prompts(tokenizer, length: int, seed: int, context_lines: int = 40,
+                     max_files: int | None = None) -> list[list[int]]:
+    """Token windows of exactly `length` tokens that end with a `def` line of a training-split function,
+    shuffled by seed; functions with too little context before them are skipped."""
+    from ..bench.workloads import functions
+
+    out = []
+    for lines, i, _ in functions("train", min_lines=4, max_lines=200, max_files=max_files):
+        text = "".join(lines[max(0, i - context_lines) : i + 1])
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= length:
+            out.append(ids[-length:])
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def generate_target_logits(target_dir: str, out_dir: str | Path, n_seqs: int = 4096, new_tokens: int = 96,
+                           top_k: int = 32, batch_size: int = 64, seed: int = 0,
+                           prompt_lengths: tuple[int, ...] = PROMPT_LENGTHS, part: int = 0, parts: int = 1,
+                           max_files: int | None = None, on_batch: Callable[[int], None] | None = None) -> int:
+    """Write greedy target continuations with top-k log-probs as shards of batch_size rows in out_dir.
+
+    Shard i uses prompt length prompt_lengths[i % len] and its own slice of the shuffled prompts; this process
+    writes the shards with i % parts == part, so `parts` processes fill one directory without overlap.
+    Resumable: shards already present are skipped. Returns the rows this process is responsible for."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not 1 <= top_k <= 256:
+        raise ValueError(f"top_k must be in [1, 256], got {top_k}")
+    if not 0 <= part < parts:
+        raise ValueError(f"part must be in [0, parts), got part={part} parts={parts}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    pools = {p: def_line_prompts(tok, p, seed, max_files=max_files) for p in prompt_lengths}
+    n_shards = -(-n_seqs // batch_size)
+    rows = 0
+    with torch.inference_mode():
+        for i in range(part, n_shards, parts):
+            path = out / f"shard-s{seed}-{i:05d}.safetensors"
+            length = prompt_lengths[i % len(prompt_lengths)]
+            start = (i // len(prompt_lengths)) * batch_size
+            b = min(batch_size, n_seqs - i * batch_size)
+            rows += b
+            if path.exists():
+                continue
+            pool = pools[length]
+            if start + b > len(pool):
+                raise ValueError(f"n_seqs: only {len(pool)} training prompts of {length} tokens; ask for fewer")
+            x = torch.tensor(pool[start : start + b])                          # [b, P]
+            res = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 pad_token_id=tok.eos_token_id, return_dict_in_generate=True, output_logits=True)
+            logits = torch.stack(res.logits, dim=1).float()                    # [b, new, vocab]
+            logp, ids = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)  # [b, new, k] each
+            tmp = path.with_suffix(".tmp")
+            save_file({"input_ids": res.sequences.to(torch.int32).contiguous(),
+                       "topk_ids": ids.to(torch.int16).contiguous(),
+                       "topk_logp": logp.to(torch.float16).contiguous()}, str(tmp),
+                      metadata={"prompt_tokens": str(length), "target": str(target_dir)})
+            tmp.replace(path)
+            if on_batch:
+                on_batch(rows)
+    return rows

@@ -70,11 +70,11 @@ class StepLog:
     eval_loss: float | None = None
 
 
-def lr_at(step: int, cfg: PretrainConfig) -> float:
-    """Linear warm-up then cosine decay to min_lr."""
+def lr_at(step: int, cfg: PretrainConfig, steps: int | None = None) -> float:
+    """Linear warm-up then cosine decay to min_lr over `steps` (default cfg.steps)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    frac = (step - cfg.warmup_steps) / max(1, (steps or cfg.steps) - cfg.warmup_steps)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
