@@ -284,6 +284,16 @@ def test_scheduler_spreads_the_draft_catch_up_over_the_remaining_steps(target, l
     sched.run_until_idle()
 
 
+def test_a_batch_drafts_only_for_a_clear_predicted_gain():
+    costs = BatchCostModel()
+    costs.observe(1, 1, 1.0)
+    costs.observe(1, 2, 1.0)
+    row = [RowSpec(1, 0.5, 0.45)]                 # K = 1: 1.5 tokens for 1.45 s, a 3% predicted gain
+    assert BatchAdaptiveK(costs).best(row) == 0
+    assert BatchAdaptiveK(costs, min_gain=0.0).best(row) == 1
+    assert BatchAdaptiveK(costs).best([RowSpec(1, 0.5, 0.3)]) == 1     # 15%: drafts
+
+
 def test_cost_model_interpolates_between_measured_batch_sizes():
     c = BatchCostModel()
     c.observe(2, 3, 2.0)

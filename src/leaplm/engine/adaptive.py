@@ -187,6 +187,10 @@ class BatchAdaptiveK:
     costs: BatchCostModel
     enabled: bool = True
     probe_every: int = 8           # at K = 0 chosen for low acceptance, draft 1 token every probe_every * n steps
+    # A batch drafts only when the model predicts at least this gain over K = 0: near the break-even point (a
+    # filling batch) the prediction rests on costs measured at other contexts and loads, and a wrong call there
+    # makes the server slower than plain decoding; a small margin buys "never slower" for little.
+    min_gain: float = 0.05
     _since_probe: int = 0
 
     def rate(self, rows: list[RowSpec], K: int) -> float:
@@ -199,7 +203,8 @@ class BatchAdaptiveK:
 
     def best(self, rows: list[RowSpec]) -> int:
         k_max = max((r.cap for r in rows), default=0)
-        best_k, best = 0, self.rate(rows, 0)
+        plain = self.rate(rows, 0)
+        best_k, best = 0, plain * (1 + self.min_gain)
         for K in range(1, k_max + 1):
             r = self.rate(rows, K)
             if r > best:

@@ -473,7 +473,7 @@ class BatchScheduler:
             log.exception("on_output of %s failed", seq.request_id)
 
     # --- cost calibration -------------------------------------------------------------------------------------
-    def calibrate(self, ctx: int = 64, repeats: int = 2) -> None:
+    def calibrate(self, ctx: int = 256, repeats: int = 2) -> None:
         """Measure batched forward costs at n in 1, 2, 4, ... max_batch rows and T = 1 .. K + 1 tokens (before
         the loop starts; live steps keep refreshing them), and a draft model's prefill cost per token."""
         if self._running:
