@@ -37,3 +37,26 @@ def test_eval_acceptance_writes_rows(checkpoint, tmp_path):
 def test_ondata_refuses_missing_target(tmp_path):
     res = runner.invoke(app, ["train", "ondata", "--target", str(tmp_path / "none"), "--out", str(tmp_path / "x.jsonl")])
     assert res.exit_code == 2 and "--target" in res.output
+
+
+@pytest.mark.parametrize("extra,option", [
+    (["--top-k", "8", "--temperature", "0.8"], "--temperature"),     # cached logits are for greedy data
+    (["--top-k", "8", "--part", "2", "--parts", "2"], "--part"),
+    (["--top-k", "0"], "--top-k"),
+    (["--top-k", "300"], "--top-k"),
+])
+def test_ondata_cached_logit_options_are_checked(tmp_path, tiny_target_dir, extra, option):
+    res = runner.invoke(app, ["train", "ondata", "--target", str(tiny_target_dir), "--out", str(tmp_path / "d"),
+                              *extra], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert res.exit_code == 2, res.output
+    assert option in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "d").exists()
+
+
+def test_distill_refuses_a_logits_dir_without_shards(tmp_path, tiny_target_dir, tiny_draft_dir):
+    (tmp_path / "empty").mkdir()
+    res = runner.invoke(app, ["train", "distill", "--target", str(tiny_target_dir), "--draft-init", str(tiny_draft_dir),
+                              "--out", str(tmp_path / "o"), "--logits-dir", str(tmp_path / "empty")],
+                        env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert res.exit_code == 2, res.output
+    assert "--logits-dir" in res.output and "no shard" in res.output
