@@ -102,8 +102,10 @@ class AdaptiveK:
 
 # --- many requests: one K per batched step ---------------------------------------------------------------------
 # With n rows verified in one forward of n x (K + 1) tokens, the step's K maximises the batch's token rate
-#   sum_i E[tokens_i](a_i, min(K, cap_i)) / (cost(n, K + 1) + sum_i min(K, cap_i) * propose_s_i)
-# where cap_i is row i's own K (0 for a row that does not speculate). cost(n, T) is the measured time of a
+#   sum_i E[tokens_i](a_i, min(K, cap_i)) / (cost(n, K + 1) + sum_i [min(K, cap_i) * propose_s_i + catchup_i])
+# where cap_i is row i's own K (0 for a row that does not speculate) and catchup_i (only for rows that draft) is a
+# draft model's prefill of unseen tokens spread over the request's remaining steps; K > 0 must beat K = 0 by
+# min_gain. cost(n, T) is the measured time of a
 # batched forward; as n grows the forward turns compute-bound, cost(n, K + 1) outgrows the tokens it buys and
 # K falls to 0: speculation never makes a full batch slower than plain decoding.
 
