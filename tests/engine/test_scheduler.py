@@ -7,6 +7,7 @@ import torch
 from leaplm import Engine, SamplingParams
 from leaplm.engine.adaptive import BatchAdaptiveK, BatchCostModel, RowSpec, expected_tokens
 from leaplm.engine.scheduler import BatchScheduler, QueueFull, SchedulerClosed, SeqRequest
+from leaplm.verify import VerifyResult
 
 PROMPTS = ["the quick brown fox", "déjà vu", "def add(a, b):", "東京 と 大阪", "speculative decoding",
            "un café crème", "🙂", "größer über"]
@@ -278,9 +279,10 @@ def test_scheduler_spreads_the_draft_catch_up_over_the_remaining_steps(target, l
     row = sched._running[0]
     assert row.proposer.lag(len(row.req.tokens)) == len(row.req.tokens) == 41   # nothing cached: the whole context
     want = 41 * sched.draft_prefill_s_per_token / (row.req.remaining / expected_tokens(row.acceptance.rate, 4))
-    assert sched._catchup_s(row) == pytest.approx(want)
-    sched._propose(0, row, 2)                              # once it has drafted, only the new tokens remain
-    assert row.proposer.lag(len(row.req.tokens)) == 0 and sched._catchup_s(row) == 0.0
+    assert sched.batch.catchup_s(row) == pytest.approx(want)
+    prop, _ = sched.batch._propose(0, row, 2)               # once it has drafted, only the new tokens remain
+    assert row.proposer.lag(len(row.req.tokens)) == 0 and sched.batch.catchup_s(row) == 0.0
+    row.proposer.observe(prop, VerifyResult([prop.tokens.tolist()[0]], 0))   # as a step would: nothing accepted
     sched.run_until_idle()
 
 

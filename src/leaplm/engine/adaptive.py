@@ -1,9 +1,9 @@
-"""Adaptive K: choose each step's K from measured costs and measured acceptance, down to 0 (no speculation)
-when speculating would be slower than plain decoding.
+"""Adaptive K, the one K policy: choose each step's K from measured costs and measured acceptance, down to 0
+(no speculation) when speculating would be slower than plain decoding. A single request is a batch of one.
 
 Expected tokens per step with per-token acceptance a and K drafted: (1 - a^(K+1)) / (1 - a) (the bonus or
-recovered token included). Cost per step: target_cost(K + 1) + K * propose_cost. K maximises tokens / cost.
-Target costs per block length are measured at engine start (calibration) and refreshed from live steps.
+recovered token included). Target costs per (rows, block length) are measured once per engine (step.calibrate)
+and refreshed from live steps; they live, with proposer costs and per-method acceptance, in `Estimates`.
 """
 from __future__ import annotations
 
@@ -16,91 +16,6 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-@dataclass
-class CostModel:
-    """Seconds per target forward over T tokens, T = 1..k_max+1 (EMA of measurements)."""
-    target_s: dict[int, float] = field(default_factory=dict)
-    decay: float = 0.9
-    propose_s_per_token: float = 0.0    # calibrated proposer cost (draft models), the controllers' prior
-
-    def observe(self, T: int, seconds: float) -> None:
-        old = self.target_s.get(T)
-        self.target_s[T] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-
-    def cost(self, T: int) -> float:
-        if T in self.target_s:
-            return self.target_s[T]
-        known = sorted(self.target_s)
-        if not known:
-            return 1.0
-        nearest = min(known, key=lambda t: abs(t - T))
-        return self.target_s[nearest] * max(1.0, T / nearest) if T > nearest else self.target_s[nearest]
-
-
-@dataclass
-class AdaptiveK:
-    k_max: int
-    costs: CostModel
-    enabled: bool = True
-    accepted: float = 4.0         # EMA-weighted counts: prior acceptance 0.8
-    rejected: float = 1.0
-    propose_s_per_token: float = 0.0
-    probe_every: int = 8          # at K = 0, still propose this often to keep measuring acceptance; the
-    max_probe_every: int = 128    # interval doubles while probes keep saying K = 0 (a probe also pays the
-    _since_probe: int = 0         # proposer's catch-up on the tokens it skipped)
-    _interval: int = 0
-    extra_tokens: float = 0.0     # EMA of tokens a proposal adds to the forward beyond its K (lookahead's window)
-    decay: float = 0.9
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
-
-    def choose(self) -> int:
-        if not self.enabled:
-            return self.k_max
-        a = self.acceptance
-        best_k, best = 0, 1.0 / self.costs.cost(1)
-        extra = round(self.extra_tokens)
-        for k in range(1, self.k_max + 1):
-            rate = expected_tokens(a, k) / (self.costs.cost(k + 1 + extra) + k * self.propose_s_per_token)
-            if rate > best:
-                best_k, best = k, rate
-        if best_k == 0:
-            if not self._could_pay():
-                return 0                 # not even perfect acceptance beats plain decoding: never probe
-            self._interval = self._interval or self.probe_every
-            self._since_probe += 1
-            if self._since_probe >= self._interval:
-                self._since_probe = 0
-                self._interval = min(2 * self._interval, self.max_probe_every)
-                return 1
-        else:
-            self._interval = 0
-        return best_k
-
-    def _could_pay(self) -> bool:
-        plain = 1.0 / self.costs.cost(1)
-        extra = round(self.extra_tokens)
-        return any(expected_tokens(1.0, k) / (self.costs.cost(k + 1 + extra) + k * self.propose_s_per_token)
-                   > plain for k in range(1, self.k_max + 1))
-
-    def observe(self, drafted: int, accepted: int, propose_s: float, score_s: float,
-                scored: int | None = None) -> None:
-        """scored: tokens in the target forward when more than drafted + 1 (a tree proposal's extra tokens)."""
-        self.costs.observe(scored or drafted + 1, score_s)
-        if drafted == 0:
-            return
-        d = self.decay
-        extra = max(0, (scored or drafted + 1) - drafted - 1)
-        self.extra_tokens = extra if self.extra_tokens == 0 else d * self.extra_tokens + (1 - d) * extra
-        self.accepted = d * self.accepted + accepted
-        self.rejected = d * self.rejected + (1 if accepted < drafted else 0)
-        per = propose_s / drafted
-        self.propose_s_per_token = per if self.propose_s_per_token == 0 else d * self.propose_s_per_token + (1 - d) * per
-
-
-# --- many requests: one K per batched step ---------------------------------------------------------------------
 # With n rows verified in one forward of n x (K + 1) tokens, the step's K maximises the batch's token rate
 #   sum_i E[tokens_i](a_i, min(K, cap_i)) / (cost(n, K + 1) + sum_i [min(K, cap_i) * propose_s_i + catchup_i])
 # where cap_i is row i's own K (0 for a row that does not speculate) and catchup_i (only for rows that draft) is a
@@ -181,6 +96,7 @@ class RowSpec:
     propose_s_per_token: float     # measured proposer seconds per drafted token
     catchup_s: float = 0.0         # a draft model's prefill of tokens it has not seen, spread over the request's
                                    # remaining steps (paid once, then drafting is cheap): charged when it drafts
+    extra_tokens: float = 0.0      # tokens its proposals add to the forward beyond K (lookahead's window)
 
 
 @dataclass
@@ -199,7 +115,8 @@ class BatchAdaptiveK:
         """Expected tokens per second of a step with K over these rows."""
         n = len(rows)
         tokens = sum(expected_tokens(r.acceptance, min(K, r.cap)) for r in rows)
-        seconds = self.costs.cost(n, K + 1) + sum(min(K, r.cap) * r.propose_s_per_token
+        extra = round(max((r.extra_tokens for r in rows if min(K, r.cap)), default=0.0))
+        seconds = self.costs.cost(n, K + 1 + extra) + sum(min(K, r.cap) * r.propose_s_per_token
                                                   + (r.catchup_s if min(K, r.cap) else 0.0) for r in rows)
         return tokens / seconds
 
@@ -223,7 +140,7 @@ class BatchAdaptiveK:
         if K == 0:
             # Probe only when acceptance is what keeps K at 0: if even perfect acceptance would not pay at this
             # batch size, drafting a token would only cost.
-            perfect = [RowSpec(r.cap, 1.0, r.propose_s_per_token, r.catchup_s) for r in rows]
+            perfect = [RowSpec(r.cap, 1.0, r.propose_s_per_token, r.catchup_s, r.extra_tokens) for r in rows]
             # A probe widens every row's block, so with n rows it comes n times less often.
             if self.best(perfect) > 0:
                 self._since_probe += 1
@@ -231,3 +148,22 @@ class BatchAdaptiveK:
                     self._since_probe = 0
                     return 1
         return K
+
+
+@dataclass
+class Estimates:
+    """What an engine has measured, shared by every batch it runs (the one cost calibration): batched forward
+    costs, proposer seconds per drafted token and acceptance per method, a draft model's prefill cost."""
+    costs: BatchCostModel = field(default_factory=BatchCostModel)
+    propose_s: dict[str, float] = field(default_factory=dict)       # method -> EMA of seconds per drafted token
+    # method -> acceptance over all its requests (slow EMA): the starting estimate of a new request's row
+    method_acceptance: dict[str, AcceptanceEstimate] = field(default_factory=dict)
+    draft_prefill_s_per_token: float = 0.0
+    calibrated_rows: set[int] = field(default_factory=set)          # batch sizes step.calibrate has measured
+
+    def observe_propose(self, method: str, seconds_per_token: float) -> None:
+        old = self.propose_s.get(method)
+        self.propose_s[method] = seconds_per_token if old is None else 0.9 * old + 0.1 * seconds_per_token
+
+    def observe_acceptance(self, method: str, drafted: int, accepted: int) -> None:
+        self.method_acceptance.setdefault(method, AcceptanceEstimate(decay=0.98)).observe(drafted, accepted)

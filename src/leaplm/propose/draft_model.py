@@ -24,7 +24,8 @@ class DraftModelProposer:
 
     def propose(self, ctx: ProposeContext) -> Proposal:
         toks = ctx.tokens
-        cached = self.cache.lengths[0]
+        cached = min(self.cache.lengths[0], len(toks) - 1)    # the last token is always fed: its logits draft
+        self.cache.truncate(cached)
         feed = torch.tensor([toks[cached:]], device=self.model.device)   # [1, T] committed, unseen
         k = max(1, min(ctx.k, self.cache.max_len - len(toks) - 1))
         drafts: list[int] = []

@@ -1,0 +1,339 @@
+"""The one batched step: propose, score, verify, commit over the rows of a batch.
+
+Every caller goes through `Batch.step`: Engine.generate and Engine.stream (a batch of one), `leaplm generate -n N`,
+`leaplm bench` and the server's scheduler (a batch of up to max_batch rows, which requests join and leave between
+steps). A step over the n running rows:
+
+  1. propose  each row's own proposer drafts k_i = min(K, its cap, its room) tokens; K is chosen per step by the
+              one K policy (adaptive.BatchAdaptiveK) from measured costs and each row's measured acceptance
+  2. score    ONE target forward over [n, 1 + max k_i] for the chain rows: row i is [its last token, its drafts,
+              padding]; a tree row (Proposal.parents set) is scored by its own forward with the tree mask over a
+              batch-1 view of its cache row (when every row is a tree row the batched forward is skipped)
+  3. verify   per row, the pure verifiers on that row's logits
+  4. commit   per row, engine/commit.py: tokens, stop ids and strings, max_new_tokens, logprobs, stats, and the
+              row's cache length. Only commit changes state.
+
+Padding is harmless: a row commits only its accepted + 1 slots, and causal attention means the logits of its real
+positions never see the padding after them. Running rows always occupy cache rows [0, n): a row that leaves has
+the last row moved into its place (KVCache.move_row).
+
+Costs and acceptance are the engine's (adaptive.Estimates): one calibration, shared by every batch of an engine.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import SamplingParams
+from ..propose.base import Proposal, ProposeContext, Proposer
+from ..sampling import LogitsProcessor
+from .adaptive import AcceptanceEstimate, BatchAdaptiveK, Estimates, RowSpec, expected_tokens
+from .commit import commit, finish_chunk, new_request, verify_chain
+from .request import Request, StreamChunk, TokenLogprob
+from .tree_step import extra_logits, tree_block, verify_tree
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepReport:
+    """Figures of one batched step, for metrics (read-only data)."""
+    batch_size: int
+    k: int                          # the step's K (0: no row drafted)
+    block_len: int                  # T = 1 + longest draft
+    drafted: list[int]              # per row
+    accepted: list[int]             # per row
+    emitted: list[int]              # per row
+    propose_s: float
+    score_s: float
+    step_s: float
+
+
+@dataclass
+class Row:
+    """One running request: the batch's state for it."""
+    req: Request
+    proc: LogitsProcessor
+    proposer: Proposer | None
+    cap: int                                         # this request's own K (0: no speculation)
+    fixed_k: bool = False                            # draft cap tokens every step (seeded sampling)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    extra_tokens: float = 0.0                        # EMA of tokens a proposal adds beyond its K (lookahead)
+    tag: object = None                               # the caller's handle (the scheduler's SeqRequest)
+
+
+@dataclass
+class RowOutput:
+    """What one step produced for one row: a chunk (finish_reason set on the last), or an error that ended it."""
+    row: Row
+    chunk: StreamChunk | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (self.chunk is not None and self.chunk.finish_reason is not None)
+
+
+@dataclass
+class StepOutcome:
+    outputs: list[RowOutput]         # one per row that ran, finished rows already removed from the batch
+    report: StepReport
+    time: float                      # perf_counter at the end of the step
+
+
+class Batch:
+    """Rows of one target KV cache stepped together. engine: a leaplm Engine (target, draft, tokenizer, spec,
+    max_model_len, proposer factories, estimates)."""
+
+    def __init__(self, engine, max_rows: int = 1):
+        self.engine = engine
+        self.model = engine.model
+        self.max_rows = max_rows
+        self.max_len = engine.max_model_len
+        self.cache = self.model.new_cache(max_rows, self.max_len)
+        self.estimates: Estimates = engine.estimates
+        self.policy = BatchAdaptiveK(self.estimates.costs, enabled=engine.spec.adaptive_k)
+        self.rows: list[Row] = []                        # row i of the cache <-> rows[i]
+        self.current_k = 0
+        self.steps = 0
+
+    @property
+    def full(self) -> bool:
+        return len(self.rows) >= self.max_rows
+
+    # --- joining and leaving -------------------------------------------------------------------------------------
+    def join(self, ids: list[int], params: SamplingParams, method: str | None = None, k: int | None = None,
+             prompt_logprobs: int | None = None, tag: object = None) -> tuple[Row, list[TokenLogprob | None] | None]:
+        """Prefill a request into row n (all prompt tokens but the last, which opens its first step).
+        Returns the row and, when asked for, the prompt's logprobs (position 0 has none)."""
+        eng = self.engine
+        method = method or eng.spec.method
+        factory = eng.proposer_factory(method)
+        cap = (k if k is not None else eng.spec.k) if factory is not None else 0
+        req = new_request(ids, params, tokenizer=eng.tokenizer, eos_token_ids=eng.target.eos_token_ids,
+                          vocab_size=self.model.vocab_size, device=self.model.device, method=method, k=cap)
+        i = len(self.rows)
+        self.cache.truncate(0, i)
+        t0 = time.perf_counter()
+        prompt_lps = None
+        try:
+            if len(ids) > 1:
+                want = prompt_logprobs is not None
+                logits = self.model(torch.tensor([ids[:-1]], device=self.model.device), self._row_cache(i),
+                                    last_only=not want)
+                self.cache.advance(len(ids) - 1, i)
+                if want:
+                    prompt_lps = [None] + prompt_token_logprobs(logits[0], ids[1:], prompt_logprobs)
+            elif prompt_logprobs is not None:
+                prompt_lps = [None]
+        except Exception:
+            self.cache.truncate(0, i)
+            raise
+        req.stats.prefill_s = time.perf_counter() - t0
+        proposer = factory(self.max_len) if factory is not None else None
+        # A seeded sampling request drafts a fixed K: its random draws then do not depend on the batch it shares
+        # steps with or on measured timings (greedy output never depends on K).
+        fixed = proposer is not None and not params.greedy and params.seed is not None
+        seen = self.estimates.method_acceptance.get(method)
+        acceptance = AcceptanceEstimate.seeded(seen.rate) if seen is not None else AcceptanceEstimate()
+        row = Row(req, LogitsProcessor(params), proposer, cap, fixed, acceptance, tag=tag)
+        self.rows.append(row)
+        return row, prompt_lps
+
+    def remove(self, i: int) -> Row:
+        """Remove running row i, keeping rows [0, n) dense."""
+        rows = self.rows
+        last = len(rows) - 1
+        row = rows[i]
+        if i != last:
+            self.cache.move_row(last, i)
+            rows[i] = rows[last]
+        rows.pop()
+        self.cache.truncate(0, last)
+        return row
+
+    # --- the step ----------------------------------------------------------------------------------------------
+    def step(self) -> StepOutcome | None:
+        """One step over every row; rows that finished or failed are removed. None when no row runs."""
+        rows = self.rows
+        if not rows:
+            return None
+        n = len(rows)
+        ts = time.perf_counter()
+
+        # 1. propose: one K for the step, each row drafts up to min(K, its own cap); seeded rows draft their cap
+        rooms = [max(0, self.max_len - len(r.req.tokens) - 1) for r in rows]
+        specs = [self._row_spec(r) for r in rows]
+        fixed = [r.fixed_k for r in rows]
+        K = self.policy.choose([sp for sp, f in zip(specs, fixed) if not f])
+        K = max([K] + [sp.cap for sp, f in zip(specs, fixed) if f])
+        K = min(K, min(rooms))                             # every row gets 1 + K slots written
+        proposals, propose_s = [], 0.0
+        for i, (r, spec) in enumerate(zip(rows, specs)):
+            p, dt = self._propose(i, r, min(K, spec.cap))
+            proposals.append(p)
+            propose_s += dt
+        tp = time.perf_counter()
+
+        # 2. score: one forward over [n, T] for the chains; a tree row's block there is its last token alone
+        chain = [p if p is not None and p.parents is None else None for p in proposals]
+        T = 1 + max((p.k for p in chain if p is not None), default=0)
+        logits = None
+        if any(p is None or p.parents is None for p in proposals):
+            block = torch.zeros(n, T, dtype=torch.long)                                  # [n, T]
+            for i, (r, p) in enumerate(zip(rows, chain)):
+                block[i, 0] = r.req.tokens[-1]
+                if p is not None:
+                    block[i, 1: 1 + p.k] = p.tokens.to("cpu")
+            logits = self.model(block.to(self.model.device), self.cache)                 # [n, T, V]
+            self.estimates.costs.observe(n, T, time.perf_counter() - tp)
+        tv = time.perf_counter()
+
+        # 3. verify + 4. commit, row by row (tree rows: scored and verified here, one forward each)
+        drafted, accepted, emitted, outputs = [], [], [], []
+        for i, (r, p) in enumerate(zip(rows, proposals)):
+            d = p.k if p is not None else 0
+            out = RowOutput(r)
+            try:
+                if p is not None and p.parents is not None:
+                    result, row_logits = self._score_verify_tree(i, r, p)              # [T_tree, V]
+                else:
+                    row_logits = logits[i, : 1 + d]                                   # [1 + k_i, V]
+                    result = verify_chain(r.req, p, r.proc, row_logits)
+                if p is not None:
+                    r.proposer.observe(p, result, extra_logits(p, row_logits))
+                    self._observe_acceptance(r, d, result.accepted, row_logits.shape[0])
+                out.chunk = commit(r.req, result, row_logits, d, self.cache, row=i)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                log.exception("a request failed in a step")
+                out.error = f"engine error: {type(e).__name__}: {e}"
+                d, result = 0, None
+            drafted.append(d)
+            accepted.append(result.accepted if result is not None else 0)
+            emitted.append(len(out.chunk.token_ids) if out.chunk is not None else 0)
+            outputs.append(out)
+        te = time.perf_counter()
+        for r in rows:
+            r.req.stats.score_s += tv - tp
+            r.req.stats.decode_s += te - ts
+        self.current_k = K
+        self.steps += 1
+        for i in reversed(range(n)):
+            out = outputs[i]
+            if out.chunk is not None:
+                finish_chunk(out.row.req, out.chunk)
+            if out.finished:
+                self.remove(i)
+        return StepOutcome(outputs, StepReport(n, K, T, drafted, accepted, emitted, propose_s, tv - tp, te - ts), te)
+
+    def _row_spec(self, r: Row) -> RowSpec:
+        # Under the adaptive policy a row's first step drafts nothing: its first token then costs one target
+        # forward, not the draft's catching up with the prompt as well (time to first token). A fixed K drafts
+        # from the first step.
+        room = max(0, self.max_len - len(r.req.tokens) - 1)
+        first = r.req.stats.target_forwards == 0 and self.policy.enabled and not r.fixed_k
+        cap = max(0, min(r.cap, room, r.req.remaining - 1)) if r.proposer is not None and not first else 0
+        return RowSpec(cap, r.acceptance.rate, self.estimates.propose_s.get(r.req.stats.method, 0.0),
+                       self.catchup_s(r), extra_tokens=r.extra_tokens)
+
+    def _observe_acceptance(self, r: Row, drafted: int, accepted: int, scored: int) -> None:
+        r.acceptance.observe(drafted, accepted)
+        self.estimates.observe_acceptance(r.req.stats.method, drafted, accepted)
+        extra = max(0, scored - drafted - 1)
+        r.extra_tokens = extra if r.extra_tokens == 0 else 0.9 * r.extra_tokens + 0.1 * extra
+
+    def catchup_s(self, r: Row) -> float:
+        """Seconds a draft model needs to prefill what it has not seen (a row that has not drafted yet: its whole
+        context), spread over the steps the request has left: near the end of a request it does not pay."""
+        lag = getattr(r.proposer, "lag", None)
+        per_token = self.estimates.draft_prefill_s_per_token
+        if lag is None or not per_token:
+            return 0.0
+        steps_left = max(1.0, r.req.remaining / expected_tokens(r.acceptance.rate, max(1, r.cap)))
+        return lag(len(r.req.tokens)) * per_token / steps_left
+
+    def _row_cache(self, i: int):
+        """Row i as a batch-1 cache (the cache itself when it has one row)."""
+        return self.cache if self.cache.batch_size == 1 else self.cache.row_view(i)
+
+    def _propose(self, i: int, r: Row, k: int) -> tuple[Proposal | None, float]:
+        """Row i's proposal of at most k tokens (None: nothing drafted) and the seconds it took."""
+        if k <= 0:
+            return None, 0.0
+        t = time.perf_counter()
+        prop = r.proposer.propose(ProposeContext(r.req.tokens, k, r.req.params, r.proc, r.req.generator,
+                                                 r.req.presence, self._row_cache(i)))
+        dt = time.perf_counter() - t
+        r.req.stats.propose_s += dt
+        if prop.parents is None and prop.k > k:
+            prop = Proposal(prop.tokens[:k], prop.q[:k] if prop.q is not None else None)
+        if prop.k == 0:
+            return None, dt
+        # seconds per drafted token, per method, the draft's catching up on unseen tokens included
+        self.estimates.observe_propose(r.req.stats.method, dt / prop.k)
+        return prop, dt
+
+    def _score_verify_tree(self, i: int, r: Row, p: Proposal):
+        """A tree proposal of row i: its own forward with the tree mask (after the batched one, whose slots for this
+        row it overwrites), then the tree verifier. Returns (result, logits [T_tree, V])."""
+        tb = tree_block(r.req, p)
+        t = time.perf_counter()
+        logits = self.model(tb.ids.unsqueeze(0), self._row_cache(i), tree_mask=tb.layout.mask,
+                            position_offsets=tb.layout.depths)[0]                       # [T_tree, V]
+        self.estimates.costs.observe(1, tb.ids.numel(), time.perf_counter() - t)
+        return verify_tree(r.req, p, r.proc, logits, tb.layout), logits
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:
+    """logits [L, V] at prompt positions 0..L-1 -> the target's logprob of targets[j] (the token at j + 1)."""
+    lp = torch.log_softmax(logits.float(), -1)                                 # [L, V]
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device).view(-1, 1)).view(-1).tolist()
+    tops = [[] for _ in targets]
+    if top:
+        vals, idx = lp.topk(top, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    return [TokenLogprob(t, c, tp) for t, c, tp in zip(targets, chosen, tops)]
+
+
+def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> None:
+    """The one cost calibration: batched forward costs at n in 1, 2, 4, ... max_rows rows and T = 1 .. K + 1
+    tokens (live steps keep refreshing them), a draft model's prefill cost per token and its one-token forward
+    (the prior of the draft's cost per drafted token). Sizes already measured on this engine are skipped."""
+    est: Estimates = engine.estimates
+    model = engine.model
+    ctx = max(1, min(ctx, engine.max_model_len // 2))
+    k = engine.spec.k
+    ns = sorted({min(max_rows, 1 << i) for i in range(max_rows.bit_length() + 1)} - est.calibrated_rows)
+    dev = model.device
+    if ns:
+        cache = model.new_cache(max(ns), engine.max_model_len)
+        for n in ns:
+            for r in range(n):
+                cache.lengths[r] = ctx
+            for _ in range(repeats):
+                for T in range(1, min(k + 1, engine.max_model_len - ctx) + 1):
+                    t = time.perf_counter()
+                    model(torch.zeros(n, T, dtype=torch.long, device=dev), cache)
+                    est.costs.observe(n, T, time.perf_counter() - t)
+            for r in range(n):
+                cache.lengths[r] = 0
+        est.calibrated_rows.update(ns)
+    if engine.draft is not None and not est.draft_prefill_s_per_token:
+        draft = engine.draft.model
+        n_tok = max(1, min(ctx, draft.max_len - 2))
+        cache = draft.new_cache(1, n_tok + 1)
+        best = one = float("inf")
+        for _ in range(repeats + 1):
+            cache.lengths[0] = 0
+            t = time.perf_counter()
+            draft(torch.zeros(1, n_tok, dtype=torch.long, device=draft.device), cache, last_only=True)
+            best = min(best, time.perf_counter() - t)
+            cache.lengths[0] = n_tok
+            t = time.perf_counter()
+            draft(torch.zeros(1, 1, dtype=torch.long, device=draft.device), cache, last_only=True)
+            one = min(one, time.perf_counter() - t)
+        est.draft_prefill_s_per_token = best / n_tok
+        est.propose_s.setdefault("draft", one)
