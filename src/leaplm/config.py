@@ -91,6 +91,8 @@ class SamplingParams:
         _check(_is_real(r) and math.isfinite(r) and 0 < r <= 10, "repetition_penalty",
                f"must be in (0, 10], got {r!r}")
         _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or null, got {self.seed!r}")
+        _check(self.seed is None or -(1 << 63) <= self.seed < (1 << 64), "seed",   # all 64 bits are used
+               f"must be in [-2^63, 2^64), got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop), "stop",

@@ -31,6 +31,7 @@ from leaplm.config import ConfigError, SamplingParams
 from leaplm.engine.engine import Engine
 from leaplm.propose import registry
 from leaplm.propose.base import Proposal
+from leaplm.sampling.positional import race
 from leaplm.verify import VerifyResult
 from mc_bounds import DELTA, MIN_CELL, tv_and_bound  # noqa: F401  (shared bound, see its docstring)
 
@@ -328,27 +329,28 @@ def test_sampling_follows_the_target(name, mc_target, mc_prompt, ref_probs):
     assert tv < bound, f"{name}: TV {tv:.4f} >= bound {bound:.4f}"
 
 
-def accept_first_chain(draft, q, p, generator) -> VerifyResult:
-    """Wrong on purpose: keeps every draft token, then a bonus from p."""
-    bonus = int(torch.multinomial(p[draft.numel()], 1, generator=generator))
-    return VerifyResult(draft.tolist() + [bonus], draft.numel())
+def accept_first_chain(draft, p, seed, base) -> VerifyResult:
+    """Wrong on purpose: keeps every draft token, then the target's sample after them."""
+    K = draft.numel()
+    bonus = int(race(p[K:], seed, [base + K])[0])
+    return VerifyResult(draft.tolist() + [bonus], K)
 
 
-def accept_first_tree(nodes, parents, q, p, generator) -> VerifyResult:
-    """Wrong on purpose: follows the first child down to a leaf, then a bonus from p."""
+def accept_first_tree(nodes, parents, p, seed, base) -> VerifyResult:
+    """Wrong on purpose: follows the first child down to a leaf, then the target's sample there."""
     toks, kids = nodes.tolist(), children(parents)
     path, row = [], 0
     while kids[row]:
         path.append(kids[row][0])
         row = kids[row][0] + 1
-    bonus = int(torch.multinomial(p[row], 1, generator=generator))
+    bonus = int(race(p[row: row + 1], seed, [base + len(path)])[0])
     return VerifyResult([toks[c] for c in path] + [bonus], len(path), path)
 
 
 @pytest.mark.parametrize("name", MC_METHODS)
 def test_negative_control_accept_first_fails_the_bound(name, mc_target, mc_prompt, ref_probs, monkeypatch):
     """The same test with the verifiers replaced wherever the engine looks them up must fail."""
-    swaps = {"verify_rejection": accept_first_chain, "verify_tree_rejection": accept_first_tree}
+    swaps = {"verify_coupled": accept_first_chain, "verify_tree_coupled": accept_first_tree}
     patched = 0
     for mod_name, mod in list(sys.modules.items()):
         if mod_name.startswith("leaplm.engine"):

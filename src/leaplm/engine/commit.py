@@ -10,12 +10,15 @@ Only `commit` changes state. Neither the engine nor the scheduler re-implements 
 """
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from ..config import SamplingParams
 from ..propose.base import Proposal
 from ..sampling import LogitsProcessor, block_presence, make_generator
-from ..verify import VerifyResult, verify_greedy, verify_rejection
+from ..sampling.positional import check_seed, fold_seed
+from ..verify import VerifyResult, verify_coupled, verify_greedy
 from .detok import IncrementalDetokenizer
 from .request import Request, StreamChunk, TokenLogprob
 from .stats import GenerationStats
@@ -27,6 +30,9 @@ def new_request(ids: list[int], params: SamplingParams, *, tokenizer, eos_token_
     stop_ids = set(params.stop_token_ids)
     if not params.ignore_eos:
         stop_ids.update(eos_token_ids)
+    seed = None
+    if not params.greedy:   # all 64 bits of the seed fix the draws; an unseeded request gets a random one
+        seed = check_seed(params.seed) if params.seed is not None else secrets.randbits(64)
     presence = None
     if params.repetition_penalty != 1.0:
         presence = torch.zeros(vocab_size, dtype=torch.bool, device=device)      # [V]
@@ -35,7 +41,7 @@ def new_request(ids: list[int], params: SamplingParams, *, tokenizer, eos_token_
         prompt_ids=ids, params=params, tokens=list(ids), stop_ids=frozenset(stop_ids),
         detok=IncrementalDetokenizer(tokenizer, params.stop),
         stats=GenerationStats(method, k, prompt_tokens=len(ids)),
-        generator=None if params.greedy else make_generator(params.seed, device),
+        generator=None if seed is None else make_generator(fold_seed(seed), device), seed=seed,
         presence=presence, logprobs=[] if params.logprobs is not None else None)
 
 
@@ -48,7 +54,7 @@ def verify_chain(req: Request, proposal: Proposal | None, proc: LogitsProcessor,
     if req.generator is None:
         return verify_greedy(drafts, proc.greedy(logits, presence))
     p = proc.probs(logits, presence)                                                   # [K+1, V]
-    return verify_rejection(drafts, proposal.q if proposal is not None else None, p, req.generator)
+    return verify_coupled(drafts, p, req.seed, len(req.tokens))
 
 
 def commit(req: Request, result: VerifyResult, logits: torch.Tensor, drafted: int, cache,

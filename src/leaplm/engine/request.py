@@ -25,7 +25,8 @@ class Request:
     stop_ids: frozenset[int]                         # EOS (unless ignore_eos) and stop_token_ids
     detok: IncrementalDetokenizer
     stats: GenerationStats
-    generator: torch.Generator | None = None         # only for sampling requests
+    generator: torch.Generator | None = None         # only for sampling requests (proposers that draw sequentially)
+    seed: int | None = None                          # sampling requests: 64 bits, fix every position's sample
     presence: torch.Tensor | None = None             # [V] bool, only with a repetition penalty
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None                 # "length" | "stop"

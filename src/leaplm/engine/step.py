@@ -59,7 +59,6 @@ class Row:
     proc: LogitsProcessor
     proposer: Proposer | None
     cap: int                                         # this request's own K (0: no speculation)
-    fixed_k: bool = False                            # draft cap tokens every step (seeded sampling)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     extra_tokens: float = 0.0                        # EMA of tokens a proposal adds beyond its K (lookahead)
     tag: object = None                               # the caller's handle (the scheduler's SeqRequest)
@@ -134,12 +133,9 @@ class Batch:
             raise
         req.stats.prefill_s = time.perf_counter() - t0
         proposer = factory(self.max_len) if factory is not None else None
-        # A seeded sampling request drafts a fixed K: its random draws then do not depend on the batch it shares
-        # steps with or on measured timings (greedy output never depends on K).
-        fixed = proposer is not None and not params.greedy and params.seed is not None
         seen = self.estimates.method_acceptance.get(method)
         acceptance = AcceptanceEstimate.seeded(seen.rate) if seen is not None else AcceptanceEstimate()
-        row = Row(req, LogitsProcessor(params), proposer, cap, fixed, acceptance, tag=tag)
+        row = Row(req, LogitsProcessor(params), proposer, cap, acceptance, tag=tag)
         self.rows.append(row)
         return row, prompt_lps
 
@@ -164,12 +160,11 @@ class Batch:
         n = len(rows)
         ts = time.perf_counter()
 
-        # 1. propose: one K for the step, each row drafts up to min(K, its own cap); seeded rows draft their cap
+        # 1. propose: one K for the step, each row drafts up to min(K, its own cap). A sampled row's tokens are
+        # fixed by its seed and their positions (sampling/positional.py): K never changes what a seed produces.
         rooms = [max(0, self.max_len - len(r.req.tokens) - 1) for r in rows]
         specs = [self._row_spec(r) for r in rows]
-        fixed = [r.fixed_k for r in rows]
-        K = self.policy.choose([sp for sp, f in zip(specs, fixed) if not f])
-        K = max([K] + [sp.cap for sp, f in zip(specs, fixed) if f])
+        K = self.policy.choose(specs)
         K = min(K, min(rooms))                             # every row gets 1 + K slots written
         proposals, propose_s = [], 0.0
         for i, (r, spec) in enumerate(zip(rows, specs)):
@@ -234,7 +229,7 @@ class Batch:
         # forward, not the draft's catching up with the prompt as well (time to first token). A fixed K drafts
         # from the first step.
         room = max(0, self.max_len - len(r.req.tokens) - 1)
-        first = r.req.stats.target_forwards == 0 and self.policy.enabled and not r.fixed_k
+        first = r.req.stats.target_forwards == 0 and self.policy.enabled
         cap = max(0, min(r.cap, room, r.req.remaining - 1)) if r.proposer is not None and not first else 0
         return RowSpec(cap, r.acceptance.rate, self.estimates.propose_s.get(r.req.stats.method, 0.0),
                        self.catchup_s(r), extra_tokens=r.extra_tokens)
@@ -265,7 +260,7 @@ class Batch:
             return None, 0.0
         t = time.perf_counter()
         prop = r.proposer.propose(ProposeContext(r.req.tokens, k, r.req.params, r.proc, r.req.generator,
-                                                 r.req.presence, self._row_cache(i)))
+                                                 r.req.presence, self._row_cache(i), r.req.seed))
         dt = time.perf_counter() - t
         r.req.stats.propose_s += dt
         if prop.parents is None and prop.k > k:

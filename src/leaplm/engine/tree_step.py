@@ -13,7 +13,7 @@ import torch
 from ..cache.tree import TreeLayout, tree_layout
 from ..propose.base import Proposal
 from ..sampling import LogitsProcessor, tree_presence
-from ..verify import VerifyResult, verify_tree_greedy, verify_tree_rejection
+from ..verify import VerifyResult, verify_tree_coupled, verify_tree_greedy
 from .request import Request
 
 
@@ -44,7 +44,7 @@ def verify_tree(req: Request, proposal: Proposal, proc: LogitsProcessor, logits:
     if req.generator is None:
         return verify_tree_greedy(nodes, proposal.parents, proc.greedy(logits[:n], presence))
     p = proc.probs(logits[:n], presence)                                             # [K+1, V]
-    return verify_tree_rejection(nodes, proposal.parents, proposal.q, p, req.generator)
+    return verify_tree_coupled(nodes, proposal.parents, p, req.seed, len(req.tokens))
 
 
 def extra_logits(proposal: Proposal | None, logits: torch.Tensor) -> torch.Tensor | None:

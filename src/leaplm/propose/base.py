@@ -9,6 +9,7 @@ import torch
 
 from ..config import SamplingParams
 from ..sampling import LogitsProcessor
+from ..sampling.positional import ranked
 from ..verify import VerifyResult
 
 
@@ -21,6 +22,17 @@ class ProposeContext:
     generator: torch.Generator | None  # None for greedy requests: no random draws
     presence: torch.Tensor | None      # [V] bool: tokens seen so far (repetition penalty), else None
     target_cache: object | None = None # the request's target KVCache (layer-skip drafts into its free slots)
+    seed: int | None = None            # sampling requests: the seed fixing every position's sample, see sample()
+
+    def sample(self, q: torch.Tensor, offset: int, candidate: int = 0) -> int:
+        """A draft token from q [V] (or [1, V]) at block offset `offset` (0: the first token after `tokens`),
+        coupled with the target's sample there (sampling/positional.py): the token the verifier accepts whenever
+        the target would have drawn it. candidate j > 0: the j-th further distinct candidate (tree siblings).
+        Proposers sample through here; a draw from `generator` instead is still lossless (any draft is) but is
+        never accepted more often than chance."""
+        if self.seed is not None:
+            return ranked(q, self.seed, len(self.tokens) + offset, candidate + 1)[candidate]
+        return int(torch.multinomial(q.reshape(-1), 1, generator=self.generator))
 
 
 @dataclass

@@ -39,7 +39,7 @@ class DraftModelProposer:
                 t = int(ctx.processor.greedy(logits, pres))
             else:
                 q = ctx.processor.probs(logits, pres)                      # [1, V]
-                t = int(ctx.processor.sample(q, ctx.generator))
+                t = ctx.sample(q, i)
                 qs.append(q[0])
             drafts.append(t)
             if presence is not None:

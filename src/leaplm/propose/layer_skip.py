@@ -124,7 +124,7 @@ class LayerSkipProposer:
                     q = ctx.processor.probs(logits, pres)                           # [1, V]
                     if i and float(q.max()) < self.confidence:
                         break
-                    t = int(ctx.processor.sample(q, ctx.generator))
+                    t = ctx.sample(q, i)
                     qs.append(q[0])
                 drafts.append(t)
                 if presence is not None:

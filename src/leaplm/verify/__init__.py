@@ -4,10 +4,12 @@ Vocabulary (as vLLM's): accepted = draft tokens the target agreed with; recovere
 the residual at the first rejection; bonus = the token sampled from p when every draft token was accepted.
 Each step emits accepted + 1 tokens.
 """
+from .coupled import verify_coupled, verify_tree_coupled
 from .greedy import verify_greedy
 from .rejection import residual, verify_rejection
 from .result import VerifyResult
 from .tree import verify_tree_greedy, verify_tree_rejection
 
 __all__ = ["VerifyResult", "verify_greedy", "verify_rejection", "residual", "verify_tree_greedy",
-           "verify_tree_rejection"]
+           "verify_tree_rejection",
+           "verify_coupled", "verify_tree_coupled"]
