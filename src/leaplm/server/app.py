@@ -35,7 +35,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import ConfigError, SamplingParams, ServerConfig
 from ..engine.scheduler import BatchScheduler, QueueFull, SchedulerClosed, SeqOutput, SeqRequest
 from ..engine.stats import GenerationStats
+from . import hosts
 from . import streaming as S
+from .hosts import default_allowed_hosts
 from .metrics import ServerMetrics
 from .protocol import (PLAIN_TEMPLATE_DOC, APIError, ChatCompletionRequest, ChatCompletionResponse,
                        CompletionRequest, CompletionResponse, ErrorResponse, ModelList, chat_prompt, error_body)
@@ -216,7 +218,9 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, headers=getattr(exc, "headers", None))
+        code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse(error_body(str(exc.detail), kind, None, code), exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def crash(request, exc: Exception):
@@ -253,7 +257,9 @@ class _Guard:
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
         key = state.config.api_key
-        self.expected = f"Bearer {key}".encode() if key else None
+        self.expected = key.encode() if key else None
+        cfg = state.config
+        self.allowed_hosts = cfg.allowed_hosts if cfg.allowed_hosts is not None else default_allowed_hosts(cfg.host)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -268,7 +274,9 @@ class _Guard:
             await send(message)
 
         try:
-            err = self._check_auth(scope)
+            err = self._check_host(scope)
+            if err is None:
+                err = self._check_auth(scope)
             if err is None and scope["method"] in ("POST", "PUT", "PATCH"):
                 err, receive = await self._buffer_body(scope, receive)
             if err is not None:
@@ -278,6 +286,20 @@ class _Guard:
         finally:
             self.state.metrics.requests.labels(endpoint, str(status[0])).inc()
 
+    def _check_host(self, scope) -> APIError | None:
+        """DNS rebinding: only the names this server is meant to be reached by (see hosts.py)."""
+        if self.allowed_hosts is None:
+            return None
+        value = None
+        for name, v in scope.get("headers", []):
+            if name == b"host":
+                value = v.decode("latin-1")
+                break
+        if hosts.allowed(value, self.allowed_hosts):
+            return None
+        return APIError(400, f"Host header {value!r} is not one this server answers (allowed: "
+                             f"{', '.join(self.allowed_hosts)}; see --allowed-hosts)", None, "invalid_host")
+
     def _check_auth(self, scope) -> APIError | None:
         if self.expected is None or not scope["path"].startswith("/v1/"):
             return None
@@ -286,7 +308,10 @@ class _Guard:
             if name == b"authorization":
                 got = value
                 break
-        if not hmac.compare_digest(got, self.expected):
+        scheme, _, token = got.partition(b" ")       # the scheme is case-insensitive (RFC 7235)
+        if scheme.lower() != b"bearer":
+            token = b""
+        if not hmac.compare_digest(token, self.expected):
             return APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')", None,
                             "invalid_api_key")
         return None

@@ -47,6 +47,13 @@ def serve(
                                                     help="Name clients pass as `model` (default: --model)."),
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds SIGTERM waits for running requests."),
     max_body_bytes: int = typer.Option(4 << 20, "--max-body-bytes", help="Largest request body (413 beyond)."),
+    allowed_hosts: Optional[str] = typer.Option(
+        None, "--allowed-hosts", help="Comma-separated Host header names answered (others get 400: DNS rebinding); "
+                                      "default: the loopback names when bound to loopback, any otherwise; '*': any."),
+    request_read_timeout: float = typer.Option(10.0, "--request-read-timeout",
+                                               help="Seconds a client has to send a whole request (408 beyond)."),
+    keep_alive_timeout: float = typer.Option(5.0, "--keep-alive-timeout",
+                                             help="Seconds an idle keep-alive connection stays open."),
     adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k", help="Choose K per step from measured costs."),
     device: str = typer.Option("cpu", help="cpu|cuda|mps"),
     dtype: str = typer.Option("float32", help="float32|bfloat16|float16"),
@@ -59,7 +66,9 @@ def serve(
     try:
         config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                               max_batch=max_batch, max_queue=max_queue, max_model_len=max_model_len,
-                              max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout)
+                              max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout,
+                              allowed_hosts=allowed_hosts, request_read_timeout_s=request_read_timeout,
+                              keep_alive_timeout_s=keep_alive_timeout)
     except ConfigError as e:
         _fail(f"--{e.field.replace('_', '-')}: {e.message}")
     if threads is not None:
@@ -69,8 +78,9 @@ def serve(
 
         torch.set_num_threads(threads)
     if host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("binding %s: the server is reachable beyond this machine%s", host,
-                    "" if api_key else " and has no --api-key")
+        log.warning("binding %s: the server is reachable beyond this machine%s%s", host,
+                    "" if api_key else " and has no --api-key",
+                    "" if allowed_hosts else " (no Host check: pass --allowed-hosts to add one)")
 
     def load():
         from ..engine.engine import Engine
@@ -85,6 +95,7 @@ def serve(
 def run_server(config: ServerConfig, load, model_name: str) -> int:
     """Run uvicorn with leaplm's drain on SIGTERM/SIGINT until it exits; returns the process exit code."""
     from .app import create_app
+    from .http_protocol import uvicorn_config
 
     holder: dict = {}
 
@@ -95,8 +106,7 @@ def run_server(config: ServerConfig, load, model_name: str) -> int:
             srv.should_exit = True
 
     app = create_app(config, load=load, model_name=model_name, on_load_error=on_load_error)
-    ucfg = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=5, lifespan="on")
+    ucfg = uvicorn_config(app, config)
     server = DrainingServer(ucfg, app.state.leaplm, config.drain_timeout_s)
     holder["server"] = server
     log.info("leaplm serving %s on http://%s:%d", app.state.leaplm.model_name, config.host, config.port)
