@@ -118,29 +118,45 @@ def run_server(config: ServerConfig, load, model_name: str) -> int:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM/SIGINT drains instead of closing the socket at once: new requests get
-    503 while running ones finish (up to the drain timeout), then the server exits with status 0. A second
-    signal exits at once."""
+    """uvicorn, with leaplm's shutdown on SIGTERM/SIGINT:
+
+    1st signal  drain: new requests get 503, /health 503, running ones finish (up to the drain timeout), exit 0.
+    2nd signal  stop now, cleanly: every running and waiting sequence is aborted, so each client gets an error
+                event and [DONE] (or a JSON 503), then the server exits 0.
+    3rd signal  exit without waiting for connections (uvicorn's force exit).
+
+    Whatever the path, the scheduler thread is stopped before serve() returns: a thread still inside a torch
+    kernel while the interpreter shuts down aborts the process (SIGABRT, exit 134)."""
 
     def __init__(self, config: uvicorn.Config, state, drain_timeout: float):
         super().__init__(config)
         self.state, self.drain_timeout = state, drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
+        self._signals = 0
 
     async def serve(self, sockets=None):
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        try:
+            await super().serve(sockets)
+        finally:
+            sched = self.state.scheduler
+            if sched is not None:
+                await asyncio.to_thread(sched.stop)
 
     def handle_exit(self, sig, frame):
-        if self._draining or self._loop is None:
+        self._signals += 1
+        if self._loop is None:
             self.should_exit = True
-            if self._draining:
-                self.force_exit = True
             return
-        self._draining = True
-        log.info("signal %s: draining (up to %.0f s)", signal.Signals(sig).name, self.drain_timeout)
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.drain()))
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        if self._signals == 1:
+            log.info("signal %s: draining (up to %.0f s)", name, self.drain_timeout)
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.drain()))
+        elif self._signals == 2:
+            log.info("signal %s again: aborting what is running and stopping", name)
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.stop_now()))
+        else:
+            self.should_exit = self.force_exit = True
 
     async def drain(self) -> None:
         state = self.state
@@ -149,18 +165,30 @@ class DrainingServer(uvicorn.Server):
         if sched is not None:
             sched.close_admission()
             deadline = time.monotonic() + self.drain_timeout
-            while not sched.idle and time.monotonic() < deadline:
+            while not sched.idle and time.monotonic() < deadline and not self.should_exit:
                 await asyncio.sleep(0.05)
             if not sched.idle:
                 log.warning("drain timeout: aborting %d running and %d waiting requests", sched.running,
                             sched.queue_depth)
-                sched.abort_all("the server is shutting down (drain timeout)")
-                for _ in range(100):
-                    if sched.idle:
-                        break
-                    await asyncio.sleep(0.02)
+                await self._abort_all("the server is shutting down (drain timeout)")
         await asyncio.sleep(0.1)            # let handlers write their last bytes
         self.should_exit = True
+
+    async def stop_now(self) -> None:
+        self.state.draining = True
+        if self.state.scheduler is not None:
+            self.state.scheduler.close_admission()
+            await self._abort_all("the server is shutting down (second signal)")
+        await asyncio.sleep(0.1)
+        self.should_exit = True
+
+    async def _abort_all(self, reason: str) -> None:
+        sched = self.state.scheduler
+        sched.abort_all(reason)
+        for _ in range(100):
+            if sched.idle:
+                break
+            await asyncio.sleep(0.02)
 
 
 def bench_serve(
