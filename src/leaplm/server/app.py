@@ -36,6 +36,7 @@ from ..config import ConfigError, SamplingParams, ServerConfig
 from ..engine.scheduler import BatchScheduler, QueueFull, SchedulerClosed, SeqOutput, SeqRequest
 from ..engine.stats import GenerationStats
 from . import hosts
+from .admission import Admission
 from . import streaming as S
 from .hosts import default_allowed_hosts
 from .metrics import ServerMetrics
@@ -71,6 +72,7 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     engine: object | None = None
     scheduler: BatchScheduler | None = None
+    admission: Admission | None = None
     token_text: S.TokenText | None = None
     ready: bool = False
     draining: bool = False
@@ -80,7 +82,9 @@ class ServerState:
     def attach(self, engine, scheduler: BatchScheduler) -> None:
         self.engine, self.scheduler = engine, scheduler
         self.token_text = S.TokenText(engine.tokenizer)
-        self.metrics.bind(scheduler)
+        self.admission = Admission.for_scheduler(scheduler, self.config.max_batch, self.config.max_queue,
+                                                 self.config.kv_cache_bytes)
+        self.metrics.bind(scheduler, self.admission)
         scheduler.observer = self.metrics
 
 
@@ -91,7 +95,7 @@ def build_scheduler(engine, config: ServerConfig) -> BatchScheduler:
     sched.submit([SeqRequest(ids[: max(1, engine.max_model_len // 2)], SamplingParams(max_new_tokens=4, temperature=0),
                              on_output=lambda out: None)])
     sched.run_until_idle()
-    sched.max_queue = config.max_queue
+    sched.max_queue = config.max_batch + config.max_queue     # a backstop: admission.py counts in flight first
     return sched
 
 
@@ -392,11 +396,18 @@ class _Job:
         self.seqs = [SeqRequest(prompts[i // n].ids, params[i], on_output=self._sink(i), method=method, k=k,
                                 prompt_logprobs=prompt_logprobs) for i in range(len(params))]
         self.results = [_SeqResult() for _ in self.seqs]
+        # KV-cache tokens each sequence may grow to, reserved from the admission budget until it finishes
+        self.reservations = [len(prompts[i // n].ids) + params[i].max_new_tokens for i in range(len(params))]
+        self.released = [True] * len(self.seqs)     # set False once reserved
+        self.fields = (params[0].max_new_tokens, "max_tokens", "prompt")     # (max_tokens, its field, prompt's)
         self.open = len(self.seqs)                  # sequences not finished yet
         self.usage_chunk: dict | None = None        # a stream's last chunk with include_usage, set at its end
 
     def _sink(self, i: int):
         def put(out: SeqOutput) -> None:          # scheduler thread
+            if out.finished and not self.released[i]:
+                self.released[i] = True
+                self.state.admission.release(self.reservations[i])
             try:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
             except RuntimeError:                  # the event loop is gone (shutdown)
@@ -404,13 +415,22 @@ class _Job:
         return put
 
     def submit(self) -> None:
-        sched = self.state.scheduler
+        """Admit (admission.py: 400 never fits, 429 not now) and queue every sequence, or none."""
+        sched, adm = self.state.scheduler, self.state.admission
+        max_tokens, max_field, prompt_field = self.fields
+        adm.check(sched.sequences_in_flight, self.reservations, [len(p.ids) for p in self.prompts], max_tokens,
+                  max_field, prompt_field)
+        adm.reserve(sum(self.reservations))
+        self.released = [False] * len(self.seqs)
         try:
             sched.submit(self.seqs)
-        except QueueFull as e:
-            raise APIError(429, f"server busy: {e}; retry later", None, "queue_full", {"Retry-After": "1"}) from None
-        except SchedulerClosed:
-            raise APIError(503, "server is shutting down", None, "shutting_down") from None
+        except (QueueFull, SchedulerClosed) as e:
+            self.released = [True] * len(self.seqs)
+            adm.unreserve(sum(self.reservations))
+            if isinstance(e, SchedulerClosed):
+                raise APIError(503, "server is shutting down", None, "shutting_down") from None
+            raise APIError(429, f"server busy: {e}; retry later", None, "queue_full",
+                           {"Retry-After": str(adm.drain.retry_after(sequences=len(self.seqs)))}) from None
         self.state.metrics.prompt_tokens.inc(sum(len(p.ids) for p in self.prompts) * self.n)
 
     def abort(self, reason: str = "client disconnected") -> None:
@@ -572,9 +592,6 @@ def _plan(state: ServerState, body, chat: bool) -> _Job:
                             f"{longest + max_tokens} tokens exceed the context of {L} tokens", max_field,
                        "context_length_exceeded")
     n = body.n or 1
-    if len(prompts) * n > state.scheduler.max_queue:
-        raise APIError(400, f"n: {len(prompts)} prompt(s) x n={n} sequences exceed what the queue holds "
-                            f"(max_queue={state.scheduler.max_queue})", "n", "invalid_value")
     method = k = None
     if body.speculative is not None:
         method, k = body.speculative.method, body.speculative.k
@@ -590,7 +607,9 @@ def _plan(state: ServerState, body, chat: bool) -> _Job:
         except ConfigError as e:
             f = {"max_new_tokens": max_field, "logprobs": "top_logprobs" if chat else "logprobs"}.get(e.field, e.field)
             raise APIError(400, f"{f}: {e.message}", f, "invalid_value") from None
-    return _Job(state, prompts, params, n, method, k, prompt_logprobs)
+    job = _Job(state, prompts, params, n, method, k, prompt_logprobs)
+    job.fields = (max_tokens, max_field, prompt_field)
+    return job
 
 
 async def _guarded(gen, job: _Job, watcher: asyncio.Task, include_usage: bool):

@@ -41,7 +41,8 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LEAPLM_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on /v1/* (not /health, /metrics)."),
     max_batch: int = typer.Option(8, "--max-batch", "--max-num-seqs", help="Requests decoded together."),
-    max_queue: int = typer.Option(64, "--max-queue", help="Waiting requests beyond which new ones get 429."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Waiting sequences (prompts x n) beyond the batch's rows: "
+                                  "over max_batch + max_queue in flight, new requests get 429."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context length per request."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="Name clients pass as `model` (default: --model)."),
@@ -54,6 +55,10 @@ def serve(
                                                help="Seconds a client has to send a whole request (408 beyond)."),
     keep_alive_timeout: float = typer.Option(5.0, "--keep-alive-timeout",
                                              help="Seconds an idle keep-alive connection stays open."),
+    kv_cache_bytes: Optional[int] = typer.Option(
+        None, "--kv-cache-bytes", help="KV-cache memory admitted sequences may reserve (prompt + max_tokens each); "
+                                       "400 for a request that never fits, 429 for one that does not fit now "
+                                       "(default: what the cache rows hold)."),
     adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k", help="Choose K per step from measured costs."),
     device: str = typer.Option("cpu", help="cpu|cuda|mps"),
     dtype: str = typer.Option("float32", help="float32|bfloat16|float16"),
@@ -68,7 +73,7 @@ def serve(
                               max_batch=max_batch, max_queue=max_queue, max_model_len=max_model_len,
                               max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout,
                               allowed_hosts=allowed_hosts, request_read_timeout_s=request_read_timeout,
-                              keep_alive_timeout_s=keep_alive_timeout)
+                              keep_alive_timeout_s=keep_alive_timeout, kv_cache_bytes=kv_cache_bytes)
     except ConfigError as e:
         _fail(f"--{e.field.replace('_', '-')}: {e.message}")
     if threads is not None:
