@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import threading
 import time
@@ -78,10 +79,16 @@ class ServerState:
     draining: bool = False
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    max_token_chars: int = 0        # the longest token's text: a prompt longer than this x context never fits
+    # Tokenizing (and templating) runs here, off the event loop; one worker, since a fast tokenizer object is not
+    # safe to use from several threads at once.
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="leaplm-tokenize"))
 
     def attach(self, engine, scheduler: BatchScheduler) -> None:
         self.engine, self.scheduler = engine, scheduler
         self.token_text = S.TokenText(engine.tokenizer)
+        self.max_token_chars = longest_token_chars(engine.tokenizer)
         self.admission = Admission.for_scheduler(scheduler, self.config.max_batch, self.config.max_queue,
                                                  self.config.kv_cache_bytes)
         self.metrics.bind(scheduler, self.admission)
@@ -97,6 +104,17 @@ def build_scheduler(engine, config: ServerConfig) -> BatchScheduler:
     sched.run_until_idle()
     sched.max_queue = config.max_batch + config.max_queue     # a backstop: admission.py counts in flight first
     return sched
+
+
+def longest_token_chars(tok) -> int:
+    """Characters of the vocabulary's longest token string (byte-level and sentencepiece token strings are at
+    least as long as the text they stand for), so len(text) > this x n means more than n tokens."""
+    return max(1, max((len(t) for t in tok.convert_ids_to_tokens(list(range(len(tok)))) if t), default=1))
+
+
+def max_prompt_chars(state: ServerState) -> int:
+    """Characters beyond which a prompt cannot fit the context, whatever it says (checked before tokenizing)."""
+    return state.max_token_chars * state.engine.max_model_len
 
 
 def create_app(config: ServerConfig, *, load: Callable[[], object] | None = None, engine=None,
@@ -129,6 +147,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], object] | None = None
         yield
         if state.scheduler is not None:
             await asyncio.to_thread(state.scheduler.stop)
+        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="leaplm", version=_version(), description=DESCRIPTION, lifespan=lifespan)
     app.state.leaplm = state
@@ -387,10 +406,11 @@ class _Job:
     DISCONNECTED = object()
 
     def __init__(self, state: ServerState, prompts: list[_Prompt], params: list[SamplingParams], n: int,
-                 method: str | None, k: int | None, prompt_logprobs: int | None):
+                 method: str | None, k: int | None, prompt_logprobs: int | None,
+                 fields: tuple[int, str, str] = (16, "max_tokens", "prompt")):
         self.state = state
         self.prompts, self.n = prompts, n
-        self.loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()          # built on the event loop (see _serve)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrival = time.perf_counter()
         self.seqs = [SeqRequest(prompts[i // n].ids, params[i], on_output=self._sink(i), method=method, k=k,
@@ -399,7 +419,7 @@ class _Job:
         # KV-cache tokens each sequence may grow to, reserved from the admission budget until it finishes
         self.reservations = [len(prompts[i // n].ids) + params[i].max_new_tokens for i in range(len(params))]
         self.released = [True] * len(self.seqs)     # set False once reserved
-        self.fields = (params[0].max_new_tokens, "max_tokens", "prompt")     # (max_tokens, its field, prompt's)
+        self.fields = fields                        # (max_tokens, its field name, the prompt's field name)
         self.open = len(self.seqs)                  # sequences not finished yet
         self.usage_chunk: dict | None = None        # a stream's last chunk with include_usage, set at its end
 
@@ -512,7 +532,8 @@ async def _serve(state: ServerState, body, request: Request, chat: bool):
     if body.model != state.model_name:
         raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
                        "model", "model_not_found")
-    job = _plan(state, body, chat)
+    loop = asyncio.get_running_loop()
+    job = _Job(state, *await loop.run_in_executor(state.tokenize_pool, _plan, state, body, chat))
     job.submit()
     watcher = asyncio.create_task(job.watch(request))
     if body.stream:
@@ -534,13 +555,19 @@ async def _serve(state: ServerState, body, request: Request, chat: bool):
     return JSONResponse(_chat_response(state, job, body) if chat else _completion_response(state, job, body))
 
 
-def _plan(state: ServerState, body, chat: bool) -> _Job:
-    """Validate what depends on the model (prompt tokens, context, method) and build the job."""
+def _plan(state: ServerState, body, chat: bool) -> tuple:
+    """Validate what depends on the model (prompt tokens, context, method): the _Job's arguments. Runs in the
+    tokenize pool, off the event loop."""
     eng = state.engine
     tok = eng.tokenizer
     L = eng.max_model_len
     V = eng.model.vocab_size
+    limit = max_prompt_chars(state)
+
     def encode(text: str, field: str) -> list[int]:
+        if len(text) > limit:        # before tokenizing: a 4 MB prompt must not occupy the tokenizer for seconds
+            raise APIError(400, f"{field}: {len(text)} characters are more than the context of {L} tokens can "
+                                f"hold (at most {limit} characters)", field, "context_length_exceeded")
         try:
             return tok(text, add_special_tokens=False)["input_ids"]
         except (UnicodeError, ValueError, TypeError) as e:     # e.g. lone surrogates
@@ -607,9 +634,7 @@ def _plan(state: ServerState, body, chat: bool) -> _Job:
         except ConfigError as e:
             f = {"max_new_tokens": max_field, "logprobs": "top_logprobs" if chat else "logprobs"}.get(e.field, e.field)
             raise APIError(400, f"{f}: {e.message}", f, "invalid_value") from None
-    job = _Job(state, prompts, params, n, method, k, prompt_logprobs)
-    job.fields = (max_tokens, max_field, prompt_field)
-    return job
+    return prompts, params, n, method, k, prompt_logprobs, (max_tokens, max_field, prompt_field)
 
 
 async def _guarded(gen, job: _Job, watcher: asyncio.Task, include_usage: bool):
