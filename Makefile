@@ -7,7 +7,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-all bench setup clean
+.PHONY: demo test test-all bench setup clean reliability
 
 $(BIN)/leaplm: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: setup
 
 test-all: setup
 	$(BIN)/python -m pytest -q tests
+
+# The reliability suite with its long variants (soak length: SOAK_SECONDS, default 300).
+reliability: setup
+	OMP_NUM_THREADS=1 SOAK_SECONDS=$${SOAK_SECONDS:-300} $(BIN)/python -m pytest -q tests/reliability
 
 bench: setup
 	$(BIN)/leaplm bench --baselines hf

@@ -185,13 +185,26 @@ class ServerConfig:
     max_batch: int = 8
     """Requests decoded together (rows of the batched KV cache)."""
     max_queue: int = 64
-    """Requests waiting for a row; beyond it a request is refused at once with 429 and Retry-After."""
+    """Sequences (prompts x n) waiting beyond the batch rows: a request that would bring the sequences in flight
+    (waiting or running) over max_batch + max_queue is refused at once with 429 and Retry-After."""
     max_model_len: int | None = None
     """Context length (prompt + output) per request; None: the model's."""
     max_body_bytes: int = 4 << 20
     """Largest request body; beyond it 413."""
     drain_timeout_s: float = 30.0
     """On SIGTERM: refuse new requests with 503, let running ones finish for up to this long, then abort them."""
+    allowed_hosts: tuple[str, ...] | None = None
+    """Host header names (no port) the server answers; any other gets 400 (a DNS-rebinding page cannot reach a
+    loopback server). None: the loopback names when bound to loopback, no check otherwise; ("*",) allows any."""
+    request_read_timeout_s: float = 10.0
+    """Longest a client may take to send a whole request (headers and body) from the moment the server waits for
+    it; beyond it 408 and the connection is closed (a slowloris cannot hold sockets)."""
+    keep_alive_timeout_s: float = 5.0
+    """An idle keep-alive connection is closed after this long without a new request."""
+    kv_cache_bytes: int | None = None
+    """KV-cache memory the admitted sequences (waiting or running) may reserve, each prompt + max_tokens tokens:
+    a request that can never fit gets 400 naming the field, one that cannot fit now 429 with Retry-After. None:
+    no memory gate (the cache rows are allocated whole, and a sequence within max_model_len fits its row)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -211,3 +224,17 @@ class ServerConfig:
                f"must be an integer >= 1024, got {self.max_body_bytes!r}")
         _check(_is_real(self.drain_timeout_s) and 0 <= self.drain_timeout_s <= 3600, "drain_timeout_s",
                f"must be in [0, 3600] seconds, got {self.drain_timeout_s!r}")
+        for name in ("request_read_timeout_s", "keep_alive_timeout_s"):
+            v = getattr(self, name)
+            _check(_is_real(v) and math.isfinite(v) and 0.05 <= v <= 3600, name,
+                   f"must be in [0.05, 3600] seconds, got {v!r}")
+        _check(self.kv_cache_bytes is None or (_is_int(self.kv_cache_bytes) and self.kv_cache_bytes >= 1),
+               "kv_cache_bytes", f"must be an integer >= 1, got {self.kv_cache_bytes!r}")
+        if self.allowed_hosts is not None:
+            if isinstance(self.allowed_hosts, str):
+                self.allowed_hosts = tuple(h.strip() for h in self.allowed_hosts.split(",") if h.strip())
+            self.allowed_hosts = tuple(self.allowed_hosts)
+            _check(len(self.allowed_hosts) > 0 and all(isinstance(h, str) and h and not any(c.isspace() or c in "/@,"
+                                                                                          for c in h)
+                                                       for h in self.allowed_hosts),
+                   "allowed_hosts", f"must be host names without ports (or '*'), got {self.allowed_hosts!r}")

@@ -148,12 +148,11 @@ class InProcessServer:
                  api_key: str | None = API_KEY, **config):
         import threading
 
-        import uvicorn
-
         from leaplm import Engine
         from leaplm.config import ServerConfig
         from leaplm.server.app import create_app
         from leaplm.server.cli_serve import DrainingServer
+        from leaplm.server.http_protocol import uvicorn_config
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -166,8 +165,7 @@ class InProcessServer:
 
         self.app = create_app(cfg, load=load, model_name=target)
         self.state = self.app.state.leaplm
-        ucfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
-                              timeout_graceful_shutdown=5, lifespan="on")
+        ucfg = uvicorn_config(self.app, cfg)
         self.server = DrainingServer(ucfg, self.state, cfg.drain_timeout_s)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
         self.thread.start()

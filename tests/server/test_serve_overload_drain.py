@@ -84,7 +84,7 @@ def test_overload_gets_fast_429_with_retry_after(small_server):
     refused = asyncio.run(main())
     for r, seconds in refused:
         assert r.status_code == 429, r.text
-        assert r.headers["Retry-After"] == "1"
+        assert 1 <= int(r.headers["Retry-After"]) <= 60
         err = r.json()["error"]
         assert err["type"] == "rate_limit_error" and err["code"] == "queue_full" and "max_queue" in err["message"]
         assert seconds < 1.0

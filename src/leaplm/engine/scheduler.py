@@ -138,6 +138,12 @@ class BatchScheduler:
         return len(self.batch.rows)
 
     @property
+    def sequences_in_flight(self) -> int:
+        """Sequences waiting or running (what a queue limit counted in sequences, running ones included, uses)."""
+        with self._cond:
+            return len(self._waiting) + len(self._running)
+
+    @property
     def rows_in_use(self) -> int:
         """Cache rows holding tokens (running rows; a freed row is reset to length 0)."""
         return sum(1 for n in self.cache.lengths if n > 0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import threading
 import time
@@ -35,7 +36,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import ConfigError, SamplingParams, ServerConfig
 from ..engine.scheduler import BatchScheduler, QueueFull, SchedulerClosed, SeqOutput, SeqRequest
 from ..engine.stats import GenerationStats
+from . import hosts
+from .admission import Admission
 from . import streaming as S
+from .hosts import default_allowed_hosts
 from .metrics import ServerMetrics
 from .protocol import (PLAIN_TEMPLATE_DOC, APIError, ChatCompletionRequest, ChatCompletionResponse,
                        CompletionRequest, CompletionResponse, ErrorResponse, ModelList, chat_prompt, error_body)
@@ -69,16 +73,25 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     engine: object | None = None
     scheduler: BatchScheduler | None = None
+    admission: Admission | None = None
     token_text: S.TokenText | None = None
     ready: bool = False
     draining: bool = False
     load_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    max_token_chars: int = 0        # the longest token's text: a prompt longer than this x context never fits
+    # Tokenizing (and templating) runs here, off the event loop; one worker, since a fast tokenizer object is not
+    # safe to use from several threads at once.
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="leaplm-tokenize"))
 
     def attach(self, engine, scheduler: BatchScheduler) -> None:
         self.engine, self.scheduler = engine, scheduler
         self.token_text = S.TokenText(engine.tokenizer)
-        self.metrics.bind(scheduler)
+        self.max_token_chars = longest_token_chars(engine.tokenizer)
+        self.admission = Admission.for_scheduler(scheduler, self.config.max_batch, self.config.max_queue,
+                                                 self.config.kv_cache_bytes)
+        self.metrics.bind(scheduler, self.admission)
         scheduler.observer = self.metrics
 
 
@@ -89,8 +102,19 @@ def build_scheduler(engine, config: ServerConfig) -> BatchScheduler:
     sched.submit([SeqRequest(ids[: max(1, engine.max_model_len // 2)], SamplingParams(max_new_tokens=4, temperature=0),
                              on_output=lambda out: None)])
     sched.run_until_idle()
-    sched.max_queue = config.max_queue
+    sched.max_queue = config.max_batch + config.max_queue     # a backstop: admission.py counts in flight first
     return sched
+
+
+def longest_token_chars(tok) -> int:
+    """Characters of the vocabulary's longest token string (byte-level and sentencepiece token strings are at
+    least as long as the text they stand for), so len(text) > this x n means more than n tokens."""
+    return max(1, max((len(t) for t in tok.convert_ids_to_tokens(list(range(len(tok)))) if t), default=1))
+
+
+def max_prompt_chars(state: ServerState) -> int:
+    """Characters beyond which a prompt cannot fit the context, whatever it says (checked before tokenizing)."""
+    return state.max_token_chars * state.engine.max_model_len
 
 
 def create_app(config: ServerConfig, *, load: Callable[[], object] | None = None, engine=None,
@@ -123,6 +147,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], object] | None = None
         yield
         if state.scheduler is not None:
             await asyncio.to_thread(state.scheduler.stop)
+        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="leaplm", version=_version(), description=DESCRIPTION, lifespan=lifespan)
     app.state.leaplm = state
@@ -216,7 +241,9 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, headers=getattr(exc, "headers", None))
+        code = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse(error_body(str(exc.detail), kind, None, code), exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def crash(request, exc: Exception):
@@ -253,7 +280,9 @@ class _Guard:
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
         key = state.config.api_key
-        self.expected = f"Bearer {key}".encode() if key else None
+        self.expected = key.encode() if key else None
+        cfg = state.config
+        self.allowed_hosts = cfg.allowed_hosts if cfg.allowed_hosts is not None else default_allowed_hosts(cfg.host)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -268,7 +297,9 @@ class _Guard:
             await send(message)
 
         try:
-            err = self._check_auth(scope)
+            err = self._check_host(scope)
+            if err is None:
+                err = self._check_auth(scope)
             if err is None and scope["method"] in ("POST", "PUT", "PATCH"):
                 err, receive = await self._buffer_body(scope, receive)
             if err is not None:
@@ -278,6 +309,20 @@ class _Guard:
         finally:
             self.state.metrics.requests.labels(endpoint, str(status[0])).inc()
 
+    def _check_host(self, scope) -> APIError | None:
+        """DNS rebinding: only the names this server is meant to be reached by (see hosts.py)."""
+        if self.allowed_hosts is None:
+            return None
+        value = None
+        for name, v in scope.get("headers", []):
+            if name == b"host":
+                value = v.decode("latin-1")
+                break
+        if hosts.allowed(value, self.allowed_hosts):
+            return None
+        return APIError(400, f"Host header {value!r} is not one this server answers (allowed: "
+                             f"{', '.join(self.allowed_hosts)}; see --allowed-hosts)", None, "invalid_host")
+
     def _check_auth(self, scope) -> APIError | None:
         if self.expected is None or not scope["path"].startswith("/v1/"):
             return None
@@ -286,7 +331,10 @@ class _Guard:
             if name == b"authorization":
                 got = value
                 break
-        if not hmac.compare_digest(got, self.expected):
+        scheme, _, token = got.partition(b" ")       # the scheme is case-insensitive (RFC 7235)
+        if scheme.lower() != b"bearer":
+            token = b""
+        if not hmac.compare_digest(token, self.expected):
             return APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')", None,
                             "invalid_api_key")
         return None
@@ -358,20 +406,28 @@ class _Job:
     DISCONNECTED = object()
 
     def __init__(self, state: ServerState, prompts: list[_Prompt], params: list[SamplingParams], n: int,
-                 method: str | None, k: int | None, prompt_logprobs: int | None):
+                 method: str | None, k: int | None, prompt_logprobs: int | None,
+                 fields: tuple[int, str, str] = (16, "max_tokens", "prompt")):
         self.state = state
         self.prompts, self.n = prompts, n
-        self.loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()          # built on the event loop (see _serve)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrival = time.perf_counter()
         self.seqs = [SeqRequest(prompts[i // n].ids, params[i], on_output=self._sink(i), method=method, k=k,
                                 prompt_logprobs=prompt_logprobs) for i in range(len(params))]
         self.results = [_SeqResult() for _ in self.seqs]
+        # KV-cache tokens each sequence may grow to, reserved from the admission budget until it finishes
+        self.reservations = [len(prompts[i // n].ids) + params[i].max_new_tokens for i in range(len(params))]
+        self.released = [True] * len(self.seqs)     # set False once reserved
+        self.fields = fields                        # (max_tokens, its field name, the prompt's field name)
         self.open = len(self.seqs)                  # sequences not finished yet
         self.usage_chunk: dict | None = None        # a stream's last chunk with include_usage, set at its end
 
     def _sink(self, i: int):
         def put(out: SeqOutput) -> None:          # scheduler thread
+            if out.finished and not self.released[i]:
+                self.released[i] = True
+                self.state.admission.release(self.reservations[i])
             try:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
             except RuntimeError:                  # the event loop is gone (shutdown)
@@ -379,13 +435,22 @@ class _Job:
         return put
 
     def submit(self) -> None:
-        sched = self.state.scheduler
+        """Admit (admission.py: 400 never fits, 429 not now) and queue every sequence, or none."""
+        sched, adm = self.state.scheduler, self.state.admission
+        max_tokens, max_field, prompt_field = self.fields
+        adm.check(sched.sequences_in_flight, self.reservations, [len(p.ids) for p in self.prompts], max_tokens,
+                  max_field, prompt_field)
+        adm.reserve(sum(self.reservations))
+        self.released = [False] * len(self.seqs)
         try:
             sched.submit(self.seqs)
-        except QueueFull as e:
-            raise APIError(429, f"server busy: {e}; retry later", None, "queue_full", {"Retry-After": "1"}) from None
-        except SchedulerClosed:
-            raise APIError(503, "server is shutting down", None, "shutting_down") from None
+        except (QueueFull, SchedulerClosed) as e:
+            self.released = [True] * len(self.seqs)
+            adm.unreserve(sum(self.reservations))
+            if isinstance(e, SchedulerClosed):
+                raise APIError(503, "server is shutting down", None, "shutting_down") from None
+            raise APIError(429, f"server busy: {e}; retry later", None, "queue_full",
+                           {"Retry-After": str(adm.drain.retry_after(sequences=len(self.seqs)))}) from None
         self.state.metrics.prompt_tokens.inc(sum(len(p.ids) for p in self.prompts) * self.n)
 
     def abort(self, reason: str = "client disconnected") -> None:
@@ -467,7 +532,8 @@ async def _serve(state: ServerState, body, request: Request, chat: bool):
     if body.model != state.model_name:
         raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
                        "model", "model_not_found")
-    job = _plan(state, body, chat)
+    loop = asyncio.get_running_loop()
+    job = _Job(state, *await loop.run_in_executor(state.tokenize_pool, _plan, state, body, chat))
     job.submit()
     watcher = asyncio.create_task(job.watch(request))
     if body.stream:
@@ -489,13 +555,19 @@ async def _serve(state: ServerState, body, request: Request, chat: bool):
     return JSONResponse(_chat_response(state, job, body) if chat else _completion_response(state, job, body))
 
 
-def _plan(state: ServerState, body, chat: bool) -> _Job:
-    """Validate what depends on the model (prompt tokens, context, method) and build the job."""
+def _plan(state: ServerState, body, chat: bool) -> tuple:
+    """Validate what depends on the model (prompt tokens, context, method): the _Job's arguments. Runs in the
+    tokenize pool, off the event loop."""
     eng = state.engine
     tok = eng.tokenizer
     L = eng.max_model_len
     V = eng.model.vocab_size
+    limit = max_prompt_chars(state)
+
     def encode(text: str, field: str) -> list[int]:
+        if len(text) > limit:        # before tokenizing: a 4 MB prompt must not occupy the tokenizer for seconds
+            raise APIError(400, f"{field}: {len(text)} characters are more than the context of {L} tokens can "
+                                f"hold (at most {limit} characters)", field, "context_length_exceeded")
         try:
             return tok(text, add_special_tokens=False)["input_ids"]
         except (UnicodeError, ValueError, TypeError) as e:     # e.g. lone surrogates
@@ -547,9 +619,6 @@ def _plan(state: ServerState, body, chat: bool) -> _Job:
                             f"{longest + max_tokens} tokens exceed the context of {L} tokens", max_field,
                        "context_length_exceeded")
     n = body.n or 1
-    if len(prompts) * n > state.scheduler.max_queue:
-        raise APIError(400, f"n: {len(prompts)} prompt(s) x n={n} sequences exceed what the queue holds "
-                            f"(max_queue={state.scheduler.max_queue})", "n", "invalid_value")
     method = k = None
     if body.speculative is not None:
         method, k = body.speculative.method, body.speculative.k
@@ -565,7 +634,7 @@ def _plan(state: ServerState, body, chat: bool) -> _Job:
         except ConfigError as e:
             f = {"max_new_tokens": max_field, "logprobs": "top_logprobs" if chat else "logprobs"}.get(e.field, e.field)
             raise APIError(400, f"{f}: {e.message}", f, "invalid_value") from None
-    return _Job(state, prompts, params, n, method, k, prompt_logprobs)
+    return prompts, params, n, method, k, prompt_logprobs, (max_tokens, max_field, prompt_field)
 
 
 async def _guarded(gen, job: _Job, watcher: asyncio.Task, include_usage: bool):

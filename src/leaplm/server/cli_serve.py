@@ -41,12 +41,24 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LEAPLM_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on /v1/* (not /health, /metrics)."),
     max_batch: int = typer.Option(8, "--max-batch", "--max-num-seqs", help="Requests decoded together."),
-    max_queue: int = typer.Option(64, "--max-queue", help="Waiting requests beyond which new ones get 429."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Waiting sequences (prompts x n) beyond the batch's rows: "
+                                  "over max_batch + max_queue in flight, new requests get 429."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context length per request."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="Name clients pass as `model` (default: --model)."),
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds SIGTERM waits for running requests."),
     max_body_bytes: int = typer.Option(4 << 20, "--max-body-bytes", help="Largest request body (413 beyond)."),
+    allowed_hosts: Optional[str] = typer.Option(
+        None, "--allowed-hosts", help="Comma-separated Host header names answered (others get 400: DNS rebinding); "
+                                      "default: the loopback names when bound to loopback, any otherwise; '*': any."),
+    request_read_timeout: float = typer.Option(10.0, "--request-read-timeout",
+                                               help="Seconds a client has to send a whole request (408 beyond)."),
+    keep_alive_timeout: float = typer.Option(5.0, "--keep-alive-timeout",
+                                             help="Seconds an idle keep-alive connection stays open."),
+    kv_cache_bytes: Optional[int] = typer.Option(
+        None, "--kv-cache-bytes", help="KV-cache memory admitted sequences may reserve (prompt + max_tokens each); "
+                                       "400 for a request that never fits, 429 for one that does not fit now "
+                                       "(default: what the cache rows hold)."),
     adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k", help="Choose K per step from measured costs."),
     device: str = typer.Option("cpu", help="cpu|cuda|mps"),
     dtype: str = typer.Option("float32", help="float32|bfloat16|float16"),
@@ -59,7 +71,9 @@ def serve(
     try:
         config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                               max_batch=max_batch, max_queue=max_queue, max_model_len=max_model_len,
-                              max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout)
+                              max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout,
+                              allowed_hosts=allowed_hosts, request_read_timeout_s=request_read_timeout,
+                              keep_alive_timeout_s=keep_alive_timeout, kv_cache_bytes=kv_cache_bytes)
     except ConfigError as e:
         _fail(f"--{e.field.replace('_', '-')}: {e.message}")
     if threads is not None:
@@ -69,8 +83,9 @@ def serve(
 
         torch.set_num_threads(threads)
     if host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("binding %s: the server is reachable beyond this machine%s", host,
-                    "" if api_key else " and has no --api-key")
+        log.warning("binding %s: the server is reachable beyond this machine%s%s", host,
+                    "" if api_key else " and has no --api-key",
+                    "" if allowed_hosts else " (no Host check: pass --allowed-hosts to add one)")
 
     def load():
         from ..engine.engine import Engine
@@ -85,6 +100,7 @@ def serve(
 def run_server(config: ServerConfig, load, model_name: str) -> int:
     """Run uvicorn with leaplm's drain on SIGTERM/SIGINT until it exits; returns the process exit code."""
     from .app import create_app
+    from .http_protocol import uvicorn_config
 
     holder: dict = {}
 
@@ -95,8 +111,7 @@ def run_server(config: ServerConfig, load, model_name: str) -> int:
             srv.should_exit = True
 
     app = create_app(config, load=load, model_name=model_name, on_load_error=on_load_error)
-    ucfg = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=5, lifespan="on")
+    ucfg = uvicorn_config(app, config)
     server = DrainingServer(ucfg, app.state.leaplm, config.drain_timeout_s)
     holder["server"] = server
     log.info("leaplm serving %s on http://%s:%d", app.state.leaplm.model_name, config.host, config.port)
@@ -108,29 +123,45 @@ def run_server(config: ServerConfig, load, model_name: str) -> int:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM/SIGINT drains instead of closing the socket at once: new requests get
-    503 while running ones finish (up to the drain timeout), then the server exits with status 0. A second
-    signal exits at once."""
+    """uvicorn, with leaplm's shutdown on SIGTERM/SIGINT:
+
+    1st signal  drain: new requests get 503, /health 503, running ones finish (up to the drain timeout), exit 0.
+    2nd signal  stop now, cleanly: every running and waiting sequence is aborted, so each client gets an error
+                event and [DONE] (or a JSON 503), then the server exits 0.
+    3rd signal  exit without waiting for connections (uvicorn's force exit).
+
+    Whatever the path, the scheduler thread is stopped before serve() returns: a thread still inside a torch
+    kernel while the interpreter shuts down aborts the process (SIGABRT, exit 134)."""
 
     def __init__(self, config: uvicorn.Config, state, drain_timeout: float):
         super().__init__(config)
         self.state, self.drain_timeout = state, drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
+        self._signals = 0
 
     async def serve(self, sockets=None):
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        try:
+            await super().serve(sockets)
+        finally:
+            sched = self.state.scheduler
+            if sched is not None:
+                await asyncio.to_thread(sched.stop)
 
     def handle_exit(self, sig, frame):
-        if self._draining or self._loop is None:
+        self._signals += 1
+        if self._loop is None:
             self.should_exit = True
-            if self._draining:
-                self.force_exit = True
             return
-        self._draining = True
-        log.info("signal %s: draining (up to %.0f s)", signal.Signals(sig).name, self.drain_timeout)
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.drain()))
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        if self._signals == 1:
+            log.info("signal %s: draining (up to %.0f s)", name, self.drain_timeout)
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.drain()))
+        elif self._signals == 2:
+            log.info("signal %s again: aborting what is running and stopping", name)
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.stop_now()))
+        else:
+            self.should_exit = self.force_exit = True
 
     async def drain(self) -> None:
         state = self.state
@@ -139,18 +170,30 @@ class DrainingServer(uvicorn.Server):
         if sched is not None:
             sched.close_admission()
             deadline = time.monotonic() + self.drain_timeout
-            while not sched.idle and time.monotonic() < deadline:
+            while not sched.idle and time.monotonic() < deadline and not self.should_exit:
                 await asyncio.sleep(0.05)
             if not sched.idle:
                 log.warning("drain timeout: aborting %d running and %d waiting requests", sched.running,
                             sched.queue_depth)
-                sched.abort_all("the server is shutting down (drain timeout)")
-                for _ in range(100):
-                    if sched.idle:
-                        break
-                    await asyncio.sleep(0.02)
+                await self._abort_all("the server is shutting down (drain timeout)")
         await asyncio.sleep(0.1)            # let handlers write their last bytes
         self.should_exit = True
+
+    async def stop_now(self) -> None:
+        self.state.draining = True
+        if self.state.scheduler is not None:
+            self.state.scheduler.close_admission()
+            await self._abort_all("the server is shutting down (second signal)")
+        await asyncio.sleep(0.1)
+        self.should_exit = True
+
+    async def _abort_all(self, reason: str) -> None:
+        sched = self.state.scheduler
+        sched.abort_all(reason)
+        for _ in range(100):
+            if sched.idle:
+                break
+            await asyncio.sleep(0.02)
 
 
 def bench_serve(

@@ -6,7 +6,7 @@ thread; prometheus_client is thread-safe); request-level figures are recorded by
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from ..engine.scheduler import StepReport
 
@@ -27,6 +27,13 @@ class ServerMetrics:
         self.running = Gauge(P + "running_requests", "Requests in the running batch.", registry=r)
         self.rows_in_use = Gauge(P + "kv_cache_rows_in_use", "Target KV-cache rows holding tokens.", registry=r)
         self.cached_tokens = Gauge(P + "kv_cache_tokens", "Tokens held in the target KV cache.", registry=r)
+        self.cache_bytes = Gauge(P + "kv_cache_bytes", "Bytes the target KV cache holds (allocated).", registry=r)
+        self.reserved_tokens = Gauge(P + "kv_cache_reserved_tokens", "KV-cache tokens reserved by admitted "
+                                     "sequences (prompt + max_tokens each) until they finish.", registry=r)
+        self.budget_tokens = Gauge(P + "kv_cache_budget_tokens", "KV-cache tokens admission may reserve "
+                                   "(--kv-cache-bytes).", registry=r)
+        self.in_flight = Gauge(P + "sequences_in_flight", "Sequences waiting or running.", registry=r)
+        ProcessCollector(registry=r)      # process_resident_memory_bytes and friends: what the server holds
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Time between generated tokens (a step's time shared "
@@ -51,8 +58,15 @@ class ServerMetrics:
         self.k_by_batch = Gauge(P + "spec_decode_k_by_batch_size", "K of the last step at each batch size.",
                                 ["batch_size"], registry=r)
 
-    def bind(self, scheduler) -> None:
-        """Gauges read from the scheduler at scrape time."""
+    def bind(self, scheduler, admission=None) -> None:
+        """Gauges read from the scheduler (and the admission bookkeeping) at scrape time."""
+        from .admission import cache_bytes
+
+        self.cache_bytes.set_function(lambda: cache_bytes(scheduler.cache) or 0)
+        self.in_flight.set_function(lambda: scheduler.sequences_in_flight)
+        if admission is not None:
+            self.reserved_tokens.set_function(lambda: admission.reserved_tokens)
+            self.budget_tokens.set_function(lambda: admission.budget_tokens or 0)
         self.queue_depth.set_function(lambda: scheduler.queue_depth)
         self.running.set_function(lambda: scheduler.running)
         self.rows_in_use.set_function(lambda: scheduler.rows_in_use)

@@ -1,0 +1,152 @@
+"""Admission at the server's door: how many sequences and how much KV-cache memory may be in flight.
+
+Counted in sequences (a request with P prompts and n choices is P x n sequences), running ones included: a new
+request is refused with 429 when the sequences waiting or running plus its own would exceed
+max_batch + max_queue. Counted in cache memory (with --kv-cache-bytes): every admitted sequence, waiting or running, reserves
+prompt + max_tokens tokens of KV cache (what it can grow to) from the budget until it finishes; a request
+whose sequences could never fit the budget is refused with 400 naming max_tokens (or the prompt, or n); one
+that fits the budget but not what is unreserved now gets 429. Without a budget the cache rows are allocated
+whole (max_batch x max_model_len) and a sequence that passes the context check always fits its row. Both 429s
+carry a Retry-After derived from the measured drain rate (sequences and reserved tokens finished per second
+over the last finishes), not a constant.
+
+cache_bytes() is the one place that knows how to read a cache's size, so a cache that grows in chunks (and
+knows its own nbytes) changes only that function.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..config import ConfigError
+from .protocol import APIError
+
+RETRY_MIN_S, RETRY_MAX_S = 1, 60
+
+
+def cache_bytes(cache) -> int | None:
+    """Bytes a KV cache holds now (None when it cannot be told, e.g. a transformers DynamicCache)."""
+    n = getattr(cache, "nbytes", None)
+    if isinstance(n, int):
+        return n
+    k, v = getattr(cache, "k", None), getattr(cache, "v", None)
+    if isinstance(k, list) and isinstance(v, list):
+        return sum(t.numel() * t.element_size() for t in k + v)
+    return None
+
+
+def bytes_per_token(cache) -> float | None:
+    """Bytes of cache one token of one row takes (every layer's K and V), or None when unknown."""
+    total = cache_bytes(cache)
+    rows, length = getattr(cache, "batch_size", 1), getattr(cache, "max_len", None)
+    if total is None or not length:
+        return None
+    capacity = getattr(cache, "capacity_tokens", None) or rows * length   # a growing cache: what it has now
+    return total / capacity if capacity else None
+
+
+@dataclass
+class DrainRate:
+    """Sequences and reserved tokens finished per second, over the last `window` finishes."""
+    window: int = 32
+    _done: deque = field(default_factory=deque)       # (time, tokens) per finished sequence
+
+    def record(self, tokens: int, now: float | None = None) -> None:
+        self._done.append((time.monotonic() if now is None else now, tokens))
+        while len(self._done) > self.window:
+            self._done.popleft()
+
+    def rates(self) -> tuple[float, float] | None:
+        """(sequences/s, tokens/s), or None before two finishes."""
+        if len(self._done) < 2:
+            return None
+        span = max(self._done[-1][0] - self._done[0][0], 1e-3)
+        n = len(self._done) - 1                              # finishes after the first one, over the span
+        tokens = sum(t for _, t in list(self._done)[1:])
+        return n / span, tokens / span
+
+    def retry_after(self, sequences: int = 0, tokens: int = 0) -> int:
+        """Whole seconds until `sequences` more sequences and `tokens` more reserved tokens have drained."""
+        r = self.rates()
+        if r is None:
+            return RETRY_MIN_S
+        seq_rate, tok_rate = r
+        wait = max(sequences / seq_rate if seq_rate > 0 else 0.0, tokens / tok_rate if tok_rate > 0 else 0.0)
+        return int(min(RETRY_MAX_S, max(RETRY_MIN_S, math.ceil(wait))))
+
+
+class Admission:
+    """The door's bookkeeping (event-loop thread; release() may come from any thread)."""
+
+    def __init__(self, max_sequences: int, budget_tokens: int | None, budget_bytes: int | None):
+        self.max_sequences = max_sequences
+        self.budget_tokens = budget_tokens
+        self.budget_bytes = budget_bytes
+        self.reserved_tokens = 0
+        self.drain = DrainRate()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_scheduler(cls, scheduler, max_batch: int, max_queue: int, kv_cache_bytes: int | None) -> "Admission":
+        per_token = bytes_per_token(scheduler.cache)
+        if kv_cache_bytes is None:
+            budget = None
+        elif per_token is None:
+            raise ConfigError("kv_cache_bytes", "this model's cache cannot tell its size in bytes; leave "
+                                                "--kv-cache-bytes unset")
+        else:
+            budget = int(kv_cache_bytes // per_token)
+        return cls(max_batch + max_queue, budget, kv_cache_bytes)
+
+    def check(self, in_flight: int, reservations: list[int], prompt_lens: list[int], max_tokens: int,
+              max_field: str, prompt_field: str) -> None:
+        """Raise the APIError (400 never fits, 429 not now) that admitting these sequences deserves, if any."""
+        B = self.budget_tokens
+        longest = max(reservations)
+        if B is not None and longest > B:
+            plen = max(prompt_lens)
+            if plen >= B:
+                raise APIError(400, f"{prompt_field}: the prompt ({plen} tokens) alone exceeds the KV-cache budget "
+                                    f"of {B} tokens (--kv-cache-bytes)", prompt_field, "cache_budget_exceeded")
+            raise APIError(400, f"{max_field}: the prompt ({plen} tokens) + {max_field} ({max_tokens}) = "
+                                f"{plen + max_tokens} tokens exceed the KV-cache budget of {B} tokens "
+                                f"(--kv-cache-bytes); lower {max_field}", max_field, "cache_budget_exceeded")
+        total = sum(reservations)
+        if B is not None and total > B:
+            raise APIError(400, f"n: the request's {len(reservations)} sequences reserve {total} tokens of KV cache, "
+                                f"more than the budget of {B} tokens", "n", "cache_budget_exceeded")
+        if len(reservations) > self.max_sequences:
+            raise APIError(400, f"n: {len(reservations)} sequences (prompts x n) exceed what the server holds "
+                                f"(max_batch + max_queue = {self.max_sequences})", "n", "invalid_value")
+        over = in_flight + len(reservations) - self.max_sequences
+        if over > 0:
+            wait = self.drain.retry_after(sequences=over)
+            raise APIError(429, f"server busy: {in_flight} sequences are waiting or running and this request adds "
+                                f"{len(reservations)} (max_batch + max_queue = {self.max_sequences}); retry later",
+                           None, "queue_full", {"Retry-After": str(wait)})
+        if B is None:
+            return
+        with self._lock:
+            short = self.reserved_tokens + total - B
+        if short > 0:
+            wait = self.drain.retry_after(tokens=short)
+            raise APIError(429, f"server busy: {self.reserved_tokens} of {B} KV-cache tokens are reserved and this "
+                                f"request needs {total}; retry later", None, "cache_full", {"Retry-After": str(wait)})
+
+    def reserve(self, tokens: int) -> None:
+        with self._lock:
+            self.reserved_tokens += tokens
+
+    def unreserve(self, tokens: int) -> None:
+        """Give back a reservation whose sequences never entered the scheduler (no drain recorded)."""
+        with self._lock:
+            self.reserved_tokens -= tokens
+
+    def release(self, tokens: int) -> None:
+        """A sequence finished (or was aborted and its row freed): its reservation drains."""
+        with self._lock:
+            self.reserved_tokens -= tokens
+        self.drain.record(tokens)
