@@ -39,6 +39,7 @@ class RayServeOptions:
     drain_timeout_s: float = 30.0
     adaptive_k: bool = True
     device: str = "cpu"
+    draft_device: str | None = None
     dtype: str = "float32"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -72,7 +73,7 @@ def _build_replica_app(opts: RayServeOptions):
 
     torch.set_num_threads(opts.threads)
     engine = Engine(opts.model, draft=opts.draft, method=opts.method, k=opts.k, device=opts.device, dtype=opts.dtype,
-                    max_model_len=opts.max_model_len, adaptive_k=opts.adaptive_k)
+                    draft_device=opts.draft_device, max_model_len=opts.max_model_len, adaptive_k=opts.adaptive_k)
     config = ServerConfig(host=opts.host, port=opts.port, api_key=opts.api_key,
                           served_model_name=opts.served_model_name, max_batch=opts.max_batch,
                           max_queue=opts.max_queue, max_model_len=opts.max_model_len,

@@ -49,6 +49,9 @@ def serve(
     max_body_bytes: int = typer.Option(4 << 20, "--max-body-bytes", help="Largest request body (413 beyond)."),
     adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k", help="Choose K per step from measured costs."),
     device: str = typer.Option("cpu", help="cpu|cuda|mps"),
+    draft_device: Optional[str] = typer.Option(None, "--draft-device",
+                                               help="Device of the draft model (default: --device), e.g. cpu "
+                                                    "while the target is on cuda."),
     dtype: str = typer.Option("float32", help="float32|bfloat16|float16"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
@@ -71,6 +74,13 @@ def serve(
         import torch
 
         torch.set_num_threads(threads)
+    if draft_device is not None:
+        from ..devices import check_device
+
+        try:
+            check_device(draft_device, "draft_device")
+        except ConfigError as e:
+            _fail(f"--draft-device: {e.message}")
     if replicas != 1 or backend != "local":
         from ..deploy.ray import serve_from_cli
 
@@ -78,7 +88,8 @@ def serve(
                                         method=method, k=k, host=host, port=port, api_key=api_key,
                                         max_batch=max_batch, max_queue=max_queue, max_model_len=max_model_len,
                                         served_model_name=served_model_name, drain_timeout_s=drain_timeout,
-                                        adaptive_k=adaptive_k, device=device, dtype=dtype, threads=threads or 1))
+                                        adaptive_k=adaptive_k, device=device, draft_device=draft_device,
+                                        dtype=dtype, threads=threads or 1))
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable beyond this machine%s", host,
                     "" if api_key else " and has no --api-key")
@@ -86,7 +97,7 @@ def serve(
     def load():
         from ..engine.engine import Engine
 
-        return Engine(model, draft=draft, method=method, k=k, device=device, dtype=dtype,
+        return Engine(model, draft=draft, method=method, k=k, device=device, dtype=dtype, draft_device=draft_device,
                       max_model_len=max_model_len, adaptive_k=adaptive_k)
 
     code = run_server(config, load, model_name=model or "leaplm-embedded")

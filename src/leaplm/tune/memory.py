@@ -30,11 +30,21 @@ def kv_cache_bytes(config: dict, rows: int, context: int, dtype: str = "float32"
     return 2 * layers * rows * kv * context * head_dim * _BYTES.get(dtype, 4)
 
 
+def draft_footprint(draft: LoadedModel, context: int) -> tuple[int, int]:
+    """(weights bytes, KV-cache bytes per request row at `context` positions) of a loaded draft, from its actual
+    parameters' element size (the dtype it was loaded in)."""
+    params = list(draft.model.parameters()) if hasattr(draft.model, "parameters") else []
+    weights = sum(p.numel() * p.element_size() for p in params) if params else draft.n_params * 4
+    elem = params[0].element_size() if params else 4
+    dtype = {2: "float16", 4: "float32"}.get(elem, "float32")
+    return weights, kv_cache_bytes(draft.config, 1, context, dtype)
+
+
 def option_memory(method: str, draft: LoadedModel | None, rows: int, context: int,
                   dtype: str = "float32") -> MemoryCost:
     if method == "draft" and draft is not None:
-        return MemoryCost(draft.n_params * _BYTES.get(dtype, 4), kv_cache_bytes(draft.config, rows, context, dtype),
-                          f"draft weights + its KV cache ({rows} rows x {context} positions)")
+        weights, per_row = draft_footprint(draft, context)
+        return MemoryCost(weights, rows * per_row, f"draft weights + its KV cache ({rows} rows x {context} positions)")
     if method == "layerskip":
         return MemoryCost(0, 0, "none: the draft pass is the target with layers skipped, same weights and cache")
     if method in ("ngram", "suffix", "lookahead"):
