@@ -193,11 +193,13 @@ def _mount_subcommands() -> None:
     from .bench.cli_bench import bench_app
     from .cli_train import eval_app, train_app
     from .server.cli_serve import serve
+    from .tune.cli_tune import tune
 
     app.add_typer(bench_app, name="bench")
     app.add_typer(train_app, name="train", help="Train the tokenizer, pretrain and distill models.")
     app.add_typer(eval_app, name="eval", help="Evaluate perplexity and draft acceptance.")
     app.command("serve")(serve)
+    app.command("tune")(tune)
 
 
 _mount_subcommands()

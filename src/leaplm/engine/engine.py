@@ -45,7 +45,12 @@ class Engine:
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
                  method: str | None = None, k: int = 5, *, device: str = "cpu", dtype: str = "float32",
-                 max_model_len: int | None = None, spec: SpecConfig | None = None, **spec_options):
+                 max_model_len: int | None = None, spec: SpecConfig | None = None, draft_device: str | None = None,
+                 **spec_options):
+        if draft_device is not None:                 # the draft on another device than the target
+            from ..devices import check_device
+
+            check_device(draft_device, "draft_device")
         if model is None:
             model = embedded.default_target()
             if draft is None and method in (None, "draft"):
@@ -59,7 +64,7 @@ class Engine:
         self.draft: LoadedModel | None = None
         if spec.method == "draft":
             src = draft if draft is not None else spec.draft
-            self.draft = src if isinstance(src, LoadedModel) else load_model(src, device, dtype, "draft")
+            self.draft = src if isinstance(src, LoadedModel) else load_model(src, draft_device or device, dtype, "draft")
             check_vocab(self.target, self.draft)
         self.tokenizer = self.target.tokenizer
         self.model = self.target.model

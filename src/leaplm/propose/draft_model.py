@@ -3,6 +3,10 @@
 Cache bookkeeping: before proposing, the draft feeds the committed tokens it has not seen (at least the last
 one); while drafting it feeds d_1..d_{K-1}. After verification it keeps the committed prefix it has cached:
 len(tokens) + min(accepted, K - 1) entries, so nothing is ever recomputed or copied.
+
+Placement: the draft may sit on another device than the target (--draft-device). Its logits move to the
+target's device (out_device) as soon as they are computed, so the logits processors, the request's generator
+and the returned proposal all live where the verifier runs; only the token ids fed to the draft cross back.
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ class DraftModelProposer:
     name = "draft"
     samples = True
 
-    def __init__(self, model, max_len: int):
+    def __init__(self, model, max_len: int, out_device=None):
         self.model = model                       # CausalLM, shared by all requests
+        self.out_device = out_device if out_device is not None else model.device   # the target's device
         self.cache = model.new_cache(1, max_len)
         self.n_ctx = 0                           # len(tokens) at the last proposal
         self.k = 0
@@ -32,7 +37,7 @@ class DraftModelProposer:
         qs: list[torch.Tensor] = []
         presence = ctx.presence.clone() if ctx.presence is not None else None   # [V]
         for i in range(k):
-            logits = self.model(feed, self.cache, last_only=True)[0, -1:]  # [1, V]
+            logits = self.model(feed, self.cache, last_only=True)[0, -1:].to(self.out_device)  # [1, V]
             self.cache.advance(feed.shape[1])
             pres = presence.unsqueeze(0) if presence is not None else None
             if ctx.generator is None:
@@ -49,7 +54,7 @@ class DraftModelProposer:
         self.n_ctx, self.k = len(toks), k
         # the cache now holds toks + d_1..d_{k-1}
         q = torch.stack(qs) if qs else None                               # [K, V]
-        return Proposal(torch.tensor(drafts, device=self.model.device), q)
+        return Proposal(torch.tensor(drafts, device=self.out_device), q)
 
     def lag(self, n_tokens: int) -> int:
         """Committed tokens the draft has not cached yet: what its next proposal must prefill first."""

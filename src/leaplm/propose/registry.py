@@ -22,7 +22,7 @@ def register(method: str):
 def _draft(spec: SpecConfig, target, draft):
     from .draft_model import DraftModelProposer
 
-    return lambda max_len: DraftModelProposer(draft.model, max_len)
+    return lambda max_len: DraftModelProposer(draft.model, max_len, out_device=target.model.device)
 
 
 def make_proposer_factory(spec: SpecConfig, target, draft) -> Callable[[int], Proposer] | None:

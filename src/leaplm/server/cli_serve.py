@@ -61,9 +61,15 @@ def serve(
                                        "(default: what the cache rows hold)."),
     adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k", help="Choose K per step from measured costs."),
     device: str = typer.Option("cpu", help="cpu|cuda|mps"),
+    draft_device: Optional[str] = typer.Option(None, "--draft-device",
+                                               help="Device of the draft model (default: --device), e.g. cpu "
+                                                    "while the target is on cuda."),
     dtype: str = typer.Option("float32", help="float32|bfloat16|float16"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
+    replicas: int = typer.Option(1, "--replicas", help="Engine replicas behind one HTTP endpoint (needs --backend ray)."),
+    backend: str = typer.Option("local", "--backend", help="local (this process) | ray (Ray Serve replicas, "
+                                                           "pip install 'leaplm[ray]')."),
 ) -> None:
     """Serve the OpenAI API (completions, chat, models) with speculative decoding and continuous batching."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
@@ -82,6 +88,22 @@ def serve(
         import torch
 
         torch.set_num_threads(threads)
+    if draft_device is not None:
+        from ..devices import check_device
+
+        try:
+            check_device(draft_device, "draft_device")
+        except ConfigError as e:
+            _fail(f"--draft-device: {e.message}")
+    if replicas != 1 or backend != "local":
+        from ..deploy.ray import serve_from_cli
+
+        raise typer.Exit(serve_from_cli(_fail, replicas=replicas, backend=backend, model=model, draft=draft,
+                                        method=method, k=k, host=host, port=port, api_key=api_key,
+                                        max_batch=max_batch, max_queue=max_queue, max_model_len=max_model_len,
+                                        served_model_name=served_model_name, drain_timeout_s=drain_timeout,
+                                        adaptive_k=adaptive_k, device=device, draft_device=draft_device,
+                                        dtype=dtype, threads=threads or 1))
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable beyond this machine%s%s", host,
                     "" if api_key else " and has no --api-key",
@@ -90,7 +112,7 @@ def serve(
     def load():
         from ..engine.engine import Engine
 
-        return Engine(model, draft=draft, method=method, k=k, device=device, dtype=dtype,
+        return Engine(model, draft=draft, method=method, k=k, device=device, dtype=dtype, draft_device=draft_device,
                       max_model_len=max_model_len, adaptive_k=adaptive_k)
 
     code = run_server(config, load, model_name=model or "leaplm-embedded")

@@ -58,6 +58,10 @@ class ServerMetrics:
         self.k_by_batch = Gauge(P + "spec_decode_k_by_batch_size", "K of the last step at each batch size.",
                                 ["batch_size"], registry=r)
 
+        self.spec_memory = Gauge(P + "speculative_memory_bytes", "Memory speculation adds to the target alone, by "
+                                 "part: draft_weights, and draft_kv_cache_per_row (each running request that drafts "
+                                 "with the draft model holds one).", ["part"], registry=r)
+
     def bind(self, scheduler, admission=None) -> None:
         """Gauges read from the scheduler (and the admission bookkeeping) at scrape time."""
         from .admission import cache_bytes
@@ -67,6 +71,13 @@ class ServerMetrics:
         if admission is not None:
             self.reserved_tokens.set_function(lambda: admission.reserved_tokens)
             self.budget_tokens.set_function(lambda: admission.budget_tokens or 0)
+        draft = getattr(scheduler.engine, "draft", None)
+        if draft is not None:
+            from ..tune.memory import draft_footprint
+
+            weights, per_row = draft_footprint(draft, scheduler.max_len)
+            self.spec_memory.labels("draft_weights").set(weights)
+            self.spec_memory.labels("draft_kv_cache_per_row").set(per_row)
         self.queue_depth.set_function(lambda: scheduler.queue_depth)
         self.running.set_function(lambda: scheduler.running)
         self.rows_in_use.set_function(lambda: scheduler.rows_in_use)

@@ -1,0 +1,30 @@
+"""Device names at the boundary: a device that is misspelt or absent on this machine is refused, naming the
+field (--device, --draft-device), before any weights are loaded."""
+from __future__ import annotations
+
+import re
+
+from .config import ConfigError
+
+_DEVICE = re.compile(r"^(cpu|mps|cuda|xpu)(:(\d+))?$")
+
+
+def check_device(name: str, field: str = "device") -> str:
+    import torch
+
+    m = _DEVICE.match(name or "")
+    if not m:
+        raise ConfigError(field, f"unknown device {name!r}; expected cpu, cuda, cuda:N, mps or xpu")
+    kind, index = m.group(1), m.group(3)
+    if kind == "cpu":
+        if index not in (None, "0"):
+            raise ConfigError(field, f"{name!r}: the CPU has only index 0")
+        return name
+    backend = getattr(torch, kind, None) if kind != "mps" else getattr(torch.backends, "mps", None)
+    available = bool(backend is not None and backend.is_available())
+    if not available:
+        raise ConfigError(field, f"device {name!r} is not available on this machine (torch {torch.__version__} "
+                                 f"sees no {kind}); use cpu")
+    if index is not None and kind != "mps" and int(index) >= backend.device_count():
+        raise ConfigError(field, f"device {name!r}: this machine has {backend.device_count()} {kind} device(s)")
+    return name
