@@ -47,7 +47,7 @@ def _skip_layers(text: Optional[str]) -> Optional[list[int]]:
 
 
 # Options shared by generate and bench: names as vLLM / llama.cpp users know them.
-ModelOpt = typer.Option(None, "--model", "-m", help="Target: local HF checkpoint dir or hub id (default: embedded).")
+ModelOpt = typer.Option(None, "--model", "-m", help="Target: local HF checkpoint dir, a .gguf file, or hub id (default: embedded).")
 DraftOpt = typer.Option(None, "--draft", help="Draft model for --method draft (default: the embedded draft).")
 KOpt = typer.Option(5, "--k", "-k", help="Speculative tokens per step (tree nodes for tree methods).")
 
