@@ -14,6 +14,7 @@ import torch
 
 from ..config import ConfigError
 from .registry import native_family
+from .tokens import bos_to_add
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class LoadedModel:
     config: dict             # config.json
     eos_token_ids: list[int]
     n_params: int
+    bos_id: int | None = None   # BOS prepended to prompts (tokens.bos_to_add), None when the tokenizer adds none
 
 
 def resolve_path(name: str, field: str = "model") -> Path:
@@ -111,7 +113,7 @@ def load_gguf_model(name: str, device: str, dtype: str, field: str = "model") ->
     n_params = sum(p.numel() for p in model.parameters())
     log.info("loaded %s (GGUF %s, %.1fM parameters, dequantized to %s)", name, info.architecture, n_params / 1e6,
              dtype)
-    return LoadedModel(model, tok, str(info.path), name, cfg, eos_ids, n_params)
+    return LoadedModel(model, tok, str(info.path), name, cfg, eos_ids, n_params, bos_to_add(tok))
 
 
 def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: str = "model") -> LoadedModel:
@@ -142,4 +144,4 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
         model = HFCausalLM.load(path, cfg, device, td, field)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("loaded %s (%s, %.1fM parameters, %s)", name, mt, n_params / 1e6, dtype)
-    return LoadedModel(model, tok, str(path), name, cfg, eos_ids, n_params)
+    return LoadedModel(model, tok, str(path), name, cfg, eos_ids, n_params, bos_to_add(tok))
