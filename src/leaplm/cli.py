@@ -47,7 +47,7 @@ def _skip_layers(text: Optional[str]) -> Optional[list[int]]:
 
 
 # Options shared by generate and bench: names as vLLM / llama.cpp users know them.
-ModelOpt = typer.Option(None, "--model", "-m", help="Target: local HF checkpoint dir or hub id (default: embedded).")
+ModelOpt = typer.Option(None, "--model", "-m", help="Target: local HF checkpoint dir, a .gguf file, or hub id (default: embedded).")
 DraftOpt = typer.Option(None, "--draft", help="Draft model for --method draft (default: the embedded draft).")
 KOpt = typer.Option(5, "--k", "-k", help="Speculative tokens per step (tree nodes for tree methods).")
 
@@ -71,6 +71,7 @@ def generate(
     n: int = typer.Option(1, "-n", help="Independent samples of the same prompt."),
     stream: bool = typer.Option(False, help="Print text as it is generated."),
     as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object."),
+    chat: bool = typer.Option(False, "--chat", help="PROMPT is a user message: apply the model's chat template."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
     adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k", help="Let measured costs lower K per step."),
     ngram_min: int = typer.Option(1, "--ngram-min"),
@@ -108,16 +109,21 @@ def generate(
                         ngram_size=ngram_size, guess_set=guess_set, skip_layers=_skip_layers(skip_layers),
                         skip_confidence=skip_confidence,
                         corpus=corpus)
+        if chat:
+            from .models.tokens import chat_prompt
+
+            prompt = chat_prompt(engine.tokenizer, prompt, engine.target.name)
         engine.encode(prompt, params[0])
     except ConfigError as e:
         fail(f"--{e.field.replace('_', '-')}: {e.message}" if e.field != "prompt" else f"prompt: {e.message}")
+    shown = "" if chat else prompt       # a chat prints the answer only, not the template around it
     total = GenerationStats(engine.spec.method, engine.spec.k if engine.spec.method != "none" else 0)
     samples = []
     for i, sp in enumerate(params):
         if stream and not as_json:
             if n > 1:
                 _write(f"--- sample {i + 1} ---\n")
-            _write(prompt)
+            _write(shown)
             text, ids, reason, st = "", [], None, None
             for chunk in engine.stream(prompt, sp):
                 _write(chunk.text)
@@ -131,7 +137,7 @@ def generate(
             if not as_json:
                 if n > 1:
                     _write(f"--- sample {i + 1} ---\n")
-                _write(prompt + text + "\n")
+                _write(shown + text + "\n")
         samples.append({"text": text, "token_ids": ids, "finish_reason": reason})
         total.merge(st)
     if as_json:

@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 from ..config import ConfigError, SamplingParams, SpecConfig
 from ..models import LoadedModel, load_model
 from ..models import embedded
+from ..models.tokens import encode_prompt
 from ..propose.base import Proposer
 from ..propose.registry import make_proposer_factory
 from .adaptive import Estimates
@@ -102,7 +103,7 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ConfigError("prompt", "must not be empty")
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = encode_prompt(self.tokenizer, prompt, self.target.bos_id)
         else:
             ids = list(prompt)
             V = self.model.vocab_size

@@ -14,6 +14,7 @@ import torch
 
 from ..config import ConfigError
 from .registry import native_family
+from .tokens import bos_to_add
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class LoadedModel:
     config: dict             # config.json
     eos_token_ids: list[int]
     n_params: int
+    bos_id: int | None = None   # BOS prepended to prompts (tokens.bos_to_add), None when the tokenizer adds none
 
 
 def resolve_path(name: str, field: str = "model") -> Path:
@@ -75,10 +77,53 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def build_native(cfg: dict, hf_state_dict: dict[str, torch.Tensor], device: str, td: torch.dtype):
+    """The native Llama-family model from a Hugging Face config dict and state dict (Hugging Face names)."""
+    from .llama import LlamaForCausalLM, args_from_hf_config, fuse_hf_state_dict
+
+    args = args_from_hf_config(cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args)
+    sd = fuse_hf_state_dict(hf_state_dict, args)
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: v.to(device=device, dtype=td) for k, v in sd.items()}, strict=True, assign=True)
+    # non-persistent buffers: rebuild them on the real device
+    model.rope_cis = LlamaForCausalLM.rope_table(args, device)
+    model.positions = torch.arange(args.max_position_embeddings, device=device)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model._fast = None
+    model.eval()
+    return model
+
+
+def load_gguf_model(name: str, device: str, dtype: str, field: str = "model") -> LoadedModel:
+    """A GGUF file (see gguf.py): checked, tokenizer built, tensors dequantized to `dtype`."""
+    from .gguf import inspect_gguf, load_gguf_tokenizer, read_gguf_checkpoint
+
+    info = inspect_gguf(name, field)
+    tok = load_gguf_tokenizer(info, field)
+    td = DTYPES[dtype]
+    cfg, sd = read_gguf_checkpoint(info, td, field)
+    model = build_native(cfg, sd, device, td)
+    eos = cfg.get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not eos_ids and tok.eos_token_id is not None:
+        eos_ids = [tok.eos_token_id]
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("loaded %s (GGUF %s, %.1fM parameters, dequantized to %s)", name, info.architecture, n_params / 1e6,
+             dtype)
+    return LoadedModel(model, tok, str(info.path), name, cfg, eos_ids, n_params, bos_to_add(tok))
+
+
 def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: str = "model") -> LoadedModel:
     """Load target or draft `name`; `field` names the user's option in errors ('model' or 'draft')."""
     if dtype not in DTYPES:
         raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    from .gguf import is_gguf
+
+    if is_gguf(name):
+        return load_gguf_model(name, device, dtype, field)
     path = resolve_path(name, field)
     cfg = json.loads((path / "config.json").read_text())
     mt = cfg.get("model_type")
@@ -92,25 +137,11 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
         eos_ids = [tok.eos_token_id]
     td = DTYPES[dtype]
     if native_family(mt):
-        from .llama import LlamaForCausalLM, args_from_hf_config, fuse_hf_state_dict
-
-        args = args_from_hf_config(cfg)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(args)
-        sd = fuse_hf_state_dict(read_state_dict(path), args)
-        model = model.to_empty(device=device)
-        model.load_state_dict({k: v.to(device=device, dtype=td) for k, v in sd.items()}, strict=True, assign=True)
-        # non-persistent buffers: rebuild them on the real device
-        model.rope_cis = LlamaForCausalLM.rope_table(args, device)
-        model.positions = torch.arange(args.max_position_embeddings, device=device)
-        if args.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        model._fast = None
-        model.eval()
+        model = build_native(cfg, read_state_dict(path), device, td)
     else:
         from .hf import HFCausalLM
 
         model = HFCausalLM.load(path, cfg, device, td, field)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("loaded %s (%s, %.1fM parameters, %s)", name, mt, n_params / 1e6, dtype)
-    return LoadedModel(model, tok, str(path), name, cfg, eos_ids, n_params)
+    return LoadedModel(model, tok, str(path), name, cfg, eos_ids, n_params, bos_to_add(tok))

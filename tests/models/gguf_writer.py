@@ -1,0 +1,105 @@
+"""Write a tiny random Llama as a GGUF file with the `gguf` package's writer, as llama.cpp's converter would:
+llama.cpp tensor names, q/k rows permuted into llama.cpp's rope layout, 1-D tensors in F32, the byte-level BPE
+tokenizer of tests/conftest.py as tokenizer.ggml.* metadata, and a chat template."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Hugging Face's rotate-half rows -> llama.cpp's interleaved pairs, per head (what convert_hf_to_gguf does)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(dir_path, qtype: str = "F32", seed: int = 0, tied: bool = False, add_bos: bool | None = False,
+                    arch: str = "llama") -> tuple[str, str]:
+    """(gguf file path, Hugging Face directory of the same random model). Dimensions are multiples of 32 so every
+    block quantization applies to every matrix."""
+    import gguf
+    from gguf.quants import quantize
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import write_byte_tokenizer
+
+    hf_dir = dir_path / "hf"
+    tok = write_byte_tokenizer(hf_dir)
+    vocab = len(tok)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      initializer_range=0.3, tie_word_embeddings=tied, rms_norm_eps=1e-5, rope_theta=10000.0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():                  # norms away from 1 so a misplaced norm shows
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(str(hf_dir))
+    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+
+    path = str(dir_path / f"tiny-{qtype}.gguf")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name("tiny random llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(H)
+    w.add_head_count_kv(Hkv)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_vocab_size(vocab)
+    # tokenizer: the byte-level BPE's vocabulary and merges, as llama.cpp stores a gpt2-type tokenizer
+    tj = json.loads(tok.backend_tokenizer.to_str())
+    id2tok = {i: t for t, i in tok.get_vocab().items()}
+    tokens = [id2tok[i] for i in range(vocab)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t == "<eos>" else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges(merges)
+    eos = tok.convert_tokens_to_ids("<eos>")
+    w.add_eos_token_id(eos)
+    w.add_bos_token_id(eos)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def put(name: str, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if arr.ndim == 1 or qtype == "F32":
+            w.add_tensor(name, arr)
+        elif qtype == "F16":
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            t = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, quantize(arr, t), raw_dtype=t)
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    if not tied:
+        put("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(f"blk.{i}.attn_q.weight", llama_cpp_permute(sd[p + "self_attn.q_proj.weight"], H))
+        put(f"blk.{i}.attn_k.weight", llama_cpp_permute(sd[p + "self_attn.k_proj.weight"], Hkv))
+        put(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        put(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
+        put(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
+        put(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, str(hf_dir)
