@@ -41,7 +41,7 @@ def test_metrics_report_the_memory_the_draft_adds(checkpoint):
     eng = Engine(checkpoint("llama_tied"), draft=checkpoint("llama_draft"), method="draft", k=2, max_model_len=64)
     want_weights = sum(p.numel() * p.element_size() for p in eng.draft.model.parameters())
     want_row = kv_cache_bytes(eng.draft.config, 1, 64)
-    with TestClient(create_app(ServerConfig(max_batch=2), engine=eng, model_name="t")) as c:
+    with TestClient(create_app(ServerConfig(max_batch=2), engine=eng, model_name="t"), base_url="http://127.0.0.1") as c:
         text = c.get("/metrics").text
     got = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
            if line.startswith("leaplm_speculative_memory_bytes{")}

@@ -150,7 +150,7 @@ def test_probe_routes_behave_as_the_manifest_assumes():
     from leaplm.config import ServerConfig
     from leaplm.server.app import create_app
 
-    app = create_app(ServerConfig(), load=lambda: (_ for _ in ()).throw(RuntimeError("no model needed")),
+    app = create_app(ServerConfig(host="0.0.0.0"), load=lambda: (_ for _ in ()).throw(RuntimeError("no model needed")),
                      model_name="x")
     with TestClient(app) as client:
         app.state.leaplm.draining = True
