@@ -17,6 +17,22 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _root_conftest():
+    """tests/conftest.py as a module: `import conftest` finds whichever conftest pytest loaded first (several
+    test folders have one), so load the root one by path."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "leaplm_tests_root_conftest"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "conftest.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
 def write_tiny_gguf(dir_path, qtype: str = "F32", seed: int = 0, tied: bool = False, add_bos: bool | None = False,
                     arch: str = "llama") -> tuple[str, str]:
     """(gguf file path, Hugging Face directory of the same random model). Dimensions are multiples of 32 so every
@@ -25,7 +41,7 @@ def write_tiny_gguf(dir_path, qtype: str = "F32", seed: int = 0, tied: bool = Fa
     from gguf.quants import quantize
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from conftest import write_byte_tokenizer
+    write_byte_tokenizer = _root_conftest().write_byte_tokenizer
 
     hf_dir = dir_path / "hf"
     tok = write_byte_tokenizer(hf_dir)
