@@ -565,7 +565,11 @@ def _plan(state: ServerState, body, chat: bool) -> _Job:
         except ConfigError as e:
             f = {"max_new_tokens": max_field, "logprobs": "top_logprobs" if chat else "logprobs"}.get(e.field, e.field)
             raise APIError(400, f"{f}: {e.message}", f, "invalid_value") from None
-    return _Job(state, prompts, params, n, method, k, prompt_logprobs)
+    job = _Job(state, prompts, params, n, method, k, prompt_logprobs)
+    if body.speculative is not None and body.speculative.adaptive_k is not None:
+        for seq in job.seqs:
+            seq.adaptive_k = body.speculative.adaptive_k
+    return job
 
 
 async def _guarded(gen, job: _Job, watcher: asyncio.Task, include_usage: bool):
