@@ -42,7 +42,8 @@ class SamplingParams:
     max_new_tokens: int = 128
     """Tokens to generate at most (>= 1); a step that accepts several tokens is cut to this exactly."""
     temperature: float = 1.0
-    """0 means greedy (argmax, no random draws); > 0 scales logits by 1/temperature."""
+    """0 means greedy (argmax, no random draws); > 0 scales logits by 1/temperature. Below GREEDY_BELOW (1e-5, as
+    vLLM) sampling is greedy: the distribution there is the argmax's to within float precision anyway."""
     top_k: int = 0
     """Keep the k most likely tokens; 0 disables."""
     top_p: float = 1.0
@@ -64,6 +65,7 @@ class SamplingParams:
     (0..20); None returns none. Computed from the target's raw logits, so exact under speculation."""
 
     MAX_TEMPERATURE = 100.0
+    GREEDY_BELOW = 1e-5          # a temperature below this is greedy (see temperature)
     MAX_NEW_TOKENS = 1 << 20
     MAX_STOP = 16
     MAX_LOGPROBS = 20
@@ -73,7 +75,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < self.GREEDY_BELOW
 
     def validate(self) -> None:
         m = self.max_new_tokens

@@ -86,3 +86,21 @@ def test_seeds_use_all_64_bits(plain):
         with pytest.raises(ConfigError) as e:
             SamplingParams(seed=bad)
         assert e.value.field == "seed"
+
+
+def test_a_request_can_turn_the_k_policy_off(target, loaded):
+    """SeqRequest.adaptive_k=False (the server's speculative.adaptive_k): the row drafts its K every step, the
+    others in the batch keep the policy's K; the seeded tokens are the same either way."""
+    eng = Engine(target, draft=target, method="draft", k=5, adaptive_k=True)
+    params = SamplingParams(seed=9, **SAMPLED)
+    got = {}
+    sched = BatchScheduler(eng, max_batch=2, calibrate=False)
+    ids = eng.encode(PROMPT, params)
+    for name, adaptive in (("fixed", False), ("policy", None)):
+        sched.submit([SeqRequest(ids, params, lambda o, n=name: got.setdefault(n, []).append(o), k=3,
+                                 adaptive_k=adaptive)])
+    sched.run_until_idle()
+    fixed = [o.chunk for o in got["fixed"] if o.chunk is not None]
+    st = fixed[-1].stats
+    assert st.steps_with_draft == st.target_forwards and st.draft_tokens >= 3 * (st.target_forwards - 1)
+    assert [t for c in fixed for t in c.token_ids] == [t for o in got["policy"] if o.chunk for t in o.chunk.token_ids]

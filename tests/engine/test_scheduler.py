@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from leaplm import Engine, SamplingParams
-from leaplm.engine.adaptive import BatchAdaptiveK, BatchCostModel, RowSpec, expected_tokens
+from leaplm.engine.adaptive import AcceptanceEstimate, BatchAdaptiveK, BatchCostModel, RowSpec, expected_tokens
 from leaplm.engine.scheduler import BatchScheduler, QueueFull, SchedulerClosed, SeqRequest
 from leaplm.verify import VerifyResult
 
@@ -303,3 +303,26 @@ def test_cost_model_interpolates_between_measured_batch_sizes():
     assert c.cost(2, 3) == 2.0 and c.cost(5, 3) == pytest.approx(5.0)
     assert c.cost(16, 3) == pytest.approx(16.0)     # beyond: linear in n
     assert c.cost(8, 6) == pytest.approx(16.0)      # beyond the measured T: linear in T
+
+
+def test_bursty_acceptance_is_measured_per_position():
+    """An n-gram-like proposer: half the steps find nothing (asked 4, drafted 0), the other half are right all
+    the way. Expected tokens at K = 4 are then 1 + 0.5 * 4 = 3; the per-token formula would say far less, and
+    with a forward that costs 60% more at T = 5 the policy must still choose K = 4."""
+    est = AcceptanceEstimate()
+    for i in range(60):
+        est.observe(4 if i % 2 else 0, 4 if i % 2 else 0, asked=4)
+    by_k = est.tokens_by_k(4)
+    assert by_k[4] == pytest.approx(3.0, abs=0.15) and by_k[1] == pytest.approx(1.5, abs=0.05)   # EMA: order counts a little
+    costs = BatchCostModel()
+    for T in range(1, 6):
+        costs.observe(1, T, 1.0 + 0.15 * (T - 1))
+    row = RowSpec(4, est.rate, 0.0, tokens_by_k=by_k)
+    assert BatchAdaptiveK(costs).best([row]) == 4
+    # a proposer that is always wrong after its first token: K = 1 is worth it, longer is not
+    est = AcceptanceEstimate()
+    for _ in range(60):
+        est.observe(4, 1)
+    by_k = est.tokens_by_k(4)
+    assert by_k[1] == pytest.approx(2.0, abs=0.05) and by_k[4] == pytest.approx(2.0, abs=0.05)
+    assert BatchAdaptiveK(costs).best([RowSpec(4, est.rate, 0.0, tokens_by_k=by_k)]) == 1

@@ -48,7 +48,7 @@ def record_verifications(monkeypatch):
     for name, mod in list(sys.modules.items()):
         if not name.startswith("leaplm.engine"):
             continue
-        for fn in ("verify_greedy", "verify_rejection"):
+        for fn in ("verify_greedy", "verify_rejection", "verify_coupled"):
             real = getattr(mod, fn, None)
             if real is not None:
                 def wrapped(*a, _real=real, **kw):
@@ -171,6 +171,62 @@ def test_stop_string_cuts_the_text_in_generate_and_stream(method, target, plain,
     assert "".join(c.text for c in chunks) == plain.text[:i]
     assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
     assert chunks[-1].stats is not None
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_stop_string_mid_block_keeps_plain_decodings_tokens_logprobs_and_usage(sampled, target, plain, spec,
+                                                                             record_verifications):
+    """Tokens accepted after the one that completed a stop string are not returned, not counted and not cached:
+    token ids, logprobs and usage equal plain decoding's, through generate and through the scheduler."""
+    from leaplm.engine.scheduler import BatchScheduler, SeqRequest
+
+    extra = dict(temperature=0.7, seed=4) if sampled else {}
+    base = SamplingParams(**{**greedy().__dict__, **extra})
+    full = Engine(target, method="none").generate(PROMPT, base) if sampled else plain
+    i = first_clean_substring(full.text, 8)
+    params = SamplingParams(**{**base.__dict__, "stop": [full.text[i: i + 3]], "logprobs": 2})
+    ref = Engine(target, method="none").generate(PROMPT, params)
+    assert ref.finish_reason == "stop"
+    record_verifications.clear()
+    for out in (spec.generate(PROMPT, params), None):
+        if out is None:                                   # the same request as a row of the server's batch
+            sched = BatchScheduler(spec, max_batch=2, calibrate=False)
+            got = []
+            sched.submit([SeqRequest(list(ref.prompt_ids), params, got.append)])
+            sched.run_until_idle()
+            chunks = [o.chunk for o in got if o.chunk is not None]
+            ids = [t for c in chunks for t in c.token_ids]
+            lps = [lp for c in chunks for lp in (c.logprobs or [])]
+            stats, text = chunks[-1].stats, "".join(c.text for c in chunks)
+            assert sched.cached_tokens == 0
+        else:
+            ids, lps, stats, text = out.token_ids, out.logprobs, out.stats, out.text
+        assert ids == ref.token_ids and text == ref.text
+        assert stats.new_tokens == len(ref.token_ids) == ref.stats.new_tokens
+        assert [lp.token_id for lp in lps] == [lp.token_id for lp in ref.logprobs]
+        assert [lp.logprob for lp in lps] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-4)
+    # the stop string really completed inside a block with accepted tokens after it
+    assert any(len(r.tokens) > 1 for r in record_verifications)
+    assert sum(len(r.tokens) for r in record_verifications) > 2 * len(ref.token_ids)
+
+
+def test_the_cache_keeps_only_the_tokens_kept_when_a_stop_string_fires(target, plain, spec):
+    """After the cut, the row's cache holds the prompt and the kept tokens but the last: what plain decoding holds."""
+    i = first_clean_substring(plain.text, 8)
+    params = greedy(stop=[plain.text[i: i + 3]])
+    from leaplm.engine.step import Batch
+
+    batch = Batch(spec, 1)
+    row, _ = batch.join(spec.encode(PROMPT, params), params)
+    lengths = []
+    while batch.rows:
+        batch.step()
+        lengths.append((batch.cache.lengths[0], len(row.req.tokens)))
+    n_prompt = len(row.req.prompt_ids)
+    assert row.req.finish_reason == "stop"
+    assert len(row.req.output_ids) == len(Engine(target, method="none").generate(PROMPT, params).token_ids)
+    # the last step's commit left the cache at tokens - 1 before the row was freed (freed rows read 0)
+    assert all(c == t - 1 for c, t in lengths[:-1]) and lengths[-1] == (0, n_prompt + len(row.req.output_ids))
 
 
 def test_stream_text_is_final_and_equals_generate(target, spec):

@@ -71,6 +71,9 @@ def bench(
     threads: Optional[int] = typer.Option(None),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all figures and samples here."),
     plot: Optional[Path] = typer.Option(None, help="Write a speedup bar chart (PNG) here."),
+    k_sweep: Optional[int] = typer.Option(None, "--k-sweep", help="For each method: adaptive K (at most this K) "
+                                          "and every fixed K from 1 to this, with a table of adaptive vs the best "
+                                          "fixed K."),
 ):
     """Decode tokens/s, speedup over `none`, acceptance and mean accepted length, per workload."""
     if ctx.invoked_subcommand is not None:
@@ -85,6 +88,8 @@ def bench(
     logging.basicConfig(level=logging.WARNING)
     if threads is not None:
         torch.set_num_threads(threads)
+    if k_sweep is not None and not 1 <= k_sweep <= 16:
+        _fail(f"--k-sweep: must be in [1, 16], got {k_sweep}")
     for name, v in (("prompts", prompts), ("rounds", rounds), ("max-new-tokens", max_new_tokens)):
         if v < 1:
             _fail(f"--{name}: must be >= 1, got {v}")
@@ -101,6 +106,8 @@ def bench(
                   f"{target.model.max_len}")
         wls = [fit_to_context(w, target.tokenizer, room) for w in wls]
         configs = parse_methods(methods, k)
+        if k_sweep is not None:
+            configs = sweep_configs(configs, k_sweep)
         draft_name = draft or (embedded.default_draft() if model is None else None)
         drafts: dict[str, object] = {}
         contenders = []
@@ -132,6 +139,10 @@ def bench(
                     dtype=dtype, baselines=baselines, timing="end to end incl. prefill; speedup = median of "
                                                           "per-(round, prompt) ratios vs none")
     print_table(summaries, settings)
+    if k_sweep is not None:
+        from .report import k_sweep_rows
+
+        print_k_sweep(k_sweep_rows(summaries))
     if json_out:
         from .runner import BenchResult
 
@@ -154,6 +165,27 @@ def print_table(summaries, settings) -> None:
         t.add_row(s.workload, s.config, f(s.tokens_per_s, 1), f(s.speedup) + ("x" if s.speedup else ""),
                   f(s.acceptance_rate), f(s.mean_accepted_length),
                   "-" if s.identical is None else ("yes" if s.identical else "NO"))
+    console.print(t)
+
+
+def sweep_configs(configs: list[tuple[str, str, dict]], k_max: int) -> list[tuple[str, str, dict]]:
+    """none, then per method: adaptive (K at most k_max), and fixed K = 1..k_max (labels the report parses)."""
+    out = [c for c in configs if c[1] == "none"][:1]
+    for _, method, opts in configs:
+        if method == "none":
+            continue
+        out.append((f"{method} adaptive", method, {**opts, "k": k_max, "adaptive_k": True}))
+        out += [(f"{method} k={j} fixed", method, {**opts, "k": j, "adaptive_k": False}) for j in range(1, k_max + 1)]
+    return out
+
+
+def print_k_sweep(rows) -> None:
+    t = Table(title="adaptive K vs fixed K (speedups vs none, medians of paired ratios)")
+    for col in ("workload", "method", "adaptive", "best fixed K", "best fixed", "adaptive / best", "adaptive / none"):
+        t.add_column(col, justify="left" if col in ("workload", "method") else "right")
+    for r in rows:
+        t.add_row(r.workload, r.method, f"{r.adaptive:.2f}x", str(r.best_k), f"{r.best:.2f}x",
+                  f"{r.adaptive / r.best:.3f}", f"{r.adaptive:.2f}x")
     console.print(t)
 
 

@@ -1,6 +1,7 @@
 """Pictures of benchmark results (matplotlib, Agg backend: no display needed)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -26,3 +27,33 @@ def plot_speedups(summaries, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+@dataclass
+class KSweepRow:
+    workload: str
+    method: str
+    adaptive: float          # speedup of adaptive K vs none
+    best_k: int              # the fixed K with the highest speedup
+    best: float              # its speedup (1.0 when every fixed K is slower than none: K = 0 is the best)
+
+
+def k_sweep_rows(summaries) -> list[KSweepRow]:
+    """From `bench --k-sweep` summaries ("<method> adaptive", "<method> k=<K> fixed"): adaptive vs the best fixed
+    K in 0..k_max per workload and method (K = 0, plain decoding, counts as a fixed K of speedup 1)."""
+    by: dict[tuple[str, str], dict] = {}
+    for s in summaries:
+        parts = s.config.split()
+        if len(parts) == 2 and parts[1] == "adaptive":
+            by.setdefault((s.workload, parts[0]), {})["adaptive"] = s.speedup
+        elif len(parts) == 3 and parts[2] == "fixed" and parts[1].startswith("k="):
+            by.setdefault((s.workload, parts[0]), {}).setdefault("fixed", {})[int(parts[1][2:])] = s.speedup
+    rows = []
+    for (w, m), d in by.items():
+        if d.get("adaptive") is None or not d.get("fixed"):
+            continue
+        best_k, best = max(d["fixed"].items(), key=lambda kv: kv[1])
+        if best < 1.0:
+            best_k, best = 0, 1.0
+        rows.append(KSweepRow(w, m, d["adaptive"], best_k, best))
+    return rows

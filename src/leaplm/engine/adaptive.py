@@ -65,10 +65,17 @@ class BatchCostModel:
 
 @dataclass
 class AcceptanceEstimate:
-    """One request's per-token acceptance, EMA-weighted counts (prior 0.8, as AdaptiveK)."""
+    """One request's acceptance, EMA-weighted counts: a per-token rate (prior 0.8) and, per draft position i, how
+    often a step that asked for at least i + 1 tokens had its first i + 1 accepted. The second gives the expected
+    tokens of a step at each K directly, which matters for bursty proposers (an n-gram match is often right all
+    the way or not at all, so per-token acceptance undersells long drafts), and it counts the steps where the
+    proposer found nothing to draft."""
     accepted: float = 4.0
     rejected: float = 1.0
     decay: float = 0.9
+    asked: list[float] = field(default_factory=list)     # [K] EMA weight of steps that asked for >= i + 1 tokens
+    passed: list[float] = field(default_factory=list)    # [K] of those, steps whose first i + 1 were accepted
+    min_weight: float = 2.0                              # below this a position falls back to extrapolation
 
     @classmethod
     def seeded(cls, rate: float, strength: float = 5.0) -> "AcceptanceEstimate":
@@ -81,11 +88,35 @@ class AcceptanceEstimate:
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, asked: int | None = None) -> None:
+        """A step asked for `asked` tokens (default: drafted), the proposer drafted `drafted`, `accepted` kept."""
+        asked = drafted if asked is None else asked
+        if asked > 0:
+            grow = asked - len(self.asked)
+            if grow > 0:
+                self.asked += [0.0] * grow
+                self.passed += [0.0] * grow
+            d = self.decay
+            self.asked = [d * w + (1.0 if i < asked else 0.0) for i, w in enumerate(self.asked)]
+            self.passed = [d * w + (1.0 if i < accepted else 0.0) for i, w in enumerate(self.passed)]
         if drafted == 0:
             return
         self.accepted = self.decay * self.accepted + accepted
         self.rejected = self.decay * self.rejected + (1 if accepted < drafted else 0)
+
+    def tokens_by_k(self, cap: int) -> list[float]:
+        """Expected tokens of a step asking for k = 0..cap drafts (1 at k = 0): 1 + sum over i < k of P(first
+        i + 1 accepted), measured where enough steps asked that far, else extrapolated from the last measured
+        position with the per-token rate."""
+        out, total, prob, a = [1.0], 1.0, 1.0, self.rate
+        for i in range(cap):
+            if i < len(self.asked) and self.asked[i] >= self.min_weight:
+                prob = min(prob, self.passed[i] / self.asked[i])
+            else:
+                prob *= a
+            total += prob
+            out.append(total)
+        return out
 
 
 @dataclass
@@ -97,6 +128,12 @@ class RowSpec:
     catchup_s: float = 0.0         # a draft model's prefill of tokens it has not seen, spread over the request's
                                    # remaining steps (paid once, then drafting is cheap): charged when it drafts
     extra_tokens: float = 0.0      # tokens its proposals add to the forward beyond K (lookahead's window)
+    tokens_by_k: list[float] | None = None   # [cap + 1] expected tokens at each K (else the per-token formula)
+
+    def expected(self, k: int) -> float:
+        if self.tokens_by_k is not None and k < len(self.tokens_by_k):
+            return self.tokens_by_k[k]
+        return expected_tokens(self.acceptance, k)
 
 
 @dataclass
@@ -114,7 +151,7 @@ class BatchAdaptiveK:
     def rate(self, rows: list[RowSpec], K: int) -> float:
         """Expected tokens per second of a step with K over these rows."""
         n = len(rows)
-        tokens = sum(expected_tokens(r.acceptance, min(K, r.cap)) for r in rows)
+        tokens = sum(r.expected(min(K, r.cap)) for r in rows)
         extra = round(max((r.extra_tokens for r in rows if min(K, r.cap)), default=0.0))
         seconds = self.costs.cost(n, K + 1 + extra) + sum(min(K, r.cap) * r.propose_s_per_token
                                                   + (r.catchup_s if min(K, r.cap) else 0.0) for r in rows)

@@ -61,26 +61,37 @@ def commit(req: Request, result: VerifyResult, logits: torch.Tensor, drafted: in
            row: int = 0) -> StreamChunk:
     """Append the verified tokens, cut at a stop token, stop string or max_new_tokens; move row's cache length.
 
+    What is kept equals plain decoding token for token: nothing after the token that ended the request is returned,
+    counted or cached (the cache advances by the tokens kept, so it holds every committed token but the last).
     logits [T, V]: the raw target logits of the block just scored for this row (for logprobs).
     """
     if result.path is not None:
         cache.compact([0] + [i + 1 for i in result.path], row)
-    cache.advance(result.accepted + 1, row)     # the block's first token + the accepted drafts
     emitted = result.tokens[: req.remaining]
     finish = "length" if len(emitted) == req.remaining else None
     for i, t in enumerate(emitted):
         if t in req.stop_ids:
             emitted, finish = emitted[:i], "stop"   # the stop token itself is not returned
             break
+    if req.detok.stop and len(emitted) > 1:
+        # one token at a time, as plain decoding adds them: the token that completes a stop string is the last kept
+        text = ""
+        for j, t in enumerate(emitted):
+            text += req.detok.add([t])
+            if req.detok.stopped:
+                emitted = emitted[: j + 1]
+                break
+    else:
+        text = req.detok.add(emitted)
+    if req.detok.stopped:
+        finish = "stop"
+    cache.advance(len(emitted), row)
     req.stats.record_step(drafted, result.accepted, len(emitted))
     if req.logprobs is not None and emitted:
         req.logprobs.extend(token_logprobs(logits, result, emitted, req.params.logprobs or 0))
     req.tokens.extend(emitted)
     if req.presence is not None and emitted:
         req.presence[torch.tensor(emitted, device=req.presence.device)] = True
-    text = req.detok.add(emitted)
-    if req.detok.stopped:
-        finish = "stop"
     req.finish_reason = finish
     return StreamChunk(text, emitted, logprobs=req.logprobs[-len(emitted):] if req.logprobs and emitted else None)
 

@@ -46,6 +46,7 @@ class SeqRequest:
     on_output: Callable[["SeqOutput"], None]     # called from the scheduler thread
     method: str | None = None                    # proposer method; None = the scheduler's, "none" = no drafts
     k: int | None = None                         # most tokens drafted per step; None = the scheduler's K
+    adaptive_k: bool | None = None               # False: draft k every step; None = the engine's setting
     prompt_logprobs: int | None = None           # return prompt-token logprobs with this many alternatives
     request_id: str = field(default_factory=lambda: f"seq-{next(_ids)}")
     aborted: bool = False                        # set through BatchScheduler.abort, honoured at a step boundary
@@ -270,7 +271,7 @@ class BatchScheduler:
                 method = seq.method or self.default_method
                 self.proposer_factory(method)
                 _, prompt_lps = self.batch.join(seq.prompt_ids, seq.params, method, seq.k, seq.prompt_logprobs,
-                                                tag=seq)
+                                                tag=seq, adaptive_k=seq.adaptive_k)
             except Exception as e:  # noqa: BLE001 - a request that cannot start fails alone
                 log.exception("request %s could not start", seq.request_id)
                 self._emit(seq, SeqOutput(seq.request_id, error=f"could not start: {e}"))

@@ -59,6 +59,7 @@ class Row:
     proc: LogitsProcessor
     proposer: Proposer | None
     cap: int                                         # this request's own K (0: no speculation)
+    fixed_k: bool = False                            # draft cap tokens every step (the request asked adaptive_k off)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     extra_tokens: float = 0.0                        # EMA of tokens a proposal adds beyond its K (lookahead)
     tag: object = None                               # the caller's handle (the scheduler's SeqRequest)
@@ -105,7 +106,8 @@ class Batch:
 
     # --- joining and leaving -------------------------------------------------------------------------------------
     def join(self, ids: list[int], params: SamplingParams, method: str | None = None, k: int | None = None,
-             prompt_logprobs: int | None = None, tag: object = None) -> tuple[Row, list[TokenLogprob | None] | None]:
+             prompt_logprobs: int | None = None, tag: object = None,
+             adaptive_k: bool | None = None) -> tuple[Row, list[TokenLogprob | None] | None]:
         """Prefill a request into row n (all prompt tokens but the last, which opens its first step).
         Returns the row and, when asked for, the prompt's logprobs (position 0 has none)."""
         eng = self.engine
@@ -135,7 +137,7 @@ class Batch:
         proposer = factory(self.max_len) if factory is not None else None
         seen = self.estimates.method_acceptance.get(method)
         acceptance = AcceptanceEstimate.seeded(seen.rate) if seen is not None else AcceptanceEstimate()
-        row = Row(req, LogitsProcessor(params), proposer, cap, acceptance, tag=tag)
+        row = Row(req, LogitsProcessor(params), proposer, cap, adaptive_k is False, acceptance, tag=tag)
         self.rows.append(row)
         return row, prompt_lps
 
@@ -164,11 +166,13 @@ class Batch:
         # fixed by its seed and their positions (sampling/positional.py): K never changes what a seed produces.
         rooms = [max(0, self.max_len - len(r.req.tokens) - 1) for r in rows]
         specs = [self._row_spec(r) for r in rows]
-        K = self.policy.choose(specs)
+        K = self.policy.choose([sp for sp, r in zip(specs, rows) if not r.fixed_k])
+        K = max([K] + [sp.cap for sp, r in zip(specs, rows) if r.fixed_k])   # a fixed-K row drafts its K
         K = min(K, min(rooms))                             # every row gets 1 + K slots written
-        proposals, propose_s = [], 0.0
+        proposals, propose_s, asked = [], 0.0, []
         for i, (r, spec) in enumerate(zip(rows, specs)):
-            p, dt = self._propose(i, r, min(K, spec.cap))
+            asked.append(min(K, spec.cap))
+            p, dt = self._propose(i, r, asked[-1])
             proposals.append(p)
             propose_s += dt
         tp = time.perf_counter()
@@ -200,7 +204,9 @@ class Batch:
                     result = verify_chain(r.req, p, r.proc, row_logits)
                 if p is not None:
                     r.proposer.observe(p, result, extra_logits(p, row_logits))
-                    self._observe_acceptance(r, d, result.accepted, row_logits.shape[0])
+                    self._observe_acceptance(r, d, result.accepted, row_logits.shape[0], asked[i])
+                elif asked[i] and p is None:                 # asked, but the proposer found nothing to draft
+                    r.acceptance.observe(0, 0, asked[i])
                 out.chunk = commit(r.req, result, row_logits, d, self.cache, row=i)
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 log.exception("a request failed in a step")
@@ -229,13 +235,13 @@ class Batch:
         # forward, not the draft's catching up with the prompt as well (time to first token). A fixed K drafts
         # from the first step.
         room = max(0, self.max_len - len(r.req.tokens) - 1)
-        first = r.req.stats.target_forwards == 0 and self.policy.enabled
+        first = r.req.stats.target_forwards == 0 and self.policy.enabled and not r.fixed_k
         cap = max(0, min(r.cap, room, r.req.remaining - 1)) if r.proposer is not None and not first else 0
         return RowSpec(cap, r.acceptance.rate, self.estimates.propose_s.get(r.req.stats.method, 0.0),
-                       self.catchup_s(r), extra_tokens=r.extra_tokens)
+                       self.catchup_s(r), extra_tokens=r.extra_tokens, tokens_by_k=r.acceptance.tokens_by_k(cap))
 
-    def _observe_acceptance(self, r: Row, drafted: int, accepted: int, scored: int) -> None:
-        r.acceptance.observe(drafted, accepted)
+    def _observe_acceptance(self, r: Row, drafted: int, accepted: int, scored: int, asked: int) -> None:
+        r.acceptance.observe(drafted, accepted, max(asked, drafted))
         self.estimates.observe_acceptance(r.req.stats.method, drafted, accepted)
         extra = max(0, scored - drafted - 1)
         r.extra_tokens = extra if r.extra_tokens == 0 else 0.9 * r.extra_tokens + 0.1 * extra

@@ -61,14 +61,37 @@ class LogitsProcessor:
         pen = torch.where(logits < 0, logits * r, logits / r)
         return torch.where(presence, pen, logits)
 
+    def shifted(self, logits: torch.Tensor, presence: torch.Tensor | None = None) -> torch.Tensor:
+        """The penalised logits [N, V] float64 minus their row maximum: <= 0, the maximum exactly 0, never NaN.
+
+        Exact for every accepted repetition penalty: when l / r overflows (r below ~1e-306) the row's maximum is
+        infinite, and then only the boosted tokens (seen, l > 0) can have mass, at (l - l_max) / r."""
+        x = logits.double()                                                            # [N, V]
+        r = self.params.repetition_penalty
+        if r == 1.0 or presence is None:
+            return x - x.max(-1, keepdim=True).values
+        xp = torch.where(presence, torch.where(x < 0, x * r, x / r), x)
+        m = xp.max(-1, keepdim=True).values                                            # [N, 1]
+        over = torch.isinf(m)
+        if not bool(over.any()):
+            return xp - m
+        boosted = presence & (x > 0)
+        lm = torch.where(boosted, x, float("-inf")).max(-1, keepdim=True).values
+        alt = torch.where(boosted, (x - lm) / r, float("-inf"))
+        return torch.where(over, alt, xp - m)
+
     def greedy(self, logits: torch.Tensor, presence: torch.Tensor | None = None) -> torch.Tensor:
         """Argmax tokens [N] of the penalised logits [N, V] (top-k/p and min-p never remove the argmax)."""
-        return self.penalize(logits, presence).argmax(-1)
+        if self.params.repetition_penalty == 1.0 or presence is None:
+            return logits.argmax(-1)
+        return self.shifted(logits, presence).argmax(-1)
 
     def probs(self, logits: torch.Tensor, presence: torch.Tensor | None = None) -> torch.Tensor:
-        """Processed distribution [N, V] float32 from logits [N, V]; requires temperature > 0."""
+        """Processed distribution [N, V] float32 from logits [N, V]; requires a temperature the params do not
+        call greedy. Computed in float64 on logits shifted to a row maximum of 0, so no parameter value in the
+        accepted ranges overflows: the top token always keeps its mass (never NaN, never all zero)."""
         sp = self.params
-        x = self.penalize(logits.float(), presence) / sp.temperature
+        x = self.shifted(logits, presence) / sp.temperature                           # [N, V] <= 0, max 0
         if sp.top_k and sp.top_k < x.shape[-1]:
             kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]    # [N, 1]
             x = x.masked_fill(x < kth, float("-inf"))
@@ -84,7 +107,7 @@ class LogitsProcessor:
             keep = probs >= sp.min_p * probs.max(-1, keepdim=True).values
             probs = probs * keep
             probs = probs / probs.sum(-1, keepdim=True)
-        return probs
+        return probs.float()
 
     @staticmethod
     def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

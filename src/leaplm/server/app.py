@@ -534,6 +534,9 @@ async def _serve(state: ServerState, body, request: Request, chat: bool):
                        "model", "model_not_found")
     loop = asyncio.get_running_loop()
     job = _Job(state, *await loop.run_in_executor(state.tokenize_pool, _plan, state, body, chat))
+    if body.speculative is not None and body.speculative.adaptive_k is not None:
+        for seq in job.seqs:
+            seq.adaptive_k = body.speculative.adaptive_k
     job.submit()
     watcher = asyncio.create_task(job.watch(request))
     if body.stream:

@@ -68,6 +68,8 @@ class SpeculativeOptions(BaseModel):
     method: Literal[METHODS] = Field(description="Proposer method for this request; 'none' disables speculation.")
     k: Optional[Annotated[int, Field(strict=True, ge=1, le=64)]] = Field(
         None, description="Most tokens drafted per step for this request (the server's K by default).")
+    adaptive_k: Optional[bool] = Field(None, description="false: draft k tokens every step instead of letting the "
+                                                         "server's K policy choose (the server's setting by default).")
 
 
 class StreamOptions(BaseModel):
