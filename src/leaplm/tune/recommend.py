@@ -63,15 +63,23 @@ def step_of(c: Candidate, screening: set[Candidate]) -> str:
     return STEPS[2] if c in screening else STEPS[3]
 
 
+def credible_speedup(r: Row) -> float:
+    """The measured speedup, capped by the mean accepted length: a step emits tau tokens for at least one target
+    forward, so no configuration can beat plain decoding by more than tau; a higher figure is timing noise (a
+    configuration whose K policy stopped drafting measures 1.0x +- noise, never a real gain)."""
+    tau = r.mean_accepted_length
+    return min(r.speedup, tau) if tau is not None else r.speedup
+
+
 def decide_level(rows: list[Row], level: int, min_gain: float) -> LevelDecision:
     mine = [r for r in rows if r.level == level]
     base = next(r for r in mine if r.candidate.method == "none")
     cands = [r for r in mine if r.candidate.method != "none" and r.speedup is not None and r.identical is not False]
-    best = max(cands, key=lambda r: r.speedup, default=None)
+    best = max(cands, key=credible_speedup, default=None)
     if best is None:
         return LevelDecision(level, False, None, None, None, base.tokens_per_s, None,
                              "no speculative configuration was measured")
-    if best.speedup < 1 + min_gain:
+    if credible_speedup(best) < 1 + min_gain:
         return LevelDecision(level, False, None, best.speedup, best.acceptance_rate, base.tokens_per_s,
                              best.candidate.label, f"the best, {best.candidate.label}, reaches {best.speedup:.2f}x: "
                                                    f"below the {1 + min_gain:.2f}x that pays for its cost")
