@@ -142,6 +142,8 @@ class StepProgress:
             extra = f", held-out KL {kl:.4f}" if kl is not None else ""
             agree = getattr(s, "eval_agree", None)
             extra += f", greedy agreement {agree:.3f}" if agree is not None else ""
+            overlap = getattr(s, "eval_overlap", None)
+            extra += f", sampled overlap {overlap:.3f}" if overlap is not None else ""
             self.progress.console.log(f"step {s.step}/{s.steps}: train {s.loss:.4f}, held-out CE {s.eval_loss:.4f}"
                                       f"{extra}, {s.tokens_seen:,} tokens")
 
@@ -251,6 +253,11 @@ def distill_cmd(
     logits_dir: Optional[Path] = typer.Option(
         None, "--logits-dir", help="Train on cached target logits (`train ondata --top-k`) instead of running the "
                                    "target: --tokens then counts generated positions; --corpus and --seq-len are unused."),
+    loss: str = _d("loss", "With --logits-dir: divergence between p and q at each --temperatures: kl (forward "
+                           "KL) or tv (total variation, what sampled acceptance pays for)."),
+    temperatures: str = typer.Option(",".join(f"{t:g}" for t in _default(DistillConfig, "temperatures")),
+                                     "--temperatures", help="With --logits-dir: comma list of T at which p_T and "
+                                                            "q_T are compared (loss averaged); 1 = the raw logits."),
     threads: Optional[int] = Threads,
 ) -> None:
     """Distil a draft from a target: forward KL on the target's logits (online, or cached by `train ondata
@@ -258,12 +265,18 @@ def distill_cmd(
     from .training.distill import distill
 
     _setup(threads)
+    try:
+        temps = tuple(float(x) for x in temperatures.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated numbers, got {temperatures!r}",
+                                 param_hint="--temperatures") from None
     cfg = DistillConfig(target_dir=str(target_dir), out_dir=str(out_dir), draft_init=draft_init, alpha=alpha,
                         corpus=corpus, tokens=tokens, batch_size=batch_size, seq_len=seq_len,
                         long_seq_len=long_seq_len, long_fraction=long_fraction, lr=lr, min_lr=min_lr,
                         warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, seed=seed,
                         save_every=save_every, eval_every=eval_every, eval_batches=eval_batches,
-                        max_files=max_files, bf16=bf16, logits_dir=str(logits_dir) if logits_dir else None)
+                        max_files=max_files, bf16=bf16, logits_dir=str(logits_dir) if logits_dir else None,
+                        loss=loss, temperatures=temps)
     with _user_errors([f.name for f in dataclasses.fields(cfg)]), StepProgress(f"distill {draft_init}") as bar:
         last = distill(cfg, bar)
     _report_done(out_dir, last)
@@ -412,10 +425,13 @@ def ondata_cmd(
                                            "tokens ending at a def line)."),
     new_tokens: int = typer.Option(128, "--new-tokens", min=1, help="Target tokens generated per prompt."),
     batch_size: int = typer.Option(64, "--batch-size", min=1),
-    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy continuations (what greedy acceptance sees)."),
+    temperature: float = typer.Option(0.0, min=0.0, max=10.0,
+                                      help="0 = greedy continuations (what greedy acceptance sees); > 0 samples "
+                                           "them (seeded), visiting the states users who sample see."),
     top_k: Optional[int] = typer.Option(None, "--top-k", min=1, max=256,
-                                        help="Also cache the target's top-k log-probs per generated token, as "
-                                             "safetensors shards for `train distill --logits-dir` (greedy only)."),
+                                        help="Also cache the target's top-k log-probs (raw, temperature 1) per "
+                                             "generated token, as safetensors shards for `train distill "
+                                             "--logits-dir`; any temperature is derived from them."),
     part: int = typer.Option(0, "--part", min=0, help="With --top-k: this process's part (run --parts of them)."),
     parts: int = typer.Option(1, "--parts", min=1, help="With --top-k: processes sharing the output directory."),
     seed: int = typer.Option(0),
@@ -425,9 +441,6 @@ def ondata_cmd(
     from .training.ondata import generate_target_corpus, generate_target_logits
 
     _setup(threads)
-    if top_k is not None and temperature > 0:
-        raise typer.BadParameter("cached logits are for greedy continuations; drop --temperature",
-                                 param_hint="--temperature")
     if part >= parts:
         raise typer.BadParameter(f"must be < --parts ({parts}), got {part}", param_hint="--part")
     with Progress(TextColumn("target continuations"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -437,8 +450,8 @@ def ondata_cmd(
             rows = generate_target_corpus(str(target_dir), out_path, n_seqs, prompt_tokens, new_tokens, batch_size,
                                           temperature, seed, on_batch=lambda r: prog.update(task, completed=r))
         else:
-            with _user_errors(["n_seqs", "top_k", "part"]):
+            with _user_errors(["n_seqs", "top_k", "part", "temperature"]):
                 rows = generate_target_logits(str(target_dir), out_path, n_seqs, new_tokens, top_k, batch_size,
-                                              seed, part=part, parts=parts,
+                                              seed, part=part, parts=parts, temperature=temperature,
                                               on_batch=lambda r: prog.update(task, completed=r))
     out.print(f"wrote {rows} sequences to {out_path}")

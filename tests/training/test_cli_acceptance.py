@@ -40,7 +40,7 @@ def test_ondata_refuses_missing_target(tmp_path):
 
 
 @pytest.mark.parametrize("extra,option", [
-    (["--top-k", "8", "--temperature", "0.8"], "--temperature"),     # cached logits are for greedy data
+    (["--top-k", "8", "--temperature", "-0.5"], "--temperature"),
     (["--top-k", "8", "--part", "2", "--parts", "2"], "--part"),
     (["--top-k", "0"], "--top-k"),
     (["--top-k", "300"], "--top-k"),
@@ -60,3 +60,17 @@ def test_distill_refuses_a_logits_dir_without_shards(tmp_path, tiny_target_dir, 
                         env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert res.exit_code == 2, res.output
     assert "--logits-dir" in res.output and "no shard" in res.output
+
+
+@pytest.mark.parametrize("extra,option", [
+    (["--loss", "js"], "--loss"),
+    (["--temperatures", "0.8,0"], "--temperatures"),
+    (["--temperatures", "hot"], "--temperatures"),
+    (["--loss", "tv"], "--loss"),                        # a tempered/TV loss needs cached logits
+])
+def test_distill_loss_options_are_checked_before_any_work(tmp_path, tiny_target_dir, tiny_draft_dir, extra, option):
+    res = runner.invoke(app, ["train", "distill", "--target", str(tiny_target_dir), "--draft-init", str(tiny_draft_dir),
+                              "--out", str(tmp_path / "o"), *extra], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert res.exit_code == 2, res.output
+    assert option in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "o").exists()

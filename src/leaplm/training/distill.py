@@ -10,6 +10,13 @@ on the target's own greedy continuations against their cached top-k log-probs, l
 + (1 - alpha) * CE(target's greedy token), where p_k is p renormalised over its top k. That is on-policy
 distillation at the cost of the draft alone, so it can run for many epochs.
 
+Drafts for users who sample: speculative sampling at temperature T accepts a drafted token with probability
+sum_x min(p_T(x), q_T(x)) = 1 - TV(p_T, q_T), so a draft that pays at T must match the whole tempered
+distribution, on the states sampled continuations visit (`ondata --temperature`), not only the greedy token.
+`loss` picks the divergence D(p_T || q_T) matched on the cached top k ("kl": forward KL, "tv": total variation,
+the quantity acceptance pays for directly) and `temperatures` the T at which it is averaged; the greedy recipe
+is loss "kl" at temperatures (1.0,), the defaults.
+
 A draft trained with plain CE needs nothing here: that is `pretrain.pretrain` with preset draft-3m or draft-1m
 (same tokenizer as the target); its output directory can then be this recipe's `draft_init`.
 """
@@ -62,6 +69,9 @@ class DistillConfig:
     # cached target logits (shards of ondata.generate_target_logits); then `corpus` and the seq_len fields are
     # unused and `tokens` counts supervised (generated) positions
     logits_dir: str | None = None
+    # cached logits: divergence matched between p_T and q_T on the top k ("kl" or "tv"), averaged over these T
+    loss: str = "kl"
+    temperatures: tuple[float, ...] = (1.0,)
 
     def validate(self) -> None:
         for name in ("tokens", "batch_size", "seq_len", "warmup_steps", "save_every", "eval_every", "eval_batches"):
@@ -73,6 +83,12 @@ class DistillConfig:
             raise ConfigError("long_fraction", f"must be in [0, 1), got {self.long_fraction}")
         if self.lr <= 0:
             raise ConfigError("lr", f"must be > 0, got {self.lr}")
+        if self.loss not in LOSSES:
+            raise ConfigError("loss", f"must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if not self.temperatures or not all(0 < t <= 10 for t in self.temperatures):
+            raise ConfigError("temperatures", f"must be a non-empty list of values in (0, 10], got {self.temperatures}")
+        if (self.loss, tuple(self.temperatures)) != ("kl", (1.0,)) and self.logits_dir is None:
+            raise ConfigError("loss", "tempered and TV losses need cached logits (logits_dir)")
         if self.logits_dir is not None and not Path(self.logits_dir).is_dir():
             raise ConfigError("logits_dir", f"{self.logits_dir!r} is not a directory")
         if not (Path(self.target_dir) / "config.json").exists():
@@ -99,6 +115,8 @@ class DistillStepLog(StepLog):
     eval_kl: float | None = None      # held-out KL(p || q)
     agree: float | None = None        # cached logits: how often argmax q = the target's greedy token (train batch)
     eval_agree: float | None = None   # the same on the validation shards: per-token greedy acceptance
+    eval_overlap: float | None = None  # validation shards: mean 1 - TV(p_T, q_T) over cfg.temperatures, i.e. the
+                                       # per-token acceptance of speculative sampling at those T (teacher-forced)
 
 
 @dataclass
@@ -122,44 +140,79 @@ def distill_loss(draft_logits: torch.Tensor, target_logp: torch.Tensor, ids: tor
     return DistillLoss(alpha * kl + (1 - alpha) * ce, kl, ce)
 
 
+LOSSES = ("kl", "tv")
+
+
 @dataclass
 class CachedLoss(DistillLoss):
     agree: torch.Tensor               # [] fraction of positions where argmax q is the target's greedy token
+    overlap: torch.Tensor             # [] mean over positions and temperatures of 1 - TV(p_T,k, q_T)
+
+
+@dataclass
+class TemperedDivergence:
+    kl: torch.Tensor                  # [batch, new] KL(p_T,k || q_T) on the top k
+    tv: torch.Tensor                  # [batch, new] TV(p_T,k, q_T): half the L1 distance over the top k, plus
+                                      # the mass q_T puts outside it (p_T,k has none there)
+
+
+def tempered_divergence(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor,
+                        temperature: float) -> TemperedDivergence:
+    """Divergences between the target and the draft both processed at `temperature`.
+
+    draft_logits: [batch, new, vocab]; topk_ids, topk_logp: [batch, new, k], log p at T = 1. p_T,k is
+    softmax(topk_logp / T): p at T renormalised over its top k (the tail was not stored)."""
+    logq = F.log_softmax(draft_logits.float() / temperature, dim=-1)   # [batch, new, vocab]
+    logq_k = logq.gather(-1, topk_ids)                                  # [batch, new, k]
+    logp_k = F.log_softmax(topk_logp.float() / temperature, dim=-1)     # [batch, new, k]
+    p_k, q_k = logp_k.exp(), logq_k.exp()
+    kl = (p_k * (logp_k - logq_k)).sum(-1)
+    tv = 0.5 * ((p_k - q_k).abs().sum(-1) + (1 - q_k.sum(-1)).clamp_min(0))
+    return TemperedDivergence(kl, tv)
 
 
 def cached_loss(draft_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor,
-                alpha: float) -> CachedLoss:
-    """alpha * KL(p_k || q) + (1 - alpha) * CE(greedy token), averaged over positions.
+                alpha: float, loss: str = "kl", temperatures: tuple[float, ...] = (1.0,)) -> CachedLoss:
+    """alpha * D + (1 - alpha) * CE(greedy token), averaged over positions, where D is the mean over
+    `temperatures` of KL(p_T,k || q_T) (loss "kl") or TV(p_T,k, q_T) (loss "tv").
 
     draft_logits: [batch, new, vocab]; topk_ids: [batch, new, k] (column 0 is the target's argmax);
     topk_logp: [batch, new, k] log p. p_k renormalises p over its top k: the tail holds little mass and
-    was not stored."""
-    logq = F.log_softmax(draft_logits.float(), dim=-1)          # [batch, new, vocab]
-    logq_k = logq.gather(-1, topk_ids)                          # [batch, new, k]
-    logp_k = F.log_softmax(topk_logp, dim=-1)                   # [batch, new, k] renormalised
-    kl = (logp_k.exp() * (logp_k - logq_k)).sum(-1).mean()
-    ce = -logq_k[..., 0].mean()
-    agree = (logq.argmax(-1) == topk_ids[..., 0]).float().mean()
-    return CachedLoss(alpha * kl + (1 - alpha) * ce, kl, ce, agree)
+    was not stored. With the defaults this is alpha * KL(p_k || q) + (1 - alpha) * CE, the greedy recipe."""
+    divs = [tempered_divergence(draft_logits, topk_ids, topk_logp, t) for t in temperatures]
+    kl = torch.stack([d.kl.mean() for d in divs]).mean()
+    tv = torch.stack([d.tv.mean() for d in divs]).mean()
+    logq0 = F.log_softmax(draft_logits.float(), dim=-1).gather(-1, topk_ids[..., :1])   # [batch, new, 1]
+    ce = -logq0.mean()
+    agree = (draft_logits.argmax(-1) == topk_ids[..., 0]).float().mean()
+    d = kl if loss == "kl" else tv
+    return CachedLoss(alpha * d + (1 - alpha) * ce, kl, ce, agree, 1 - tv.detach())
 
 
 def _cached_step(draft, b, cfg: DistillConfig) -> CachedLoss:
     """Draft forward over prompt + continuation; logits only where the target's distribution is known."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
         logits = draft(input_ids=b.input_ids[:, :-1], logits_to_keep=b.new_tokens).logits  # [batch, new, vocab]
-        return cached_loss(logits, b.topk_ids, b.topk_logp, cfg.alpha)
+        return cached_loss(logits, b.topk_ids, b.topk_logp, cfg.alpha, cfg.loss, tuple(cfg.temperatures))
+
+
+@dataclass
+class CachedEval:
+    ce: float                         # held-out CE on the target's greedy token
+    kl: float                         # held-out KL(p_T,k || q_T), mean over cfg.temperatures
+    agree: float                      # argmax q = the target's greedy token
+    overlap: float                    # 1 - TV(p_T,k, q_T), mean over cfg.temperatures
 
 
 @torch.no_grad()
-def eval_cached(draft, shards, cfg: DistillConfig, n_batches: int) -> tuple[DistillEval, float]:
-    """Validation-shard CE, KL and greedy agreement: (DistillEval, agree)."""
+def eval_cached(draft, shards, cfg: DistillConfig, n_batches: int) -> CachedEval:
+    """Validation-shard CE, KL, greedy agreement and sampled overlap."""
     draft.eval()
     batches = shards.valid_batches(cfg.batch_size, n_batches)
     rs = [_cached_step(draft, b, cfg) for b in batches]
     draft.train()
     n = len(rs)
-    return (DistillEval(sum(r.ce.item() for r in rs) / n, sum(r.kl.item() for r in rs) / n),
-            sum(r.agree.item() for r in rs) / n)
+    return CachedEval(*(sum(getattr(r, f).item() for r in rs) / n for f in ("ce", "kl", "agree", "overlap")))
 
 
 def target_logprobs(target, ids: torch.Tensor, bf16: bool) -> torch.Tensor:
@@ -306,8 +359,8 @@ def distill(cfg: DistillConfig,
         done = step + 1 == steps
         if (step + 1) % cfg.eval_every == 0 or done:
             if shards is not None and shards.valid:
-                ev, last.eval_agree = eval_cached(draft, shards, cfg, cfg.eval_batches)
-                last.eval_loss, last.eval_kl = ev.ce, ev.kl
+                ev = eval_cached(draft, shards, cfg, cfg.eval_batches)
+                last.eval_loss, last.eval_kl, last.eval_agree, last.eval_overlap = ev.ce, ev.kl, ev.agree, ev.overlap
             elif held is not None:
                 ev = eval_distill(draft, target, held, cfg, cfg.eval_batches)
                 last.eval_loss, last.eval_kl = ev.ce, ev.kl
