@@ -20,6 +20,7 @@ from rich.table import Table
 from .config import ConfigError
 from .training.distill import DistillConfig
 from .training.presets import PRESETS
+from .training.ondata import PROMPT_LENGTHS
 from .training.pretrain import PretrainConfig, StepLog
 
 train_app = typer.Typer(help="Train leaplm's embedded model family: tokenizer, pretraining, distillation.",
@@ -432,6 +433,9 @@ def ondata_cmd(
                                         help="Also cache the target's top-k log-probs (raw, temperature 1) per "
                                              "generated token, as safetensors shards for `train distill "
                                              "--logits-dir`; any temperature is derived from them."),
+    prompt_lengths: str = typer.Option(",".join(map(str, PROMPT_LENGTHS)), "--prompt-lengths",
+                                       help="With --top-k: comma list of prompt lengths, cycled over the shards "
+                                            "(prefill dominates the cost: shorter prompts generate faster)."),
     part: int = typer.Option(0, "--part", min=0, help="With --top-k: this process's part (run --parts of them)."),
     parts: int = typer.Option(1, "--parts", min=1, help="With --top-k: processes sharing the output directory."),
     seed: int = typer.Option(0),
@@ -443,6 +447,13 @@ def ondata_cmd(
     _setup(threads)
     if part >= parts:
         raise typer.BadParameter(f"must be < --parts ({parts}), got {part}", param_hint="--part")
+    try:
+        lengths = tuple(int(x) for x in prompt_lengths.split(",") if x.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) < 1:
+        raise typer.BadParameter(f"expected comma-separated positive integers, got {prompt_lengths!r}",
+                                 param_hint="--prompt-lengths")
     with Progress(TextColumn("target continuations"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err) as prog:
         task = prog.add_task("gen", total=n_seqs if top_k is None else -(-n_seqs // parts))
@@ -452,6 +463,7 @@ def ondata_cmd(
         else:
             with _user_errors(["n_seqs", "top_k", "part", "temperature"]):
                 rows = generate_target_logits(str(target_dir), out_path, n_seqs, new_tokens, top_k, batch_size,
-                                              seed, part=part, parts=parts, temperature=temperature,
+                                              seed, prompt_lengths=lengths, part=part, parts=parts,
+                                              temperature=temperature,
                                               on_batch=lambda r: prog.update(task, completed=r))
     out.print(f"wrote {rows} sequences to {out_path}")

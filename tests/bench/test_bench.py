@@ -43,3 +43,35 @@ def test_bench_cli_with_hf_baselines(checkpoint, tmp_path):
         if s["config"].startswith("draft"):
             assert s["identical"] is True    # greedy speculation is token-identical to none
         assert s["tokens_per_s"] > 0
+
+
+def test_bench_cli_samples_at_a_temperature_with_hf_baselines(checkpoint, tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", checkpoint("llama_tied"), "--draft", checkpoint("llama_draft"), "--methods",
+            "none,draft", "--k", "2", "--workloads", "code", "--prompts", "2", "--rounds", "1",
+            "--max-new-tokens", "8", "--baselines", "hf", "--temperature", "1.0", "--json", str(out)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["temperature"] == 1.0
+    by = {s["config"]: s for s in data["summaries"]}
+    assert set(by) == {"none", "draft k=2", "hf", "hf-assisted k=2", "hf-prompt-lookup k=2"}
+    assert all(s["identical"] is None for s in by.values())    # no token identity is claimed when sampling
+
+
+def test_hf_baselines_sample_seeded_at_a_temperature(checkpoint):
+    from leaplm.bench.runner import hf_contenders
+
+    prompt = code_workload(1).prompts[0]
+
+    def run(temperature, seed):
+        cs = {c.name: c for c in hf_contenders(checkpoint("llama_tied"), checkpoint("llama_draft"), 2,
+                                               ["plain", "assisted"], ignore_eos=True, temperature=temperature,
+                                               seed=seed)}
+        return {name: c.run(prompt, 12)[0] for name, c in cs.items()}
+
+    a, b, other, greedy = run(1.0, 0), run(1.0, 0), run(1.0, 1), run(0.0, 0)
+    assert a == b                                   # seeded
+    assert a["hf"] != other["hf"]                   # by the seed
+    assert a["hf"] != greedy["hf"] and a["hf-assisted k=2"] != greedy["hf-assisted k=2"]   # sampled, not argmax
+    assert greedy["hf"] == greedy["hf-assisted k=2"]                                       # greedy is exact

@@ -43,6 +43,7 @@ def test_ondata_refuses_missing_target(tmp_path):
     (["--top-k", "8", "--temperature", "-0.5"], "--temperature"),
     (["--top-k", "8", "--part", "2", "--parts", "2"], "--part"),
     (["--top-k", "0"], "--top-k"),
+    (["--top-k", "8", "--prompt-lengths", "96,x"], "--prompt-lengths"),
     (["--top-k", "300"], "--top-k"),
 ])
 def test_ondata_cached_logit_options_are_checked(tmp_path, tiny_target_dir, extra, option):

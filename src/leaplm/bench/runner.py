@@ -81,8 +81,11 @@ def leaplm_contender(name: str, engine, params: SamplingParams) -> Contender:
 
 
 def hf_contenders(target_path: str, draft_path: str | None, k: int, kinds: list[str], ignore_eos: bool,
-                  dtype: torch.dtype = torch.float32) -> list[Contender]:
-    """Hugging Face generate: plain, assisted (draft model, num_assistant_tokens=K), prompt lookup (K)."""
+                  dtype: torch.dtype = torch.float32, temperature: float = 0.0, seed: int = 0) -> list[Contender]:
+    """Hugging Face generate: plain, assisted (draft model, num_assistant_tokens=K), prompt lookup (K).
+
+    temperature > 0 samples from the whole tempered distribution (top-k and top-p off, as leaplm's defaults),
+    seeded before every call; assisted generation then verifies with speculative sampling."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_path)
@@ -91,12 +94,16 @@ def hf_contenders(target_path: str, draft_path: str | None, k: int, kinds: list[
     if "assisted" in kinds and draft_path:
         assistant = AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).eval()
 
+    sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
+                else dict(do_sample=False))
+
     def make(extra: dict) -> Runner:
         def run(prompt: str, max_new: int):
             ids = tok(prompt, return_tensors="pt", add_special_tokens=False)
-            kw = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=tok.eos_token_id, **extra)
+            kw = dict(max_new_tokens=max_new, pad_token_id=tok.eos_token_id, **sampling, **extra)
             if ignore_eos:
                 kw["min_new_tokens"] = max_new
+            torch.manual_seed(seed)
             with torch.inference_mode():
                 out = model.generate(**ids, **kw)
             return out[0, ids["input_ids"].shape[1]:].tolist(), None
