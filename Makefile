@@ -7,7 +7,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-all bench setup clean reliability
+.PHONY: demo test test-all bench setup clean reliability test-ray
 
 $(BIN)/leaplm: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,9 +27,17 @@ test: setup
 test-all: setup
 	$(BIN)/python -m pytest -q tests
 
-# The reliability suite with its long variants (soak length: SOAK_SECONDS, default 300).
+# The reliability suite with its long variants (soak length: SOAK_SECONDS, default 300) and the schema fuzzer;
+# its figures are printed and written to reliability-report.json (docs/reliability.md quotes them).
 reliability: setup
-	OMP_NUM_THREADS=1 SOAK_SECONDS=$${SOAK_SECONDS:-300} $(BIN)/python -m pytest -q tests/reliability
+	OMP_NUM_THREADS=1 SOAK_SECONDS=$${SOAK_SECONDS:-300} RELIABILITY_REPORT=$${RELIABILITY_REPORT:-reliability-report.json} \
+		$(BIN)/python -m pytest -q tests/reliability tests/server/test_serve_schemathesis.py
+
+# Ray Serve scale-out (two replicas on this machine, about two minutes): installs the ray extra, and a missing
+# ray fails instead of skipping.
+test-ray: setup
+	$(BIN)/pip install -q -e ".[ray]"
+	OMP_NUM_THREADS=1 LEAPLM_REQUIRE_RAY=1 $(BIN)/python -m pytest -q tests/deploy/test_ray_serve.py
 
 bench: setup
 	$(BIN)/leaplm bench --baselines hf

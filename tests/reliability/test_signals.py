@@ -82,7 +82,7 @@ def test_second_sigterm_during_drain_exits_cleanly(tiny_pair, gap):
         srv.stop()
 
 
-def test_sigterm_drain_under_load_finishes_every_request(tiny_pair):
+def test_sigterm_drain_under_load_finishes_every_request(tiny_pair, figures):
     """One SIGTERM with 6 requests in (4 running, 2 waiting): all 6 finish, the drain time is reported."""
     srv = ServerProcess(*tiny_pair, "--drain-timeout", "60", "--max-batch", "4", "--method", "none")
     try:
@@ -106,6 +106,6 @@ def test_sigterm_drain_under_load_finishes_every_request(tiny_pair):
         drain_s = time.monotonic() - t
         assert code == 0
         assert [_check_clean_end(s) for s in seen] == ["finished"] * 6
-        print(f"drain of 6 requests x 200 tokens: {drain_s:.2f} s")
+        figures.update(requests=6, tokens_each=200, drain_s=round(drain_s, 2))
     finally:
         srv.stop()

@@ -90,7 +90,9 @@ def protocol_class(config: ServerConfig) -> type[GuardedH11Protocol]:
 
 
 def uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:
-    """The uvicorn settings of every leaplm server (`leaplm serve` and the tests' in-process server)."""
+    """The uvicorn settings of every leaplm server (`leaplm serve` and the tests' in-process server).
+    The loop is asyncio even when uvloop is installed (ray[serve] brings it): the signal handling and timeouts are
+    tested on asyncio's loop."""
     return uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=5, lifespan="on", http=protocol_class(config),
+                          timeout_graceful_shutdown=5, lifespan="on", http=protocol_class(config), loop="asyncio",
                           timeout_keep_alive=config.keep_alive_timeout_s)
