@@ -233,9 +233,23 @@ def bench_serve(
     threads: Optional[int] = typer.Option(None, help="torch threads of the server."),
     timeout: float = typer.Option(120.0, help="Per-request timeout, seconds."),
     out: str = typer.Option("bench-serve.json", "--out", help="JSON report path."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Latency table of traffic profiles instead of "
+                                          "the concurrency sweep: short,medium,long,batch (TTFT, ITL, e2e, tokens/s)."),
 ) -> None:
     """Load-test `leaplm serve` on 127.0.0.1 at several concurrencies, with and without speculation."""
     from ..bench.serve_load import LoadBenchConfig, print_report, run_load_bench
+
+    if profile is not None:
+        from ..bench.serve_profiles import parse_profiles, print_profiles, run_profiles
+
+        cfg = LoadBenchConfig(model=model, draft=draft, method=method, k=k, synthetic=synthetic, rounds=rounds,
+                              max_batch=max_batch, threads=threads, timeout_s=timeout, out=out)
+        try:
+            print_profiles(run_profiles(cfg, parse_profiles(profile)))
+        except ConfigError as e:
+            _fail(f"--{e.field.replace('_', '-')}: {e.message}")
+        err.print(f"wrote {out}")
+        return
 
     try:
         levels = [int(x) for x in concurrency.split(",") if x.strip()]
