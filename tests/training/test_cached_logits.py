@@ -221,3 +221,11 @@ def test_tempered_distillation_raises_the_sampled_overlap(tmp_path, sampled_dir,
     last = distill(cfg)
     assert last.eval_overlap > before.overlap + 0.05, (before, last)
     assert json.loads((tmp_path / loss / "train_config.json").read_text())["temperatures"] == [0.8, 1.0]
+    # the model card names the loss, the temperatures and the kinds of continuations
+    from leaplm.training.modelcard import write_model_card
+
+    text = write_model_card(tmp_path / loss).read_text()
+    d = "KL(p_T,k \\|\\| q_T)" if loss == "kl" else "TV(p_T,k, q_T)"     # tables escape |
+    for needle in (f"1.0 * mean over T in {{0.8, 1}} of {d}", "greedy: 3 shards", "sampled at T = 1.5: 3 shards",
+                   "final sampled overlap"):
+        assert needle in text, needle

@@ -116,6 +116,22 @@ def _architecture(c: dict) -> str:
     return f"as {c.get('draft_init')} (its weights as the starting point)"
 
 
+def _continuations(logits_dir: str) -> str:
+    """'greedy continuations', or what the shard names say: e.g. 'continuations (greedy: 3 shards, sampled
+    at T = 0.8: 6 shards)' (sampled shards carry -t<T>- in their names)."""
+    import re
+    from collections import Counter
+
+    temps = Counter()
+    for p in Path(logits_dir).glob("shard-*.safetensors"):
+        m = re.search(r"-t([0-9.]+)-", p.name)
+        temps[m.group(1) if m else "greedy"] += 1
+    if set(temps) <= {"greedy"}:
+        return "greedy continuations"
+    parts = [f"{'greedy' if t == 'greedy' else f'sampled at T = {t}'}: {n} shards" for t, n in sorted(temps.items())]
+    return f"continuations ({', '.join(parts)})"
+
+
 def card_text(record: TrainRecord, name: str, perplexity: Perplexity | None = None,
               acceptance: list[dict] | None = None, plot_file: str | None = PLOT) -> str:
     """The README.md text; see write_model_card."""
@@ -128,6 +144,12 @@ def card_text(record: TrainRecord, name: str, perplexity: Perplexity | None = No
         a = c.get("alpha", 1)
         objective = (f"{a} * KL(p_k || q) + {1 - a:.3g} * CE(target's greedy token); p_k: cached top-k target "
                      "log-probs" if cached else f"{a} * KL(p || q) + {1 - a:.3g} * CE, temperature 1")
+        temps = [float(t) for t in c.get("temperatures", [1.0])]
+        if cached and (c.get("loss", "kl"), temps) != ("kl", [1.0]):
+            d = "KL(p_T,k || q_T)" if c.get("loss", "kl") == "kl" else "TV(p_T,k, q_T)"
+            objective = (f"{a} * mean over T in {{{', '.join(f'{t:g}' for t in temps)}}} of {d} + {1 - a:.3g} * "
+                         "CE(target's greedy token); p_T,k: cached top-k target log-probs at temperature T, "
+                         "q_T: the draft's at T")
     facts = [
         ("recipe", record.kind),
         ("architecture", _architecture(c)),
@@ -135,7 +157,7 @@ def card_text(record: TrainRecord, name: str, perplexity: Perplexity | None = No
         ("target", f"{c.get('target_dir')} ({c.get('target_n_params', 0):,} parameters)" if record.kind == "distill"
          else None),
         ("objective", objective),
-        ("corpus", f"the target's greedy continuations of training-split prompts, with its logits ({cached})"
+        ("corpus", f"the target's {_continuations(cached)} of training-split prompts, with its logits ({cached})"
          if cached else "Python standard library" if corpus == "stdlib" else corpus),
         ("held-out modules (never trained on)", held),
         ("steps", f"{last.get('step', 0)} of {last.get('steps', '?')}"),
@@ -150,6 +172,8 @@ def card_text(record: TrainRecord, name: str, perplexity: Perplexity | None = No
         ("final held-out KL(p || q)" + (" (validation shards)" if cached else ""),
          record.final("eval_kl") if record.kind == "distill" else None),
         ("final greedy agreement, argmax q = target token (validation shards)", record.final("eval_agree")),
+        ("final sampled overlap, 1 - TV(p_T, q_T) averaged over T (validation shards)",
+         record.final("eval_overlap")),
     ]
     if perplexity is not None:
         facts.append((f"perplexity on {perplexity.corpus}/{perplexity.split} ({perplexity.tokens:,} tokens)",
