@@ -50,6 +50,9 @@ def _skip_layers(text: Optional[str]) -> Optional[list[int]]:
 ModelOpt = typer.Option(None, "--model", "-m", help="Target: local HF checkpoint dir, a .gguf file, or hub id (default: embedded).")
 DraftOpt = typer.Option(None, "--draft", help="Draft model for --method draft (default: the embedded draft).")
 KOpt = typer.Option(5, "--k", "-k", help="Speculative tokens per step (tree nodes for tree methods).")
+QuantOpt = typer.Option(None, "--quantization", help="Weight-only quantization of target and draft: int8 | int4 "
+                                                     "(blocks of 32, quantized at load) | gguf (a GGUF file's own "
+                                                     "Q8_0/Q4_0/Q4_1 blocks). Default: none.")
 
 
 @app.command()
@@ -86,6 +89,7 @@ def generate(
     device: str = typer.Option("cpu", help="cpu|cuda|mps"),
     dtype: str = typer.Option("float32", help="float32|bfloat16|float16"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
+    quantization: Optional[str] = QuantOpt,
 ):
     """Generate a continuation of PROMPT, with speculation, and report acceptance and speed."""
     from .engine.engine import Engine
@@ -108,7 +112,7 @@ def generate(
                         adaptive_k=adaptive_k, ngram_min=ngram_min, ngram_max=ngram_max, window=window,
                         ngram_size=ngram_size, guess_set=guess_set, skip_layers=_skip_layers(skip_layers),
                         skip_confidence=skip_confidence,
-                        corpus=corpus)
+                        corpus=corpus, quantization=quantization)
         if chat:
             from .models.tokens import chat_prompt
 

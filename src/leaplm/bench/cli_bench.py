@@ -68,6 +68,8 @@ def bench(
     baselines: Optional[str] = typer.Option(None, help="'hf' adds transformers generate: plain, assisted, "
                                                        "prompt lookup (same models, prompts, K)."),
     dtype: str = typer.Option("float32"),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help="int8 | int4 | gguf for target and "
+                                               "draft (see `leaplm generate --help`)."),
     threads: Optional[int] = typer.Option(None),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all figures and samples here."),
     plot: Optional[Path] = typer.Option(None, help="Write a speedup bar chart (PNG) here."),
@@ -80,7 +82,7 @@ def bench(
         return
     import torch
 
-    from ..engine.engine import Engine
+    from ..engine.engine import Engine, draft_quantization
     from ..models import embedded, load_model
     from .runner import hf_contenders, leaplm_contender, machine_info, run_bench, summarize
     from .workloads import fit_to_context, get_workload
@@ -99,7 +101,7 @@ def bench(
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, ignore_eos=True)
         wls = [get_workload(w.strip(), prompts) for w in workloads.split(",") if w.strip()]
         target_name = model or embedded.default_target()
-        target = load_model(target_name, dtype=dtype, field="model")
+        target = load_model(target_name, dtype=dtype, field="model", quantization=quantization)
         room = target.model.max_len - max_new_tokens - max(k, 8) - 2
         if room < 8:
             _fail(f"--max-new-tokens: {max_new_tokens} leaves no room for a prompt in the context of "
@@ -118,7 +120,8 @@ def bench(
                 if dn is None:
                     _fail("--draft: method draft needs a draft model")
                 if dn not in drafts:
-                    drafts[dn] = load_model(dn, dtype=dtype, field="draft")
+                    drafts[dn] = load_model(dn, dtype=dtype, field="draft",
+                                            quantization=draft_quantization(quantization, dn))
                 d = drafts[dn]
             eng = Engine(target, draft=d, method=method, **opts)
             contenders.append(leaplm_contender(label, eng, params))
@@ -140,7 +143,7 @@ def bench(
             s.identical = None
     settings = dict(model=target_name, draft=draft_name, methods=methods, k=k, workloads=workloads,
                     prompts=prompts, max_new_tokens=max_new_tokens, rounds=rounds, temperature=temperature,
-                    dtype=dtype, baselines=baselines, timing="end to end incl. prefill; speedup = median of "
+                    dtype=dtype, quantization=quantization, baselines=baselines, timing="end to end incl. prefill; speedup = median of "
                                                           "per-(round, prompt) ratios vs none")
     print_table(summaries, settings)
     if k_sweep is not None:

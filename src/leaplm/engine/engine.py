@@ -41,13 +41,15 @@ class Engine:
     """Lossless speculative decoding for one Hugging Face causal LM.
 
     Engine(model=None, draft=None, method=None, k=5) with no model uses the embedded family (target and its
-    best draft). method defaults to 'draft' when a draft is known, else 'none'.
+    best draft). method defaults to 'draft' when a draft is known, else 'none'. quantization ('int8', 'int4',
+    'gguf'; quant/apply.py) applies to the target and the draft; the promise is then identity with plain
+    decoding of the same quantized model.
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
                  method: str | None = None, k: int = 5, *, device: str = "cpu", dtype: str = "float32",
                  max_model_len: int | None = None, spec: SpecConfig | None = None, draft_device: str | None = None,
-                 **spec_options):
+                 quantization: str | None = None, **spec_options):
         if draft_device is not None:                 # the draft on another device than the target
             from ..devices import check_device
 
@@ -56,7 +58,8 @@ class Engine:
             model = embedded.default_target()
             if draft is None and method in (None, "draft"):
                 draft = embedded.default_draft()
-        self.target = model if isinstance(model, LoadedModel) else load_model(model, device, dtype, "model")
+        self.target = model if isinstance(model, LoadedModel) else load_model(model, device, dtype, "model",
+                                                                                    quantization)
         if spec is None:
             method = method or ("draft" if draft is not None else "none")
             draft_name = draft.name if isinstance(draft, LoadedModel) else draft
@@ -65,7 +68,8 @@ class Engine:
         self.draft: LoadedModel | None = None
         if spec.method == "draft":
             src = draft if draft is not None else spec.draft
-            self.draft = src if isinstance(src, LoadedModel) else load_model(src, draft_device or device, dtype, "draft")
+            self.draft = src if isinstance(src, LoadedModel) else load_model(
+                src, draft_device or device, dtype, "draft", draft_quantization(quantization, src))
             check_vocab(self.target, self.draft)
         self.tokenizer = self.target.tokenizer
         self.model = self.target.model
@@ -165,6 +169,13 @@ class Engine:
             batch.remove(len(batch.rows) - 1)
         if batch is self._batch:
             self._batch_busy = False
+
+
+def draft_quantization(quantization: str | None, draft: str) -> str | None:
+    """The draft gets the target's quantization; 'gguf' (keep a file's own blocks) only when it is a GGUF file."""
+    from ..models.gguf import is_gguf
+
+    return None if quantization == "gguf" and not is_gguf(draft) else quantization
 
 
 def check_vocab(target: LoadedModel, draft: LoadedModel) -> None:

@@ -30,6 +30,11 @@ def _sdpa_has_gqa() -> bool:
 _HAS_GQA = _sdpa_has_gqa()
 
 
+def _linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or a quantized weight's own kernel (quant/linear.py) when `w` is not a tensor."""
+    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w(x, bias)
+
+
 @dataclass
 class LlamaArgs:
     vocab_size: int
@@ -165,6 +170,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cis", self.rope_table(a), persistent=False)   # [P, D/2] complex64
         self.register_buffer("positions", torch.arange(a.max_position_embeddings), persistent=False)   # [P]
         self._fast: list[LayerWeights] | None = None
+        # parameter name -> a callable standing in for F.linear with that weight (quant/apply.py fills it)
+        self.quantized: dict[str, object] = {}
 
     @staticmethod
     def rope_table(a: LlamaArgs, device=None) -> torch.Tensor:
@@ -181,12 +188,15 @@ class LlamaForCausalLM(nn.Module):
 
     def layer_weights(self) -> list[LayerWeights]:
         if self._fast is None:
+            qw = lambda name, w: self.quantized.get(name, w)
             self._fast = [LayerWeights(
-                b.input_layernorm.weight, b.self_attn.qkv.weight, b.self_attn.qkv.bias,
+                b.input_layernorm.weight, qw(f"layers.{i}.self_attn.qkv.weight", b.self_attn.qkv.weight),
+                b.self_attn.qkv.bias,
                 b.self_attn.q_norm.weight if b.self_attn.q_norm is not None else None,
                 b.self_attn.k_norm.weight if b.self_attn.k_norm is not None else None,
-                b.self_attn.o_proj.weight, b.post_attention_layernorm.weight, b.mlp.gate_up.weight,
-                b.mlp.down_proj.weight) for b in self.layers]
+                qw(f"layers.{i}.self_attn.o_proj.weight", b.self_attn.o_proj.weight),
+                b.post_attention_layernorm.weight, qw(f"layers.{i}.mlp.gate_up.weight", b.mlp.gate_up.weight),
+                qw(f"layers.{i}.mlp.down_proj.weight", b.mlp.down_proj.weight)) for i, b in enumerate(self.layers)]
         return self._fast
 
     # --- protocol ----------------------------------------------------------------------------------------------
@@ -251,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
         for i in (range(len(fast)) if layers is None else layers):
             w = fast[i]
             h = F.rms_norm(x, (hid,), w.ln1, eps)
-            qkv = F.linear(h, w.qkv, w.qkv_bias).view(B, T, H + 2 * Hkv, D)
+            qkv = _linear(h, w.qkv, w.qkv_bias).view(B, T, H + 2 * Hkv, D)
             qk, v = qkv.split([H + Hkv, Hkv], dim=2)               # [B, T, H+Hkv | Hkv, D]
             if w.q_norm is not None:
                 q, k = qk.split([H, Hkv], dim=2)
@@ -263,13 +273,14 @@ class LlamaForCausalLM(nn.Module):
             if rep > 1:
                 keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, **gqa)   # [B, H, T, D]
-            x = x + F.linear(y.transpose(1, 2).reshape(B, T, H * D), w.o)
+            x = x + _linear(y.transpose(1, 2).reshape(B, T, H * D), w.o)
             h = F.rms_norm(x, (hid,), w.ln2, eps)
-            g, u = F.linear(h, w.gate_up).chunk(2, dim=-1)         # [B, T, inter] each
-            x = x + F.linear(F.silu(g) * u, w.down)
+            g, u = _linear(h, w.gate_up).chunk(2, dim=-1)         # [B, T, inter] each
+            x = x + _linear(F.silu(g) * u, w.down)
         if last_only:
             x = x[:, -1:]
-        return F.linear(F.rms_norm(x, (hid,), self.norm.weight, eps), self.lm_head.weight)   # [B, T, V]
+        head = self.quantized.get("lm_head.weight", self.lm_head.weight)
+        return _linear(F.rms_norm(x, (hid,), self.norm.weight, eps), head)   # [B, T, V]
 
     def _mask(self, lens, T, kv_len, tree_mask, pos, offs, device):
         """Boolean attention mask [B, 1, T, S] (True = attend), or None when plain causal decoding of one token

@@ -97,7 +97,8 @@ def build_native(cfg: dict, hf_state_dict: dict[str, torch.Tensor], device: str,
     return model
 
 
-def load_gguf_model(name: str, device: str, dtype: str, field: str = "model") -> LoadedModel:
+def load_gguf_model(name: str, device: str, dtype: str, field: str = "model",
+                    quantization: str | None = None) -> LoadedModel:
     """A GGUF file (see gguf.py): checked, tokenizer built, tensors dequantized to `dtype`."""
     from .gguf import inspect_gguf, load_gguf_tokenizer, read_gguf_checkpoint
 
@@ -106,24 +107,42 @@ def load_gguf_model(name: str, device: str, dtype: str, field: str = "model") ->
     td = DTYPES[dtype]
     cfg, sd = read_gguf_checkpoint(info, td, field)
     model = build_native(cfg, sd, device, td)
+    del sd
     eos = cfg.get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if not eos_ids and tok.eos_token_id is not None:
         eos_ids = [tok.eos_token_id]
     n_params = sum(p.numel() for p in model.parameters())
+    if quantization is not None:
+        _quantize(model, quantization, device, field, gguf_path=str(info.path))
     log.info("loaded %s (GGUF %s, %.1fM parameters, dequantized to %s)", name, info.architecture, n_params / 1e6,
              dtype)
     return LoadedModel(model, tok, str(info.path), name, cfg, eos_ids, n_params, bos_to_add(tok))
 
 
-def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: str = "model") -> LoadedModel:
-    """Load target or draft `name`; `field` names the user's option in errors ('model' or 'draft')."""
+def _quantize(model, quantization: str, device: str, field: str, gguf_path: str | None = None) -> None:
+    from ..quant.apply import quantize_model
+
+    if str(device) != "cpu":
+        raise ConfigError("quantization", f"quantized kernels run on the CPU only, not on {device!r}")
+    quantize_model(model, quantization, gguf_path=gguf_path)
+
+
+def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: str = "model",
+               quantization: str | None = None) -> LoadedModel:
+    """Load target or draft `name`; `field` names the user's option in errors ('model' or 'draft').
+    quantization: None, or 'int8' | 'int4' | 'gguf' (quant/apply.py) applied at load."""
     if dtype not in DTYPES:
         raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    from ..quant.apply import check_quantization
     from .gguf import is_gguf
 
+    check_quantization(quantization)
     if is_gguf(name):
-        return load_gguf_model(name, device, dtype, field)
+        return load_gguf_model(name, device, dtype, field, quantization)
+    if quantization == "gguf":
+        raise ConfigError("quantization", f"'gguf' keeps a GGUF file's own blocks, and {name!r} is not a GGUF "
+                                          "file (use int8 or int4)")
     path = resolve_path(name, field)
     cfg = json.loads((path / "config.json").read_text())
     mt = cfg.get("model_type")
@@ -143,5 +162,7 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
 
         model = HFCausalLM.load(path, cfg, device, td, field)
     n_params = sum(p.numel() for p in model.parameters())
+    if quantization is not None:
+        _quantize(model, quantization, device, field)
     log.info("loaded %s (%s, %.1fM parameters, %s)", name, mt, n_params / 1e6, dtype)
     return LoadedModel(model, tok, str(path), name, cfg, eos_ids, n_params, bos_to_add(tok))

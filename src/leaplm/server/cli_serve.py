@@ -65,6 +65,8 @@ def serve(
                                                help="Device of the draft model (default: --device), e.g. cpu "
                                                     "while the target is on cuda."),
     dtype: str = typer.Option("float32", help="float32|bfloat16|float16"),
+    quantization: Optional[str] = typer.Option(None, "--quantization", help="int8 | int4 | gguf: weight-only "
+                                               "quantization of target and draft (see `leaplm generate --help`)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
     replicas: int = typer.Option(1, "--replicas", help="Engine replicas behind one HTTP endpoint (needs --backend ray)."),
@@ -95,7 +97,16 @@ def serve(
             check_device(draft_device, "draft_device")
         except ConfigError as e:
             _fail(f"--draft-device: {e.message}")
+    if quantization is not None:
+        from ..quant.apply import check_quantization
+
+        try:
+            check_quantization(quantization)
+        except ConfigError as e:
+            _fail(f"--quantization: {e.message}")
     if replicas != 1 or backend != "local":
+        if quantization is not None:
+            _fail("--quantization: not yet passed to Ray Serve replicas (use --backend local)")
         from ..deploy.ray import serve_from_cli
 
         raise typer.Exit(serve_from_cli(_fail, replicas=replicas, backend=backend, model=model, draft=draft,
@@ -113,6 +124,7 @@ def serve(
         from ..engine.engine import Engine
 
         return Engine(model, draft=draft, method=method, k=k, device=device, dtype=dtype, draft_device=draft_device,
+                      quantization=quantization,
                       max_model_len=max_model_len, adaptive_k=adaptive_k)
 
     code = run_server(config, load, model_name=model or "leaplm-embedded")

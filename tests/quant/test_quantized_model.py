@@ -1,0 +1,116 @@
+"""A quantized model through the engine: logits equal the same model with the dequantized weights in fp32 (to a
+float tolerance), greedy output of every method is token-identical to plain decoding of the same quantized
+model, and bad requests are refused naming --quantization."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import write_noisy_copy, write_tiny_llama
+from leaplm.config import ConfigError, SamplingParams
+from leaplm.engine.engine import Engine
+from leaplm.models import load_model
+from leaplm.quant.apply import linear_names, quantize_model
+from leaplm.quant.formats import dequantize
+
+LOOP = [1, 2, 3, 4, 5] * 3
+PROMPTS = [LOOP, [7, 3, 9, 3, 7, 1], [4]]
+METHODS = {
+    "draft": dict(method="draft", k=4),
+    "ngram": dict(method="ngram", k=4),
+    "suffix": dict(method="suffix", k=6),
+    "lookahead": dict(method="lookahead", k=6, window=3, ngram_size=3, guess_set=3),
+    "layerskip": dict(method="layerskip", k=5, skip_layers=[1, 2], skip_confidence=0.0),
+}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    target = write_tiny_llama(tmp_path_factory.mktemp("qt"), vocab=16, layers=4, seed=3)
+    return target, write_noisy_copy(target, tmp_path_factory.mktemp("qd"), noise=0.3, seed=1)
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized(request, dirs):
+    t, d = dirs
+    return request.param, load_model(t, quantization=request.param), load_model(d, quantization=request.param)
+
+
+def greedy(n=40):
+    return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+
+
+def test_every_linear_is_quantized_and_fp_copies_freed(quantized):
+    fmt, target, _ = quantized
+    m = target.model
+    assert sorted(m.quantized) == sorted(linear_names(m))
+    assert all(m.get_parameter(n).numel() == 0 for n in linear_names(m))
+
+
+def test_logits_match_the_dequantized_model(quantized, dirs):
+    fmt, target, _ = quantized
+    ref = load_model(dirs[0])                                  # fp32 model, weights replaced by the dequantized ones
+    with torch.no_grad():
+        for name, lin in target.model.quantized.items():
+            ref.model.get_parameter(name).copy_(dequantize(lin.weight))
+    ids = torch.tensor([LOOP])
+    a = target.model(ids, target.model.new_cache(1, 64))
+    b = ref.model(ids, ref.model.new_cache(1, 64))
+    # 4 layers of K <= 64 sums in another order: a few hundred eps of the logits' scale
+    assert torch.allclose(a, b, rtol=0, atol=512 * torch.finfo(torch.float32).eps * b.abs().max().item())
+    # the quantization is real: the original fp32 model differs by far more
+    orig = load_model(dirs[0]).model(ids, ref.model.new_cache(1, 64))
+    assert (orig - a).abs().max() > 1e3 * torch.finfo(torch.float32).eps * b.abs().max()
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_greedy_every_method_equals_none_on_the_quantized_model(name, quantized):
+    fmt, target, draft = quantized
+    plain = Engine(target, method="none")
+    eng = Engine(target, draft=draft if name == "draft" else None, adaptive_k=False, **METHODS[name])
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        out = eng.generate(prompt, greedy())
+        assert out.token_ids == plain.generate(prompt, greedy()).token_ids, (fmt, name, prompt)
+        drafted, accepted = drafted + out.stats.draft_tokens, accepted + out.stats.accepted_tokens
+    assert drafted > 0 and accepted > 0, (drafted, accepted)   # speculation really ran
+
+
+def test_bad_quantization_is_refused_by_name(dirs):
+    with pytest.raises(ConfigError) as e:
+        load_model(dirs[0], quantization="int3")
+    assert e.value.field == "quantization" and "int3" in e.value.message
+    with pytest.raises(ConfigError) as e:
+        load_model(dirs[0], quantization="gguf")
+    assert e.value.field == "quantization" and "not a GGUF file" in e.value.message
+    with pytest.raises(ConfigError) as e:
+        Engine(dirs[0], method="none", quantization="fp8")
+    assert e.value.field == "quantization"
+
+
+@pytest.mark.parametrize("qtype,tied", [("Q8_0", False), ("Q4_0", True), ("Q4_1", False)])
+def test_gguf_blocks_are_used_as_stored(tmp_path, qtype, tied):
+    """--quantization gguf computes on the file's own integers and scales (every linear, the tied head too), and
+    int8 / int4 take the file's blocks when they are already in that format."""
+    pytest.importorskip("gguf")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from gguf_writer import write_tiny_gguf
+
+    path, _ = write_tiny_gguf(tmp_path, qtype=qtype, tied=tied)
+    fp = load_model(path)                                      # dequantized by the loader
+    lm = load_model(path, quantization="gguf")
+    assert sorted(lm.model.quantized) == sorted(linear_names(lm.model))
+    for name, lin in lm.model.quantized.items():               # exactly the file's values, not requantized
+        have = fp.model.get_parameter(name).detach()
+        assert torch.allclose(dequantize(lin.weight), have, rtol=0,
+                              atol=4 * torch.finfo(torch.float32).eps * have.abs().max().item()), name
+    same = load_model(path, quantization="int8" if qtype == "Q8_0" else "int4")
+    for name, lin in same.model.quantized.items():
+        assert torch.equal(lin.weight.q, lm.model.quantized[name].weight.q), name
+    plain = Engine(lm, method="none")
+    eng = Engine(lm, method="ngram", k=4, adaptive_k=False)
+    for prompt in ["the quick brown fox the quick brown fox the", "def add(a, b):"]:
+        assert eng.generate(prompt, greedy(20)).token_ids == plain.generate(prompt, greedy(20)).token_ids
