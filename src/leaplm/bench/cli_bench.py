@@ -73,6 +73,9 @@ def bench(
     threads: Optional[int] = typer.Option(None),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all figures and samples here."),
     plot: Optional[Path] = typer.Option(None, help="Write a speedup bar chart (PNG) here."),
+    roofline: bool = typer.Option(False, "--roofline", help="Bytes read per forward, measured streaming bandwidth, "
+                                  "the floor in ms per token, forward cost for 1..16 tokens, and each method's "
+                                  "time per token (propose / score / rest) against the floor."),
     k_sweep: Optional[int] = typer.Option(None, "--k-sweep", help="For each method: adaptive K (at most this K) "
                                           "and every fixed K from 1 to this, with a table of adaptive vs the best "
                                           "fixed K."),
@@ -95,6 +98,12 @@ def bench(
     for name, v in (("prompts", prompts), ("rounds", rounds), ("max-new-tokens", max_new_tokens)):
         if v < 1:
             _fail(f"--{name}: must be >= 1, got {v}")
+    if roofline:
+        from .cli_roofline import run_roofline
+
+        return run_roofline(model=model, draft=draft, methods=methods, k=k, workloads=workloads, prompts=prompts,
+                            max_new_tokens=max_new_tokens, rounds=rounds, dtype=dtype, quantization=quantization,
+                            json_out=json_out, fail=_fail)
     if baselines not in (None, "hf"):
         _fail(f"--baselines: only 'hf' is supported, got {baselines!r}")
     try:

@@ -1,0 +1,87 @@
+"""The `leaplm bench --roofline` command: builds the engines, runs bench/roofline.py, prints the tables."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ..config import ConfigError, SamplingParams
+
+console = Console(width=150)
+
+
+def run_roofline(*, model, draft, methods, k, workloads, prompts, max_new_tokens, rounds, dtype, quantization,
+                 json_out, fail) -> None:
+    from ..engine.engine import Engine, draft_quantization
+    from ..models import embedded, load_model
+    from ..quant.apply import check_quantization
+    from .cli_bench import parse_methods
+    from .roofline import Roofline, bytes_per_forward, forward_costs, method_costs, stream_bandwidth
+    from .workloads import fit_to_context, get_workload
+
+    try:
+        check_quantization(quantization)
+        target_name = model or embedded.default_target()
+        target = load_model(target_name, dtype=dtype, field="model", quantization=quantization)
+        draft_name = draft or (embedded.default_draft() if model is None else None)
+        room = target.model.max_len - max_new_tokens - max(k, 8) - 2
+        wl = [fit_to_context(get_workload(w.strip(), prompts), target.tokenizer, room)
+              for w in workloads.split(",") if w.strip()]
+        engines, drafts = {}, {}
+        for label, method, opts in parse_methods(methods, k):
+            d = None
+            if method == "draft":
+                dn = opts.pop("draft", None) or draft_name
+                if dn is None:
+                    fail("--draft: method draft needs a draft model")
+                if dn not in drafts:
+                    drafts[dn] = load_model(dn, dtype=dtype, field="draft",
+                                            quantization=draft_quantization(quantization, dn))
+                d = drafts[dn]
+            engines[label] = Engine(target, draft=d, method=method, **opts)
+    except ConfigError as e:
+        fail(f"--{e.field.replace('_', '-')}: {e.message}")
+    m = target.model
+    q = getattr(m, "quantized", {})
+    kernel = (next(iter(q.values())).backend if q else "F.linear") + (
+        f" ({_ext_why()})" if q and next(iter(q.values())).backend == "extension" else "")
+    nbytes = bytes_per_forward(m)
+    bw = stream_bandwidth()
+    floor = nbytes / (bw * 1e9) * 1e3
+    rep = Roofline(target_name, quantization, kernel, nbytes, bw, floor, torch.get_num_threads())
+    rep.forwards = forward_costs(m)
+    prompts_all = [p for w in wl for p in w.prompts]
+    rep.methods = method_costs(engines, prompts_all, max_new_tokens, rounds, floor, SamplingParams)
+    print_roofline(rep)
+    if json_out:
+        json_out.write_text(json.dumps(dataclasses.asdict(rep), indent=1))
+
+
+def _ext_why() -> str:
+    from ..kernels.build import load
+
+    ext = load()
+    return ext.why if ext else "unavailable"
+
+
+def print_roofline(r) -> None:
+    console.print(f"[bold]roofline[/] {r.model} | quantization {r.quantization or 'none'} | linears: {r.kernel}")
+    console.print(f"bytes read per forward {r.weight_bytes / 1e6:.1f} MB | streaming bandwidth {r.bandwidth_GBps:.2f} "
+                  f"GB/s (1 token through F.linear over 256 MB fp32, {r.threads} threads) | floor "
+                  f"{r.floor_ms:.2f} ms per forward")
+    t = Table(title="forward over T tokens (after 64 cached)")
+    for col in ("T", "ms", "vs T=1", "vs floor"):
+        t.add_column(col, justify="right")
+    for f in r.forwards:
+        t.add_row(str(f.tokens), f"{f.ms:.2f}", f"{f.vs_one:.2f}x", f"{f.ms / r.floor_ms:.2f}x")
+    console.print(t)
+    t = Table(title="decode time per generated token (medians over requests; rest = verify, commit, host work)")
+    for col in ("config", "ms/token", "propose", "score", "rest", "mean acc. len", "vs floor"):
+        t.add_column(col, justify="left" if col == "config" else "right")
+    for mc in r.methods:
+        t.add_row(mc.config, f"{mc.ms_per_token:.2f}", f"{mc.propose_ms:.2f}", f"{mc.score_ms:.2f}",
+                  f"{mc.rest_ms:.2f}", f"{mc.mean_accepted_length:.2f}", f"{mc.vs_floor:.2f}x")
+    console.print(t)

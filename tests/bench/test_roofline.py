@@ -1,0 +1,49 @@
+"""`leaplm bench --roofline`: the bytes it counts per forward, and the report's figures agree with each other.
+(Speed itself is never asserted: it is measured, on the machine at hand.)"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from leaplm.bench.roofline import bytes_per_forward
+from leaplm.cli import app
+from leaplm.models import load_model
+
+
+def expected_bytes(a, per_linear_weight) -> float:
+    """Linear weights at `per_linear_weight` bytes each, fp32 norms, one fp32 embedding row."""
+    H, Hkv, D, hid, inter = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.hidden_size, a.intermediate_size
+    linear = a.num_hidden_layers * (hid * (H + 2 * Hkv) * D + H * D * hid + 3 * hid * inter) + hid * a.vocab_size
+    norms = (2 * a.num_hidden_layers + 1) * hid
+    return linear * per_linear_weight + 4 * norms + 4 * hid
+
+
+@pytest.mark.parametrize("family", ["llama3_rope", "llama_tied"])
+@pytest.mark.parametrize("quantization,per_weight", [(None, 4), ("int8", 1 + 4 / 32), ("int4", 0.5 + 8 / 32)])
+def test_bytes_per_forward(checkpoint, family, quantization, per_weight):
+    lm = load_model(checkpoint(family), quantization=quantization)
+    assert bytes_per_forward(lm.model) == expected_bytes(lm.model.args, per_weight)
+
+
+def test_roofline_cli_report_is_consistent(checkpoint, tmp_path):
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, ["bench", "--roofline", "--model", checkpoint("llama3_rope"), "--methods", "none,ngram",
+                                   "--quantization", "int8", "--prompts", "1", "--rounds", "1",
+                                   "--max-new-tokens", "8", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["quantization"] == "int8" and r["weight_bytes"] > 0
+    assert r["floor_ms"] == pytest.approx(r["weight_bytes"] / (r["bandwidth_GBps"] * 1e9) * 1e3, rel=1e-9)
+    assert [f["tokens"] for f in r["forwards"]] == [1, 2, 4, 8, 12, 16]
+    assert [m["config"] for m in r["methods"]] == ["none", "ngram k=4"]
+    for m in r["methods"]:
+        parts = m["propose_ms"] + m["score_ms"] + m["rest_ms"]
+        assert parts == pytest.approx(m["ms_per_token"], abs=2e-3)     # the split adds up (rounding only)
+    assert "roofline" in res.output and "floor" in res.output
+
+
+def test_roofline_cli_refuses_bad_quantization(checkpoint):
+    res = CliRunner().invoke(app, ["bench", "--roofline", "--model", checkpoint("llama3_rope"), "--quantization", "q2"])
+    assert res.exit_code == 2 and "--quantization" in res.output
