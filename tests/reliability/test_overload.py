@@ -141,9 +141,10 @@ def test_retry_after_follows_the_drain_rate():
 
 def test_burst_gets_fast_429s_and_nothing_hangs(busy_server):
     """64 simultaneous requests against 4 places: every one is answered (200 or 429) well before its timeout,
-    the 429s in under a second each, and the server is idle with no row held afterwards."""
+    every 429 before any admitted request has finished (a refusal that waited for a place could not), and the
+    server is idle with no row held afterwards."""
     srv = busy_server
-    body = dict(LONG, max_tokens=30)
+    body = dict(LONG, max_tokens=120)        # admitted requests run for a while: waiting would show
 
     async def one(h):
         t = time.perf_counter()
@@ -158,7 +159,8 @@ def test_burst_gets_fast_429s_and_nothing_hangs(busy_server):
     got = asyncio.run(main())
     codes = [c for c, _, _ in got]
     assert set(codes) <= {200, 429} and codes.count(200) >= 4
-    assert all(s < 1.0 for c, s, _ in got if c == 429)
+    first_done = min(s for c, s, _ in got if c == 200)
+    assert all(s < first_done for c, s, _ in got if c == 429), (first_done, sorted(s for c, s, _ in got if c == 429))
     assert all(ra is not None and int(ra) >= 1 for c, _, ra in got if c == 429)
     for _ in range(200):
         if srv.metric("leaplm_running_requests") == 0 and srv.metric("leaplm_queue_depth") == 0:
