@@ -5,7 +5,9 @@ Every caller goes through `Batch.step`: Engine.generate and Engine.stream (a bat
 steps). A step over the n running rows:
 
   1. propose  each row's own proposer drafts k_i = min(K, its cap, its room) tokens; K is chosen per step by the
-              one K policy (adaptive.BatchAdaptiveK) from measured costs and each row's measured acceptance
+              one K policy (adaptive.BatchAdaptiveK) from measured costs and each row's measured acceptance.
+              Proposers that share a group (the draft model) draft for all their rows in one call, one batched
+              draft forward per draft position; the others row by row
   2. score    ONE target forward over [n, 1 + max k_i] for the chain rows: row i is [its last token, its drafts,
               padding]; a tree row (Proposal.parents set) is scored by its own forward with the tree mask over a
               batch-1 view of its cache row (when every row is a tree row the batched forward is skipped)
@@ -97,6 +99,7 @@ class Batch:
         self.estimates: Estimates = engine.estimates
         self.policy = BatchAdaptiveK(self.estimates.costs, enabled=engine.spec.adaptive_k)
         self.rows: list[Row] = []                        # row i of the cache <-> rows[i]
+        self.groups: dict[str, object] = {}              # method -> ProposerGroup of rows that draft together
         self.current_k = 0
         self.steps = 0
 
@@ -134,7 +137,7 @@ class Batch:
             self.cache.truncate(0, i)
             raise
         req.stats.prefill_s = time.perf_counter() - t0
-        proposer = factory(self.max_len) if factory is not None else None
+        proposer = self._new_proposer(method, factory) if factory is not None else None
         seen = self.estimates.method_acceptance.get(method)
         acceptance = AcceptanceEstimate.seeded(seen.rate) if seen is not None else AcceptanceEstimate()
         row = Row(req, LogitsProcessor(params), proposer, cap, adaptive_k is False, acceptance, tag=tag)
@@ -146,6 +149,9 @@ class Batch:
         rows = self.rows
         last = len(rows) - 1
         row = rows[i]
+        close = getattr(row.proposer, "close", None)
+        if close is not None:                            # a grouped proposer frees its row of the group
+            close()
         if i != last:
             self.cache.move_row(last, i)
             rows[i] = rows[last]
@@ -169,12 +175,8 @@ class Batch:
         K = self.policy.choose([sp for sp, r in zip(specs, rows) if not r.fixed_k])
         K = max([K] + [sp.cap for sp, r in zip(specs, rows) if r.fixed_k])   # a fixed-K row drafts its K
         K = min(K, min(rooms))                             # every row gets 1 + K slots written
-        proposals, propose_s, asked = [], 0.0, []
-        for i, (r, spec) in enumerate(zip(rows, specs)):
-            asked.append(min(K, spec.cap))
-            p, dt = self._propose(i, r, asked[-1])
-            proposals.append(p)
-            propose_s += dt
+        asked = [min(K, spec.cap) for spec in specs]
+        proposals, propose_s = self._propose_all(asked)
         tp = time.perf_counter()
 
         # 2. score: one forward over [n, T] for the chains; a tree row's block there is its last token alone
@@ -260,18 +262,64 @@ class Batch:
         """Row i as a batch-1 cache (the cache itself when it has one row)."""
         return self.cache if self.cache.batch_size == 1 else self.cache.row_view(i)
 
+    def _new_proposer(self, method: str, factory) -> Proposer:
+        """A proposer for a joining row; one that can draft for many rows at once shares this batch's group."""
+        new_group = getattr(factory, "new_group", None)
+        if new_group is None:
+            return factory(self.max_len)
+        if method not in self.groups:
+            self.groups[method] = new_group(self.max_rows, self.max_len)
+        return factory(self.max_len, self.groups[method])
+
+    def _context(self, i: int, r: Row, k: int) -> ProposeContext:
+        return ProposeContext(r.req.tokens, k, r.req.params, r.proc, r.req.generator, r.req.presence,
+                              self._row_cache(i), r.req.seed)
+
+    def _propose_all(self, asked: list[int]) -> tuple[list[Proposal | None], float]:
+        """Every row's proposal (None: nothing drafted) of at most asked[i] tokens, and the seconds proposing took.
+        Rows whose proposers share a group draft together (one call, batched forwards); the others one by one."""
+        proposals: list[Proposal | None] = [None] * len(self.rows)
+        groups: dict[int, list[int]] = {}
+        total = 0.0
+        for i, (r, k) in enumerate(zip(self.rows, asked)):
+            if k <= 0:
+                continue
+            if getattr(r.proposer, "group", None) is not None:
+                groups.setdefault(id(r.proposer.group), []).append(i)
+            else:
+                proposals[i], dt = self._propose(i, r, k)
+                total += dt
+        for idx in groups.values():
+            t = time.perf_counter()
+            group = self.rows[idx[0]].proposer.group
+            props = group.propose_rows([self.rows[i].proposer for i in idx],
+                                       [self._context(i, self.rows[i], asked[i]) for i in idx])
+            dt = time.perf_counter() - t
+            total += dt
+            drafted = sum(p.k for p in props)
+            for i, p in zip(idx, props):
+                r = self.rows[i]
+                r.req.stats.propose_s += dt * p.k / max(1, drafted)    # the group's time shared by drafted tokens
+                proposals[i] = self._trim(p, asked[i])
+            if drafted:
+                self.estimates.observe_propose(self.rows[idx[0]].req.stats.method, dt / drafted)
+        return proposals, total
+
+    @staticmethod
+    def _trim(prop: Proposal, k: int) -> Proposal | None:
+        if prop.parents is None and prop.k > k:
+            prop = Proposal(prop.tokens[:k], prop.q[:k] if prop.q is not None else None)
+        return prop if prop.k > 0 else None
+
     def _propose(self, i: int, r: Row, k: int) -> tuple[Proposal | None, float]:
         """Row i's proposal of at most k tokens (None: nothing drafted) and the seconds it took."""
         if k <= 0:
             return None, 0.0
         t = time.perf_counter()
-        prop = r.proposer.propose(ProposeContext(r.req.tokens, k, r.req.params, r.proc, r.req.generator,
-                                                 r.req.presence, self._row_cache(i), r.req.seed))
+        prop = self._trim(r.proposer.propose(self._context(i, r, k)), k)
         dt = time.perf_counter() - t
         r.req.stats.propose_s += dt
-        if prop.parents is None and prop.k > k:
-            prop = Proposal(prop.tokens[:k], prop.q[:k] if prop.q is not None else None)
-        if prop.k == 0:
+        if prop is None:
             return None, dt
         # seconds per drafted token, per method, the draft's catching up on unseen tokens included
         self.estimates.observe_propose(r.req.stats.method, dt / prop.k)

@@ -67,3 +67,11 @@ class Proposer(Protocol):
         """Called after every verification; `result.accepted` draft tokens were kept. extra_logits [A, V]: the
         target's raw logits at proposal.extra's tokens (None when the proposal had none)."""
         ...
+
+
+class ProposerGroup(Protocol):
+    """The proposers of one batch that draft together (the draft model: one forward per draft position for all its
+    rows). A proposer in a group has it as `.group`; the batch step calls propose_rows once per step with every
+    row of the group that drafts, and a proposer without a group row by row through propose()."""
+
+    def propose_rows(self, proposers: list[Proposer], ctxs: list[ProposeContext]) -> list[Proposal]: ...

@@ -1,8 +1,15 @@
 """A smaller model with the same tokenizer drafts K tokens autoregressively over its own KV cache.
 
-Cache bookkeeping: before proposing, the draft feeds the committed tokens it has not seen (at least the last
-one); while drafting it feeds d_1..d_{K-1}. After verification it keeps the committed prefix it has cached:
-len(tokens) + min(accepted, K - 1) entries, so nothing is ever recomputed or copied.
+Batching: the draft proposers of one batch share a `DraftRows` group, one draft KV cache whose slots [0, m) belong
+to its m live proposers. The step calls `DraftRows.propose_rows` once for all the rows that draft: one draft
+forward per draft position over [m, T] instead of one per row (a proposer used alone is a group of one). A slot
+is the proposer's for its lifetime; when one is released the last slot moves into its place.
+
+Cache bookkeeping per slot: before proposing, the draft feeds the committed tokens it has not seen (at least the
+last one); while drafting it feeds d_1..d_{K-1}. After verification it keeps the committed prefix it has cached:
+len(tokens) + min(accepted, K - 1) entries, so nothing is ever recomputed or copied. A long catch-up (a new row's
+prompt) is prefilled alone first, so the batched forward's padding stays short; padding after a row's real tokens
+is harmless (causal attention, and the slots past a row's length are overwritten later).
 
 Placement: the draft may sit on another device than the target (--draft-device). Its logits move to the
 target's device (out_device) as soon as they are computed, so the logits processors, the request's generator
@@ -10,55 +17,170 @@ and the returned proposal all live where the verifier runs; only the token ids f
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..verify import VerifyResult
 from .base import Proposal, ProposeContext
+
+CATCHUP_IN_BATCH = 4      # unseen tokens a row feeds inside the batched forward; more are prefilled alone first
+
+
+class DraftRows:
+    """The draft KV cache of the draft proposers of one batch (see the module docstring)."""
+
+    def __init__(self, model, max_rows: int, max_len: int, out_device=None):
+        self.model = model                       # CausalLM, shared by all requests
+        self.out_device = out_device if out_device is not None else model.device   # the target's device
+        self.max_len = max_len
+        self.cache = model.new_cache(max_rows, max_len)
+        self.owners: list[DraftModelProposer] = []          # owners[s] holds slot s
+        self.batched = max_rows > 1 and getattr(model, "supports_batch", False)
+
+    # --- slots ---------------------------------------------------------------------------------------------------
+    def take_slot(self, proposer: "DraftModelProposer") -> int:
+        if len(self.owners) >= self.cache.batch_size:
+            raise RuntimeError(f"all {self.cache.batch_size} draft rows are in use")
+        self.owners.append(proposer)
+        self.cache.truncate(0, len(self.owners) - 1)
+        return len(self.owners) - 1
+
+    def release(self, proposer: "DraftModelProposer") -> None:
+        """Free proposer's slot, keeping slots [0, m) dense."""
+        s, last = proposer.slot, len(self.owners) - 1
+        if s < 0 or s > last or self.owners[s] is not proposer:
+            return
+        if s != last:
+            self.cache.move_row(last, s)
+            self.owners[s] = self.owners[last]
+            self.owners[s].slot = s
+        self.owners.pop()
+        self.cache.truncate(0, last)
+        proposer.slot = -1
+
+    def _view(self, s: int):
+        return self.cache if self.cache.batch_size == 1 else self.cache.row_view(s)
+
+    # --- proposing -----------------------------------------------------------------------------------------------
+    def propose_rows(self, proposers: list["DraftModelProposer"],
+                     ctxs: list[ProposeContext]) -> list[Proposal]:
+        """Each proposer's chain of up to its ctx.k tokens; one draft forward per draft position for all of them
+        when the model runs batches, else row by row."""
+        if not self.batched or len(proposers) == 1:
+            return [self._propose_rows([p], [c])[0] for p, c in zip(proposers, ctxs)]
+        return self._propose_rows(proposers, ctxs)
+
+    def _propose_rows(self, proposers: list["DraftModelProposer"], ctxs: list[ProposeContext]) -> list[Proposal]:
+        cache, dev = self.cache, self.model.device
+        feeds, ks = [], []
+        for p, ctx in zip(proposers, ctxs):
+            toks = ctx.tokens
+            cached = min(p.cached, len(toks) - 1)           # the last token is always fed: its logits draft
+            cache.lengths[p.slot] = cached
+            if len(toks) - cached > CATCHUP_IN_BATCH:       # a long catch-up: prefill it alone, keep the last few
+                upto = len(toks) - CATCHUP_IN_BATCH
+                view = self._view(p.slot)
+                self.model(torch.tensor([toks[cached:upto]], device=dev), view, last_only=True)
+                cache.lengths[p.slot] = cached = upto
+            feeds.append(toks[cached:])
+            ks.append(max(1, min(ctx.k, self.max_len - len(toks) - 1)))
+        # one forward over slots [0, hi): the drafting slots in place, the others fed padding past their length
+        slots = [p.slot for p in proposers]
+        hi = max(slots) + 1 if len(proposers) > 1 else None
+        drafts = [[] for _ in proposers]
+        qs = [[] for _ in proposers]
+        presence = [c.presence.clone() if c.presence is not None else None for c in ctxs]   # [V] each
+        cur = feeds
+        for i in range(max(ks)):
+            active = [j for j in range(len(proposers)) if i < ks[j]]
+            logits = self._forward([slots[j] for j in active], [cur[j] for j in active], hi)   # [len(active), V]
+            for a, j in enumerate(active):
+                ctx, row_logits = ctxs[j], logits[a: a + 1].to(self.out_device)              # [1, V]
+                pres = presence[j].unsqueeze(0) if presence[j] is not None else None
+                if ctx.generator is None:
+                    t = int(ctx.processor.greedy(row_logits, pres))
+                else:
+                    q = ctx.processor.probs(row_logits, pres)                                # [1, V]
+                    t = ctx.sample(q, i)
+                    qs[j].append(q[0])
+                drafts[j].append(t)
+                if presence[j] is not None:
+                    presence[j][t] = True
+            cur = [[d[-1]] if d else [] for d in drafts]
+        out = []
+        for j, (p, ctx) in enumerate(zip(proposers, ctxs)):
+            # the slot now holds toks + d_1..d_{k-1}
+            p.n_ctx, p.k = len(ctx.tokens), ks[j]
+            cache.lengths[p.slot] = p.n_ctx + ks[j] - 1
+            q = torch.stack(qs[j]) if qs[j] else None                                       # [K, V]
+            out.append(Proposal(torch.tensor(drafts[j], device=self.out_device), q))
+        return out
+
+    def _forward(self, slots: list[int], feeds: list[list[int]], hi: int | None) -> torch.Tensor:
+        """Logits [len(slots), V] at each slot's last fed token; the slots' lengths advance by what they were fed.
+        hi None: one slot through its own view. Otherwise one forward over slots [0, hi), the rows right-padded to
+        the longest feed; a slot that does not draft gets padding only."""
+        cache, dev = self.cache, self.model.device
+        if hi is None or len(slots) == 1:
+            s, f = slots[0], feeds[0]
+            view = self._view(s)
+            logits = self.model(torch.tensor([f], device=dev), view, last_only=True)[:, -1]   # [1, V]
+            cache.lengths[s] += len(f)
+            return logits
+        T = max(len(f) for f in feeds)
+        if max(cache.lengths[:hi]) + T > self.max_len:       # a slot near its end: no room for padding
+            return torch.cat([self._forward([s], [f], None) for s, f in zip(slots, feeds)])
+        block = torch.zeros(hi, T, dtype=torch.long)                                          # [hi, T]
+        for s, f in zip(slots, feeds):
+            block[s, : len(f)] = torch.tensor(f)
+        logits = self.model(block.to(dev), cache)                                             # [hi, T, V]
+        idx = torch.tensor([len(f) - 1 for f in feeds], device=logits.device)
+        out = logits[torch.tensor(slots, device=logits.device), idx]                          # [n, V]
+        for s, f in zip(slots, feeds):
+            cache.lengths[s] += len(f)
+        return out
+
+
+@dataclass
+class DraftModelFactory:
+    """method 'draft': builds one proposer per request; proposers of one batch share a DraftRows group."""
+    model: object                                # the draft CausalLM
+    out_device: object = None                    # the target's device
+
+    def new_group(self, max_rows: int, max_len: int) -> DraftRows:
+        return DraftRows(self.model, max_rows, max_len, self.out_device)
+
+    def __call__(self, max_len: int, group: DraftRows | None = None) -> "DraftModelProposer":
+        return DraftModelProposer(self.model, max_len, self.out_device, group)
 
 
 class DraftModelProposer:
     name = "draft"
     samples = True
 
-    def __init__(self, model, max_len: int, out_device=None):
-        self.model = model                       # CausalLM, shared by all requests
-        self.out_device = out_device if out_device is not None else model.device   # the target's device
-        self.cache = model.new_cache(1, max_len)
+    def __init__(self, model, max_len: int, out_device=None, group: DraftRows | None = None):
+        self.group = group if group is not None else DraftRows(model, 1, max_len, out_device)
+        self.slot = self.group.take_slot(self)
+        self.cached = 0                          # committed tokens held in the slot
         self.n_ctx = 0                           # len(tokens) at the last proposal
         self.k = 0
 
+    @property
+    def model(self):
+        return self.group.model
+
     def propose(self, ctx: ProposeContext) -> Proposal:
-        toks = ctx.tokens
-        cached = min(self.cache.lengths[0], len(toks) - 1)    # the last token is always fed: its logits draft
-        self.cache.truncate(cached)
-        feed = torch.tensor([toks[cached:]], device=self.model.device)   # [1, T] committed, unseen
-        k = max(1, min(ctx.k, self.cache.max_len - len(toks) - 1))
-        drafts: list[int] = []
-        qs: list[torch.Tensor] = []
-        presence = ctx.presence.clone() if ctx.presence is not None else None   # [V]
-        for i in range(k):
-            logits = self.model(feed, self.cache, last_only=True)[0, -1:].to(self.out_device)  # [1, V]
-            self.cache.advance(feed.shape[1])
-            pres = presence.unsqueeze(0) if presence is not None else None
-            if ctx.generator is None:
-                t = int(ctx.processor.greedy(logits, pres))
-            else:
-                q = ctx.processor.probs(logits, pres)                      # [1, V]
-                t = ctx.sample(q, i)
-                qs.append(q[0])
-            drafts.append(t)
-            if presence is not None:
-                presence[t] = True
-            if i + 1 < k:
-                feed = torch.tensor([[t]], device=self.model.device)
-        self.n_ctx, self.k = len(toks), k
-        # the cache now holds toks + d_1..d_{k-1}
-        q = torch.stack(qs) if qs else None                               # [K, V]
-        return Proposal(torch.tensor(drafts, device=self.out_device), q)
+        """This row alone (the step drafts for a whole group through DraftRows.propose_rows)."""
+        return self.group.propose_rows([self], [ctx])[0]
 
     def lag(self, n_tokens: int) -> int:
         """Committed tokens the draft has not cached yet: what its next proposal must prefill first."""
-        return max(0, n_tokens - self.cache.lengths[0])
+        return max(0, n_tokens - self.cached)
 
     def observe(self, proposal: Proposal, result: VerifyResult, extra_logits=None) -> None:
-        self.cache.truncate(self.n_ctx + min(result.accepted, self.k - 1))
+        self.cached = self.n_ctx + min(result.accepted, self.k - 1)
+
+    def close(self) -> None:
+        """The request left: free the slot."""
+        self.group.release(self)

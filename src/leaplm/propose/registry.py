@@ -6,7 +6,9 @@ from typing import Callable
 from ..config import ConfigError, SpecConfig
 from .base import Proposer
 
-# method -> builder(spec, target LoadedModel, draft LoadedModel | None) -> (max_len -> Proposer)
+# method -> builder(spec, target LoadedModel, draft LoadedModel | None) -> (max_len -> Proposer). A factory that
+# also has new_group(max_rows, max_len) builds proposers that draft for many rows at once: each batch makes one
+# group and passes it, factory(max_len, group) (base.ProposerGroup).
 Builder = Callable[[SpecConfig, object, object], Callable[[int], Proposer]]
 BUILDERS: dict[str, Builder] = {}
 
@@ -20,9 +22,9 @@ def register(method: str):
 
 @register("draft")
 def _draft(spec: SpecConfig, target, draft):
-    from .draft_model import DraftModelProposer
+    from .draft_model import DraftModelFactory
 
-    return lambda max_len: DraftModelProposer(draft.model, max_len, out_device=target.model.device)
+    return DraftModelFactory(draft.model, out_device=target.model.device)
 
 
 def make_proposer_factory(spec: SpecConfig, target, draft) -> Callable[[int], Proposer] | None:
