@@ -57,3 +57,28 @@ def k_sweep_rows(summaries) -> list[KSweepRow]:
             best_k, best = 0, 1.0
         rows.append(KSweepRow(w, m, d["adaptive"], best_k, best))
     return rows
+
+
+def plot_serve_speedup(report: dict, path: Path) -> None:
+    """`leaplm bench serve`: speedup (speculation on / off, tokens/s) against client concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["summary"] if r["speculative"] and r["speedup_vs_none"]]
+    xs = [r["concurrency"] for r in rows]
+    fig, ax = plt.subplots(figsize=(4.6, 3.2))
+    ax.plot(xs, [r["speedup_vs_none"] for r in rows], marker="o", label="speculation on / off")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("concurrent streaming requests")
+    ax.set_ylabel("tokens/s speedup")
+    m = report["models"]
+    ax.set_title(f"{m['target']} + {m['draft']} ({m['method']}, K<={m['k']})", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

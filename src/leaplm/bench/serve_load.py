@@ -68,6 +68,9 @@ class LoadBenchConfig:
     timeout_s: float = 120.0
     out: str | None = "bench-serve.json"
     startup_timeout_s: float = 600.0
+    max_num_batched_tokens: int | None = None   # the server's prefill chunking budget (None: whole prompts)
+    long_prompt_among: int = 0           # > 0: the long-prompt scenario with this many running streams
+    long_prompt_tokens: int = 2000       # its prompt length (capped to what the server's context holds)
 
 
 @dataclass
@@ -154,6 +157,8 @@ class _Server:
             cmd += ["--draft", draft]
         if cfg.threads:
             cmd += ["--threads", str(cfg.threads)]
+        if cfg.max_num_batched_tokens:
+            cmd += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.log_path = log_path
@@ -184,7 +189,7 @@ class _Server:
         self.log.close()
 
 
-async def _one(client, body: dict, timeout: float) -> RequestResult:
+async def _one(client, body: dict, timeout: float, on_first=None) -> RequestResult:
     t0 = time.perf_counter()
     res = RequestResult(ok=False)
     try:
@@ -207,6 +212,8 @@ async def _one(client, body: dict, timeout: float) -> RequestResult:
                     if n > last_n:
                         if last_t is None:
                             res.ttft_s = now - t0
+                            if on_first is not None:
+                                on_first()
                         else:
                             res.itl_s.extend([(now - last_t) / (n - last_n)] * (n - last_n))
                         last_t, last_n = now, n
@@ -253,6 +260,47 @@ async def _run_level(url: str, concurrency: int, n_requests: int, speculative: b
         await asyncio.gather(*[worker() for _ in range(concurrency)])
         wall = time.perf_counter() - t0
     return wall, results
+
+
+def _max_model_len(url: str) -> int:
+    import httpx
+
+    return int(httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"])
+
+
+async def _run_long_prompt(url: str, cfg: LoadBenchConfig, long_ids: list[int] | None,
+                           offset: int) -> tuple[list[RequestResult], RequestResult | None]:
+    """cfg.long_prompt_among streams of cfg.max_tokens; with long_ids, once every stream has its first token, one
+    request with that prompt (2 tokens out) arrives among them. Returns the streams' results and the long one's."""
+    import httpx
+
+    n = cfg.long_prompt_among
+    started = asyncio.Event()
+    firsts = 0
+
+    def first_token():
+        nonlocal firsts
+        firsts += 1
+        if firsts == n:
+            started.set()
+
+    async def stream(client, i):
+        body = {"model": "bench", "prompt": PROMPTS[(offset + i) % len(PROMPTS)], "max_tokens": cfg.max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        return await _one(client, body, cfg.timeout_s, on_first=first_token)
+
+    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=n + 4),
+                                 timeout=cfg.timeout_s) as client:
+        tasks = [asyncio.ensure_future(stream(client, i)) for i in range(n)]
+        long_res = None
+        if long_ids is not None:
+            await started.wait()
+            await asyncio.sleep(0.05)                  # a few decoding steps of every stream before it arrives
+            body = {"model": "bench", "prompt": long_ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            long_res = await _one(client, body, cfg.timeout_s)
+        return list(await asyncio.gather(*tasks)), long_res
 
 
 def _k_gauge(url: str) -> float | None:
@@ -304,6 +352,29 @@ def paired_speedup(runs: list[RunResult], concurrency: int) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
+def _long_prompt_scenario(url: str, cfg: LoadBenchConfig) -> dict:
+    """cfg.long_prompt_among streams alone vs the same with a long prompt arriving among them, interleaved over
+    cfg.rounds rounds: the streams' inter-token latency (p50, p99, pooled) and the long prompt's TTFT."""
+    tokens = min(cfg.long_prompt_tokens, _max_model_len(url) - 8)
+    long_ids = [100 + (i * 37) % 900 for i in range(tokens)]      # any ids in the vocabulary: no tokenizer needed
+    itl: dict[bool, list[float]] = {False: [], True: []}
+    ttft, errors = [], 0
+    for rnd in range(cfg.rounds):
+        for with_long in ((False, True) if rnd % 2 == 0 else (True, False)):
+            streams, long_res = asyncio.run(_run_long_prompt(url, cfg, long_ids if with_long else None, rnd))
+            errors += sum(not r.ok for r in streams) + (long_res is not None and not long_res.ok)
+            itl[with_long] += [t for r in streams if r.ok for t in r.itl_s]
+            if long_res is not None and long_res.ttft_s is not None:
+                ttft.append(long_res.ttft_s)
+    p99 = {k: _pct(v, 99) for k, v in itl.items()}
+    return {"streams": cfg.long_prompt_among, "prompt_tokens": tokens,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens, "rounds": cfg.rounds, "errors": errors,
+            "itl_p50_s": {"alone": _pct(itl[False], 50), "with_long_prompt": _pct(itl[True], 50)},
+            "itl_p99_s": {"alone": p99[False], "with_long_prompt": p99[True]},
+            "itl_p99_ratio": p99[True] / p99[False] if p99[False] and p99[True] else None,
+            "long_prompt_ttft_p50_s": _pct(ttft, 50)}
+
+
 def machine() -> dict:
     import torch
 
@@ -333,6 +404,7 @@ def run_load_bench(cfg: LoadBenchConfig) -> dict:
             for spec in (True, False):
                 asyncio.run(_run_level(server.url, 2, 4, spec, warm, 0))
             runs: list[RunResult] = []
+            long_prompt = _long_prompt_scenario(server.url, cfg) if cfg.long_prompt_among else None
             for c in cfg.concurrency:
                 n = cfg.requests or max(16, 4 * c)
                 for rnd in range(cfg.rounds):
@@ -349,7 +421,7 @@ def run_load_bench(cfg: LoadBenchConfig) -> dict:
         "models": {"target": cfg.model or ("synthetic" if cfg.synthetic else "embedded"),
                    "draft": cfg.draft or ("synthetic" if cfg.synthetic else "embedded"), "method": cfg.method,
                    "k": cfg.k},
-        "machine": machine(), "summary": summarize(runs),
+        "machine": machine(), "summary": summarize(runs), "long_prompt": long_prompt,
         "runs": [{"concurrency": r.concurrency, "speculative": r.speculative, "round": r.round, "wall_s": r.wall_s,
                   "tokens_per_s": _tokens_per_s(r), "errors": len(r.results) - len(r.ok), "k_at_end": r.k_at_end}
                  for r in runs],
@@ -379,3 +451,11 @@ def print_report(report: dict) -> None:
                   ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
                   f(r["acceptance_rate"]), ",".join(f(k, 0) for k in r["k_at_end"]), str(r["errors"]))
     Console().print(t)
+    lp = report.get("long_prompt")
+    if lp:
+        Console().print(
+            f"long prompt ({lp['prompt_tokens']} tokens) among {lp['streams']} streams, max_num_batched_tokens="
+            f"{lp['max_num_batched_tokens']}: their ITL p99 {ms(lp['itl_p99_s']['alone'])} alone, "
+            f"{ms(lp['itl_p99_s']['with_long_prompt'])} with it ({f(lp['itl_p99_ratio'])}x); p50 "
+            f"{ms(lp['itl_p50_s']['alone'])} / {ms(lp['itl_p50_s']['with_long_prompt'])}; its TTFT "
+            f"{ms(lp['long_prompt_ttft_p50_s'])}; {lp['errors']} errors")

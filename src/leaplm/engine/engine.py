@@ -43,13 +43,15 @@ class Engine:
     Engine(model=None, draft=None, method=None, k=5) with no model uses the embedded family (target and its
     best draft). method defaults to 'draft' when a draft is known, else 'none'. quantization ('int8', 'int4',
     'gguf'; quant/apply.py) applies to the target and the draft; the promise is then identity with plain
-    decoding of the same quantized model.
+    decoding of the same quantized model. max_num_batched_tokens: the tokens a step may feed the target (vLLM's
+    name); a longer prompt is prefilled in chunks between decoding steps of the other rows (engine/step.py).
+    None: every prompt is prefilled whole when it joins.
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
                  method: str | None = None, k: int = 5, *, device: str = "cpu", dtype: str = "float32",
                  max_model_len: int | None = None, spec: SpecConfig | None = None, draft_device: str | None = None,
-                 quantization: str | None = None, **spec_options):
+                 quantization: str | None = None, max_num_batched_tokens: int | None = None, **spec_options):
         if draft_device is not None:                 # the draft on another device than the target
             from ..devices import check_device
 
@@ -71,6 +73,11 @@ class Engine:
             self.draft = src if isinstance(src, LoadedModel) else load_model(
                 src, draft_device or device, dtype, "draft", draft_quantization(quantization, src))
             check_vocab(self.target, self.draft)
+        if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
+                                                   or isinstance(max_num_batched_tokens, bool)
+                                                   or max_num_batched_tokens < 1):
+            raise ConfigError("max_num_batched_tokens", f"must be an integer >= 1, got {max_num_batched_tokens!r}")
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.tokenizer = self.target.tokenizer
         self.model = self.target.model
         self.max_model_len = min(max_model_len or self.model.max_len, self.model.max_len)
@@ -145,6 +152,8 @@ class Engine:
             batch.join(ids, params)
             while batch.rows:
                 outcome = batch.step()
+                if not outcome.outputs:              # a step that only prefilled a chunk of the prompt
+                    continue
                 out = outcome.outputs[0]
                 if out.error is not None:
                     raise RuntimeError(out.error)

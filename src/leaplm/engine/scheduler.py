@@ -239,7 +239,7 @@ class BatchScheduler:
                 self._emit(seq, SeqOutput(seq.request_id, error=out.error))
             elif out.chunk is not None and (out.chunk.text or out.chunk.token_ids or out.chunk.finish_reason):
                 self._emit(seq, SeqOutput(seq.request_id, out.chunk, time=outcome.time))
-        if self.observer is not None:
+        if self.observer is not None and outcome.report is not None:
             self.observer.on_step(outcome.report)
         return True
 

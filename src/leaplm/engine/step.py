@@ -16,8 +16,16 @@ steps). A step over the n running rows:
               row's cache length. Only commit changes state.
 
 Padding is harmless: a row commits only its accepted + 1 slots, and causal attention means the logits of its real
-positions never see the padding after them. Running rows always occupy cache rows [0, n): a row that leaves has
-the last row moved into its place (KVCache.move_row).
+positions never see the padding after them.
+
+Prefill: a joining row's prompt (all its tokens but the last, which opens its first step) goes into the cache
+before the row decodes. Without a token budget it is prefilled whole when the row joins. With one
+(max_num_batched_tokens, vLLM's name) each step first spends what the decoding rows leave of the budget on the
+prompts of the rows still prefilling, in order, then decodes: a long prompt delays the running streams by one
+chunk per step instead of by its whole prefill.
+
+Rows: decoding rows occupy cache rows [0, decoding), rows still prefilling [decoding, n). A row that leaves has
+another moved into its place (KVCache.move_row) so both ranges stay dense.
 
 Costs and acceptance are the engine's (adaptive.Estimates): one calibration, shared by every batch of an engine.
 """
@@ -38,6 +46,8 @@ from .request import Request, StreamChunk, TokenLogprob
 from .tree_step import extra_logits, tree_block, verify_tree
 
 log = logging.getLogger(__name__)
+
+MIN_CHUNK = 32     # prompt tokens a step prefills at least, however many the decoding rows take of the budget
 
 
 @dataclass
@@ -65,6 +75,11 @@ class Row:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     extra_tokens: float = 0.0                        # EMA of tokens a proposal adds beyond its K (lookahead)
     tag: object = None                               # the caller's handle (the scheduler's SeqRequest)
+    prefilled: int = 0                               # prompt tokens in the cache (all but the last: prefill done)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.req.prompt_ids) - 1
 
 
 @dataclass
@@ -82,7 +97,7 @@ class RowOutput:
 @dataclass
 class StepOutcome:
     outputs: list[RowOutput]         # one per row that ran, finished rows already removed from the batch
-    report: StepReport
+    report: StepReport | None        # None when no row decoded (the step only prefilled)
     time: float                      # perf_counter at the end of the step
 
 
@@ -99,6 +114,8 @@ class Batch:
         self.estimates: Estimates = engine.estimates
         self.policy = BatchAdaptiveK(self.estimates.costs, enabled=engine.spec.adaptive_k)
         self.rows: list[Row] = []                        # row i of the cache <-> rows[i]
+        self.decoding = 0                                # rows [0, decoding) decode, the rest still prefill
+        self.max_num_batched_tokens: int | None = getattr(engine, "max_num_batched_tokens", None)
         self.groups: dict[str, object] = {}              # method -> ProposerGroup of rows that draft together
         self.current_k = 0
         self.steps = 0
@@ -123,8 +140,10 @@ class Batch:
         self.cache.truncate(0, i)
         t0 = time.perf_counter()
         prompt_lps = None
+        # prefilled at once unless a budget chunks it; prompt logprobs come back with the join, so whole too
+        whole = self.max_num_batched_tokens is None or prompt_logprobs is not None
         try:
-            if len(ids) > 1:
+            if len(ids) > 1 and whole:
                 want = prompt_logprobs is not None
                 logits = self.model(torch.tensor([ids[:-1]], device=self.model.device), self._row_cache(i),
                                     last_only=not want)
@@ -140,33 +159,51 @@ class Batch:
         proposer = self._new_proposer(method, factory) if factory is not None else None
         seen = self.estimates.method_acceptance.get(method)
         acceptance = AcceptanceEstimate.seeded(seen.rate) if seen is not None else AcceptanceEstimate()
-        row = Row(req, LogitsProcessor(params), proposer, cap, adaptive_k is False, acceptance, tag=tag)
+        row = Row(req, LogitsProcessor(params), proposer, cap, adaptive_k is False, acceptance, tag=tag,
+                  prefilled=len(ids) - 1 if whole else 0)
         self.rows.append(row)
+        if not row.prefilling and self.decoding == i:
+            self.decoding += 1
         return row, prompt_lps
 
     def remove(self, i: int) -> Row:
-        """Remove running row i, keeping rows [0, n) dense."""
+        """Remove row i, keeping the decoding rows [0, decoding) and the prefilling ones [decoding, n) dense."""
         rows = self.rows
         last = len(rows) - 1
         row = rows[i]
         close = getattr(row.proposer, "close", None)
         if close is not None:                            # a grouped proposer frees its row of the group
             close()
-        if i != last:
-            self.cache.move_row(last, i)
-            rows[i] = rows[last]
+        hole = i
+        if i < self.decoding:
+            d = self.decoding - 1
+            self._move(d, i)                             # the last decoding row fills the hole
+            hole = d
+            self.decoding -= 1
+            if last > d:                                 # the first prefilling row moves down, the last into its place
+                self._move(d + 1, d)
+                hole = d + 1
+        self._move(last, hole)
         rows.pop()
         self.cache.truncate(0, last)
         return row
 
+    def _move(self, src: int, dst: int) -> None:
+        if src != dst:
+            self.cache.move_row(src, dst)
+            self.rows[dst] = self.rows[src]
+
     # --- the step ----------------------------------------------------------------------------------------------
     def step(self) -> StepOutcome | None:
         """One step over every row; rows that finished or failed are removed. None when no row runs."""
-        rows = self.rows
-        if not rows:
+        if not self.rows:
             return None
-        n = len(rows)
         ts = time.perf_counter()
+        failed = self._prefill()
+        rows = self.rows[: self.decoding]
+        n = len(rows)
+        if not n:
+            return StepOutcome(failed, None, time.perf_counter())
 
         # 1. propose: one K for the step, each row drafts up to min(K, its own cap). A sampled row's tokens are
         # fixed by its seed and their positions (sampling/positional.py): K never changes what a seed produces.
@@ -230,7 +267,41 @@ class Batch:
                 finish_chunk(out.row.req, out.chunk)
             if out.finished:
                 self.remove(i)
-        return StepOutcome(outputs, StepReport(n, K, T, drafted, accepted, emitted, propose_s, tv - tp, te - ts), te)
+        report = StepReport(n, K, T, drafted, accepted, emitted, propose_s, tv - tp, te - ts)
+        return StepOutcome(failed + outputs, report, te)
+
+    def _prefill(self) -> list[RowOutput]:
+        """Spend this step's prefill budget on the rows still prefilling, in order; a row whose prompt is in is
+        promoted to decoding (it decodes in this step). Returns the rows whose prefill failed (removed)."""
+        budget = None
+        if self.max_num_batched_tokens is not None:
+            # what the decoding rows leave of the budget (each writes 1 + K tokens), at least a small chunk
+            decode = self.decoding * (1 + self.current_k)
+            budget = max(self.max_num_batched_tokens - decode, min(self.max_num_batched_tokens, MIN_CHUNK))
+        failed = []
+        while self.decoding < len(self.rows) and (budget is None or budget > 0):
+            i = self.decoding
+            r = self.rows[i]
+            ids = r.req.prompt_ids
+            n = len(ids) - 1 - r.prefilled
+            if budget is not None:
+                n = min(n, budget)
+                budget -= n
+            if n > 0:
+                t0 = time.perf_counter()
+                try:
+                    self.model(torch.tensor([ids[r.prefilled: r.prefilled + n]], device=self.model.device),
+                               self._row_cache(i), last_only=True)
+                except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                    log.exception("a request failed in its prefill")
+                    failed.append(RowOutput(self.remove(i), error=f"engine error: {type(e).__name__}: {e}"))
+                    continue
+                self.cache.advance(n, i)
+                r.prefilled += n
+                r.req.stats.prefill_s += time.perf_counter() - t0
+            if not r.prefilling:
+                self.decoding += 1
+        return failed
 
     def _row_spec(self, r: Row) -> RowSpec:
         # Under the adaptive policy a row's first step drafts nothing: its first token then costs one target
@@ -278,7 +349,7 @@ class Batch:
     def _propose_all(self, asked: list[int]) -> tuple[list[Proposal | None], float]:
         """Every row's proposal (None: nothing drafted) of at most asked[i] tokens, and the seconds proposing took.
         Rows whose proposers share a group draft together (one call, batched forwards); the others one by one."""
-        proposals: list[Proposal | None] = [None] * len(self.rows)
+        proposals: list[Proposal | None] = [None] * len(asked)
         groups: dict[int, list[int]] = {}
         total = 0.0
         for i, (r, k) in enumerate(zip(self.rows, asked)):

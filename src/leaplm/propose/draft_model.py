@@ -112,6 +112,7 @@ class DraftRows:
         for j, (p, ctx) in enumerate(zip(proposers, ctxs)):
             # the slot now holds toks + d_1..d_{k-1}
             p.n_ctx, p.k = len(ctx.tokens), ks[j]
+            p.cached = p.n_ctx                     # every committed token seen (observe adds accepted drafts)
             cache.lengths[p.slot] = p.n_ctx + ks[j] - 1
             q = torch.stack(qs[j]) if qs[j] else None                                       # [K, V]
             out.append(Proposal(torch.tensor(drafts[j], device=self.out_device), q))

@@ -44,6 +44,9 @@ def serve(
     max_queue: int = typer.Option(64, "--max-queue", help="Waiting sequences (prompts x n) beyond the batch's rows: "
                                   "over max_batch + max_queue in flight, new requests get 429."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context length per request."),
+    max_num_batched_tokens: Optional[int] = typer.Option(
+        None, "--max-num-batched-tokens", help="Tokens a step may feed the model: longer prompts are prefilled in "
+                                               "chunks between decoding steps of running streams (default: whole)."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="Name clients pass as `model` (default: --model)."),
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds SIGTERM waits for running requests."),
@@ -84,6 +87,8 @@ def serve(
                               keep_alive_timeout_s=keep_alive_timeout, kv_cache_bytes=kv_cache_bytes)
     except ConfigError as e:
         _fail(f"--{e.field.replace('_', '-')}: {e.message}")
+    if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+        _fail("--max-num-batched-tokens: must be >= 1")
     if threads is not None:
         if threads < 1:
             _fail("--threads: must be >= 1")
@@ -125,7 +130,8 @@ def serve(
 
         return Engine(model, draft=draft, method=method, k=k, device=device, dtype=dtype, draft_device=draft_device,
                       quantization=quantization,
-                      max_model_len=max_model_len, adaptive_k=adaptive_k)
+                      max_model_len=max_model_len, adaptive_k=adaptive_k,
+                      max_num_batched_tokens=max_num_batched_tokens)
 
     code = run_server(config, load, model_name=model or "leaplm-embedded")
     raise typer.Exit(code)
@@ -247,6 +253,13 @@ def bench_serve(
     out: str = typer.Option("bench-serve.json", "--out", help="JSON report path."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Latency table of traffic profiles instead of "
                                           "the concurrency sweep: short,medium,long,batch (TTFT, ITL, e2e, tokens/s)."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of speedup against concurrency here."),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens",
+                                                         help="The server's prefill chunk budget per step."),
+    long_prompt_among: int = typer.Option(0, "--long-prompt-among", help="Also measure N running streams' "
+                                          "inter-token latency with and without a long prompt arriving."),
+    long_prompt_tokens: int = typer.Option(2000, "--long-prompt-tokens",
+                                           help="Its length (capped to the server's context)."),
 ) -> None:
     """Load-test `leaplm serve` on 127.0.0.1 at several concurrencies, with and without speculation."""
     from ..bench.serve_load import LoadBenchConfig, print_report, run_load_bench
@@ -267,14 +280,22 @@ def bench_serve(
         levels = [int(x) for x in concurrency.split(",") if x.strip()]
     except ValueError:
         _fail(f"--concurrency: expected comma-separated integers, got {concurrency!r}")
-    if not levels or any(c < 1 for c in levels):
+    if (not levels and not long_prompt_among) or any(c < 1 for c in levels):
         _fail("--concurrency: levels must be >= 1")
+    if long_prompt_among < 0 or long_prompt_tokens < 2:
+        _fail("--long-prompt-among must be >= 0 and --long-prompt-tokens >= 2")
     cfg = LoadBenchConfig(model=model, draft=draft, method=method, k=k, synthetic=synthetic, concurrency=levels,
                           requests=requests, max_tokens=max_tokens, rounds=rounds, max_batch=max_batch,
-                          threads=threads, timeout_s=timeout, out=out)
+                          threads=threads, timeout_s=timeout, out=out, max_num_batched_tokens=max_num_batched_tokens,
+                          long_prompt_among=long_prompt_among, long_prompt_tokens=long_prompt_tokens)
     try:
         report = run_load_bench(cfg)
     except ConfigError as e:
         _fail(f"--{e.field.replace('_', '-')}: {e.message}")
     print_report(report)
     err.print(f"wrote {out}")
+    if plot and report["summary"]:
+        from ..bench.report import plot_serve_speedup
+
+        plot_serve_speedup(report, plot)
+        err.print(f"wrote {plot}")
