@@ -36,6 +36,22 @@ def test_replica_options_are_checked(args, msg):
     assert res.exit_code == 2 and msg in res.output, res.output
 
 
+def test_replica_server_options_reach_the_replicas_and_are_checked_first():
+    """Host check and KV-cache admission are per replica; bad values fail when the options are built (the
+    `serve run ... key=value` boundary), naming the field, not later inside each replica."""
+    from leaplm.config import ConfigError
+    from leaplm.deploy.ray import options_from_mapping
+
+    opts = options_from_mapping({"allowed_hosts": "llm.example,10.0.0.5", "kv_cache_bytes": "4000000",
+                                 "host": "0.0.0.0"})
+    cfg = opts.server_config()
+    assert cfg.allowed_hosts == ("llm.example", "10.0.0.5") and cfg.kv_cache_bytes == 4_000_000
+    for key, value in [("kv_cache_bytes", "0"), ("allowed_hosts", "http://x/"), ("max_batch", "0")]:
+        with pytest.raises(ConfigError) as e:
+            options_from_mapping({key: value})
+        assert e.value.field == key
+
+
 def test_replica_header_names_streamed_responses():
     """The middleware adds the header to the response start, so streaming responses carry it too."""
     from fastapi import FastAPI

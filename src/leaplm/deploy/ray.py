@@ -37,6 +37,8 @@ class RayServeOptions:
     served_model_name: str | None = None
     api_key: str | None = None
     drain_timeout_s: float = 30.0
+    allowed_hosts: str | None = None      # comma list; None: the loopback names when host is loopback, else any
+    kv_cache_bytes: int | None = None     # admission by KV-cache memory, per replica
     adaptive_k: bool = True
     device: str = "cpu"
     draft_device: str | None = None
@@ -51,6 +53,16 @@ class RayServeOptions:
             raise ConfigError("cpus_per_replica", f"must be > 0, got {self.cpus_per_replica!r}")
         if not isinstance(self.threads, int) or self.threads < 1:
             raise ConfigError("threads", f"must be an integer >= 1, got {self.threads!r}")
+        self.server_config()                  # the replicas' server settings, checked here rather than in each
+
+    def server_config(self):
+        from ..config import ServerConfig
+
+        return ServerConfig(host=self.host, port=self.port, api_key=self.api_key,
+                            served_model_name=self.served_model_name, max_batch=self.max_batch,
+                            max_queue=self.max_queue, max_model_len=self.max_model_len,
+                            drain_timeout_s=self.drain_timeout_s, allowed_hosts=self.allowed_hosts,
+                            kv_cache_bytes=self.kv_cache_bytes)
 
 
 def require_ray():
@@ -66,7 +78,6 @@ def _build_replica_app(opts: RayServeOptions):
     import torch
     from ray import serve
 
-    from ..config import ServerConfig
     from ..engine.engine import Engine
     from ..server.app import create_app
     from .replica_header import ReplicaHeader
@@ -74,11 +85,7 @@ def _build_replica_app(opts: RayServeOptions):
     torch.set_num_threads(opts.threads)
     engine = Engine(opts.model, draft=opts.draft, method=opts.method, k=opts.k, device=opts.device, dtype=opts.dtype,
                     draft_device=opts.draft_device, max_model_len=opts.max_model_len, adaptive_k=opts.adaptive_k)
-    config = ServerConfig(host=opts.host, port=opts.port, api_key=opts.api_key,
-                          served_model_name=opts.served_model_name, max_batch=opts.max_batch,
-                          max_queue=opts.max_queue, max_model_len=opts.max_model_len,
-                          drain_timeout_s=opts.drain_timeout_s)
-    app = create_app(config, engine=engine, model_name=opts.model or "leaplm-embedded")
+    app = create_app(opts.server_config(), engine=engine, model_name=opts.model or "leaplm-embedded")
     ctx = serve.get_replica_context()
     replica = getattr(ctx, "replica_tag", None) or ctx.replica_id.unique_id
     app.add_middleware(ReplicaHeader, replica=str(replica))

@@ -119,7 +119,8 @@ def serve(
                                         max_batch=max_batch, max_queue=max_queue, max_model_len=max_model_len,
                                         served_model_name=served_model_name, drain_timeout_s=drain_timeout,
                                         adaptive_k=adaptive_k, device=device, draft_device=draft_device,
-                                        dtype=dtype, threads=threads or 1))
+                                        dtype=dtype, threads=threads or 1, allowed_hosts=allowed_hosts,
+                                        kv_cache_bytes=kv_cache_bytes))
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable beyond this machine%s%s", host,
                     "" if api_key else " and has no --api-key",
