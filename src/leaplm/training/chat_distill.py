@@ -1,0 +1,377 @@
+"""Distilling a small reduced-vocabulary draft for any target from chat shards (chat_ondata.py).
+
+The draft is a narrow llama over N rows (models/draft_vocab.py): row 0 stands for "any other target token",
+rows 1..N-1 are the target tokens that carry the most of the target's probability mass in the training shards
+(answers and their top-k). Its embedding starts as the target's own embedding rows projected on their top
+principal directions, so a draft trained on little data starts from the target's notion of token similarity.
+
+loss = alpha * mean_T KL(p_T,k || q_T) + (1 - alpha) * CE(emitted token), over answer positions, where p_T,k
+is the target's cached top k at temperature T renormalised over the tokens in the draft's vocabulary and q_T
+the draft's distribution with row 0 masked, as at inference. Resumable; logs train_log.jsonl rows that the
+model card's loss curve reads.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError
+from .distill import DistillStepLog
+
+log = logging.getLogger(__name__)
+
+# narrow llamas; the LM head and embedding are N x hidden (tied)
+DRAFT_SHAPES: dict[str, dict] = {
+    "chat-2x256": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=1),
+    "chat-1x256": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=1),
+    "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1),
+}
+
+
+@dataclass
+class ChatDistillConfig:
+    model: str                         # the target: GGUF file or checkpoint directory (its tokenizer, embedding)
+    logits_dir: str                    # chat shards (train chatdata)
+    out_dir: str
+    shape: str = "chat-2x256"
+    draft_vocab: int = 4096            # N rows, row 0 included
+    steps: int = 2000
+    batch_size: int = 16               # rows per step
+    alpha: float = 0.9
+    temperatures: tuple[float, ...] = (1.0, 0.8)
+    lr: float = 3e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    seed: int = 0
+    save_every: int = 100
+    eval_every: int = 100
+    valid_every: int = 10              # every valid_every-th shard is held out (the last one when fewer)
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "warmup_steps", "save_every", "eval_every", "valid_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.shape not in DRAFT_SHAPES:
+            raise ConfigError("shape", f"{self.shape!r} unknown; choose from {sorted(DRAFT_SHAPES)}")
+        if self.draft_vocab < 2:
+            raise ConfigError("draft_vocab", f"must be >= 2, got {self.draft_vocab}")
+        if not 0 <= self.alpha <= 1:
+            raise ConfigError("alpha", f"must be in [0, 1], got {self.alpha}")
+        if not self.temperatures or not all(0 < t <= 10 for t in self.temperatures):
+            raise ConfigError("temperatures", f"must be values in (0, 10], got {self.temperatures}")
+        if not Path(self.logits_dir).is_dir():
+            raise ConfigError("logits_dir", f"{self.logits_dir!r} is not a directory")
+
+
+# ---- shards ------------------------------------------------------------------------------------------------
+
+@dataclass
+class ChatRow:
+    ids: torch.Tensor                  # [P + N] int64, prompt + answer
+    prompt_len: int
+    topk_ids: torch.Tensor             # [N, k] int64 target ids
+    topk_logp: torch.Tensor            # [N, k] fp32
+
+
+@dataclass
+class ChatShards:
+    train: list[ChatRow]
+    valid: list[ChatRow]
+    temperatures: dict[str, int] = field(default_factory=dict)   # shard temperature -> rows
+
+    @classmethod
+    def load(cls, directory: str | Path, valid_every: int = 10) -> "ChatShards":
+        from safetensors import safe_open
+
+        paths = sorted(Path(directory).glob("chat-*.safetensors"))
+        if not paths:
+            raise FileNotFoundError(f"logits_dir: no chat-*.safetensors shards in {str(directory)!r}")
+        held = {i for i in range(len(paths)) if i % valid_every == valid_every - 1} or \
+            ({len(paths) - 1} if len(paths) > 1 else set())
+        out = cls([], [])
+        for i, p in enumerate(paths):
+            with safe_open(str(p), "pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != "chat-v1":
+                    raise ValueError(f"logits_dir: {p.name} is not a chat shard (format {meta.get('format')!r})")
+                t = {k: f.get_tensor(k) for k in ("input_ids", "prompt_len", "answer_len", "topk_ids", "topk_logp")}
+            out.temperatures[meta["temperature"]] = out.temperatures.get(meta["temperature"], 0) + len(t["prompt_len"])
+            for r in range(len(t["prompt_len"])):
+                P, N = int(t["prompt_len"][r]), int(t["answer_len"][r])
+                if N < 1:
+                    continue
+                row = ChatRow(t["input_ids"][r, : P + N].long(), P, t["topk_ids"][r, :N].long(),
+                              t["topk_logp"][r, :N].float())
+                (out.valid if i in held else out.train).append(row)
+        if not out.train:
+            raise ValueError(f"logits_dir: {directory} has no training rows")
+        return out
+
+    def answer_tokens(self, rows: list[ChatRow] | None = None) -> int:
+        return sum(r.topk_ids.shape[0] for r in (self.train if rows is None else rows))
+
+
+def choose_vocab(rows: list[ChatRow], n: int, target_vocab: int) -> torch.Tensor:
+    """d2t [n] int64: -1 (row 0, "other"), then the n - 1 target tokens with the most target probability mass
+    over the answers' top k (the emitted tokens counted once more), most first."""
+    mass = torch.zeros(target_vocab, dtype=torch.float64)
+    for r in rows:
+        mass.index_add_(0, r.topk_ids.reshape(-1), r.topk_logp.exp().reshape(-1).double())
+        mass.index_add_(0, r.ids[r.prompt_len:], torch.ones(len(r.ids) - r.prompt_len, dtype=torch.float64))
+    top = mass.topk(min(n - 1, target_vocab)).indices
+    return torch.cat([torch.tensor([-1]), top])
+
+
+def coverage(rows: list[ChatRow], d2t: torch.Tensor) -> float:
+    """Fraction of emitted answer tokens inside the draft vocabulary (the most a draft can ever match)."""
+    keep = set(d2t[d2t >= 0].tolist())
+    toks = [t for r in rows for t in r.ids[r.prompt_len:].tolist()]
+    return sum(t in keep for t in toks) / max(1, len(toks))
+
+
+# ---- the draft ---------------------------------------------------------------------------------------------
+
+def target_embedding(model: str) -> torch.Tensor:
+    """[V, hidden] fp32 input embedding of the target (GGUF token_embd, or embed_tokens of a checkpoint)."""
+    from ..models.gguf import is_gguf
+
+    if is_gguf(model):
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+
+        t = next(t for t in GGUFReader(model).tensors if t.name == "token_embd.weight")
+        return torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+    from ..models.loading import read_state_dict
+
+    sd = read_state_dict(Path(model))
+    key = next(k for k in sd if k.endswith("embed_tokens.weight"))
+    return sd[key].float()
+
+
+def build_draft(cfg: ChatDistillConfig, d2t: torch.Tensor, target_emb: torch.Tensor, eos_target: int):
+    """A fresh HF llama over len(d2t) rows, embedding = PCA projection of the target's rows (scaled to the
+    usual init std)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = DRAFT_SHAPES[cfg.shape]
+    t2d_eos = int((d2t == eos_target).nonzero()[0]) if bool((d2t == eos_target).any()) else 0
+    conf = LlamaConfig(vocab_size=len(d2t), tie_word_embeddings=True, max_position_embeddings=2048,
+                       rope_theta=100000.0, rms_norm_eps=1e-5, bos_token_id=t2d_eos, eos_token_id=t2d_eos, **shape)
+    torch.manual_seed(cfg.seed)
+    draft = LlamaForCausalLM(conf)
+    h = shape["hidden_size"]
+    rows = target_emb[d2t.clamp(min=0)]                               # [N, H_target]
+    rows[0] = target_emb.mean(0)
+    centered = rows - rows.mean(0)
+    _, _, v = torch.pca_lowrank(centered, q=min(h, centered.shape[1]), center=False)
+    proj = centered @ v                                                # [N, <= h]
+    emb = torch.zeros(len(d2t), h)
+    emb[:, : proj.shape[1]] = proj / proj.std() * conf.initializer_range
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(emb)
+    return draft
+
+
+# ---- the loss ----------------------------------------------------------------------------------------------
+
+@dataclass
+class ChatBatch:
+    inputs: torch.Tensor               # [B, L] draft ids (right-padded with 0)
+    where: torch.Tensor                # [M, 2] (row, position) of each supervised answer position
+    topk: torch.Tensor                 # [M, k] draft ids of the target's top k
+    topk_in: torch.Tensor              # [M, k] bool: inside the draft vocabulary
+    topk_logp: torch.Tensor            # [M, k]
+    emitted: torch.Tensor              # [M] draft id of the emitted token (0 = outside)
+    argmax_in: torch.Tensor            # [M] bool: the target's argmax is inside the draft vocabulary
+
+
+def make_batch(rows: list[ChatRow], t2d: torch.Tensor) -> ChatBatch:
+    L = max(len(r.ids) for r in rows) - 1
+    inputs = torch.zeros(len(rows), L, dtype=torch.long)
+    where, topk, logp, emitted = [], [], [], []
+    for b, r in enumerate(rows):
+        x = t2d[r.ids[:-1]]
+        inputs[b, : len(x)] = x
+        N = r.topk_ids.shape[0]
+        pos = torch.arange(r.prompt_len - 1, r.prompt_len - 1 + N)     # logits at pos predict ids[pos + 1]
+        where.append(torch.stack([torch.full_like(pos, b), pos], 1))
+        topk.append(r.topk_ids)
+        logp.append(r.topk_logp)
+        emitted.append(r.ids[r.prompt_len:])
+    tk = torch.cat(topk)
+    dk = t2d[tk]
+    return ChatBatch(inputs, torch.cat(where), dk, dk > 0, torch.cat(logp), t2d[torch.cat(emitted)], dk[:, 0] > 0)
+
+
+@dataclass
+class ChatLoss:
+    loss: torch.Tensor
+    kl: torch.Tensor                   # [] mean_T KL(p_T,k || q_T) over in-vocabulary top-k
+    ce: torch.Tensor                   # [] CE of emitted tokens inside the vocabulary
+    agree: torch.Tensor                # [] argmax q == the target's argmax (positions where it is in vocabulary)
+    overlap: torch.Tensor              # [] mean_T sum_k min(p_T,k, q_T): per-token sampled acceptance (k-bounded)
+
+
+def chat_loss(logits: torch.Tensor, b: ChatBatch, alpha: float, temperatures: tuple[float, ...]) -> ChatLoss:
+    """logits [M, N] at the supervised positions; row 0 is masked as at inference."""
+    logits = logits.float().clone()
+    logits[:, 0] = float("-inf")
+    kls, overlaps = [], []
+    for T in temperatures:
+        logq = F.log_softmax(logits / T, -1)                                    # [M, N]
+        logq_k = logq.gather(-1, b.topk)                                         # [M, k]
+        lp = (b.topk_logp / T).masked_fill(~b.topk_in, float("-inf"))
+        logp_k = F.log_softmax(lp, -1)                                           # [M, k] renormalised in vocab
+        has = b.topk_in.any(-1)
+        p = logp_k.exp()
+        term = torch.where(b.topk_in, p * (logp_k - logq_k), torch.zeros_like(p))
+        kls.append(term.sum(-1)[has].mean())
+        # acceptance at T: sum over tokens min(p, q); with p the full-vocabulary top-k mass (not renormalised)
+        p_full = F.softmax(b.topk_logp / T, -1)                                  # [M, k] over the cached top k
+        q_k = torch.where(b.topk_in, logq_k.exp(), torch.zeros_like(p))
+        overlaps.append(torch.minimum(p_full, q_k).sum(-1).mean())
+    kl = torch.stack(kls).mean()
+    inv = b.emitted > 0
+    ce = -F.log_softmax(logits, -1)[inv].gather(-1, b.emitted[inv].unsqueeze(1)).mean()
+    agree = (logits.argmax(-1) == b.topk[:, 0]) & b.argmax_in
+    return ChatLoss(alpha * kl + (1 - alpha) * ce, kl, ce, agree.float().mean(), torch.stack(overlaps).mean())
+
+
+def _forward(draft, b: ChatBatch) -> torch.Tensor:
+    h = draft.model(input_ids=b.inputs).last_hidden_state                       # [B, L, H]
+    return draft.lm_head(h[b.where[:, 0], b.where[:, 1]])                        # [M, N]
+
+
+# ---- training ----------------------------------------------------------------------------------------------
+
+def _lr(step: int, cfg: ChatDistillConfig) -> float:
+    import math
+
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+@torch.no_grad()
+def evaluate(draft, rows: list[ChatRow], t2d: torch.Tensor, cfg: ChatDistillConfig) -> ChatLoss | None:
+    if not rows:
+        return None
+    draft.eval()
+    parts = [chat_loss(_forward(draft, b), b, cfg.alpha, cfg.temperatures)
+             for b in (make_batch(rows[i : i + cfg.batch_size], t2d) for i in range(0, len(rows), cfg.batch_size))]
+    draft.train()
+    return ChatLoss(*(torch.stack([getattr(p, f) for p in parts]).mean()
+                      for f in ("loss", "kl", "ce", "agree", "overlap")))
+
+
+def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], None] | None = None):
+    """Train (or resume) the draft; writes the shippable draft directory (models/draft_vocab.py) to out_dir."""
+    from ..models.draft_vocab import t2d_table
+
+    cfg.validate()
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = ChatShards.load(cfg.logits_dir, cfg.valid_every)
+    tok = _target_tokenizer(cfg.model)
+    V = len(tok.get_vocab())
+    vocab_path = out / "d2t.pt"
+    d2t = torch.load(vocab_path) if vocab_path.exists() else choose_vocab(shards.train, cfg.draft_vocab, V)
+    torch.save(d2t, vocab_path)
+    t2d = t2d_table(d2t, V)
+    cov = coverage(shards.valid or shards.train, d2t)
+    log.info("chat shards: %d train rows (%d answer tokens), %d valid rows; temperatures %s; draft vocabulary "
+             "%d covers %.3f of held-out answer tokens", len(shards.train), shards.answer_tokens(),
+             len(shards.valid), shards.temperatures, len(d2t), cov)
+    draft = build_draft(cfg, d2t, target_embedding(cfg.model), tok.eos_token_id)
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    state_path = out / "train_state.pt"
+    start, tokens_seen, elapsed, rng = 0, 0, 0.0, random.Random(cfg.seed)
+    if state_path.exists():
+        st = torch.load(state_path, weights_only=False)
+        draft.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        start, tokens_seen, elapsed = st["step"], st["tokens_seen"], st["elapsed_s"]
+        rng.setstate(st["rng"])
+        log.info("resumed at step %d", start)
+    n_params = sum(p.numel() for p in draft.parameters())
+    with (out / "train_config.json").open("w") as f:
+        json.dump(asdict(cfg) | {"kind": "distill-chat", "target_dir": cfg.model, "n_params": n_params,
+                                 "train_tokens_available": shards.answer_tokens(), "vocab_coverage": cov,
+                                 "shard_temperatures": shards.temperatures}, f, indent=1)
+    log_f = (out / "train_log.jsonl").open("a")
+    draft.train()
+    last = None
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        lr = _lr(step, cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        b = make_batch(rng.sample(shards.train, min(cfg.batch_size, len(shards.train))), t2d)
+        r = chat_loss(_forward(draft, b), b, cfg.alpha, cfg.temperatures)
+        r.loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        elapsed += dt
+        tokens_seen += len(b.emitted)
+        s = DistillStepLog(step + 1, cfg.steps, r.loss.item(), lr, tokens_seen, len(b.emitted) / dt, elapsed,
+                           kl=r.kl.item(), ce=r.ce.item(), agree=r.agree.item())
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            ev = evaluate(draft, shards.valid, t2d, cfg)
+            if ev is not None:
+                s.eval_loss, s.eval_kl, s.eval_agree = ev.ce.item(), ev.kl.item(), ev.agree.item()
+                s.eval_overlap = ev.overlap.item()
+        log_f.write(json.dumps(asdict(s)) + "\n")
+        log_f.flush()
+        if on_step:
+            on_step(s)
+        last = s
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            save_draft(draft, d2t, tok, out, cfg.model)
+            torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "step": step + 1,
+                        "tokens_seen": tokens_seen, "elapsed_s": elapsed, "rng": rng.getstate()}, state_path)
+    log_f.close()
+    return last
+
+
+def _target_tokenizer(model: str):
+    from ..models.gguf import inspect_gguf, is_gguf, load_gguf_tokenizer
+
+    if is_gguf(model):
+        return load_gguf_tokenizer(inspect_gguf(model))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def save_draft(draft, d2t: torch.Tensor, tok, out: Path, target: str) -> None:
+    """The shippable directory: fp16 llama weights, draft_vocab.safetensors, the target's tokenizer and the
+    tokenizer fingerprint the engine matches targets by."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    from ..models.draft_vocab import DRAFT_VOCAB_FILE, tokenizer_fingerprint
+
+    m = copy.deepcopy(draft).to(torch.float16)
+    m.config.torch_dtype = torch.float16
+    m.config.leaplm_draft = {"target_vocab_size": len(tok.get_vocab()), "tokenizer_sha256": tokenizer_fingerprint(tok),
+                             "target": Path(target).name}
+    m.save_pretrained(str(out), safe_serialization=True)
+    save_file({"d2t": d2t.contiguous()}, str(out / DRAFT_VOCAB_FILE))
+    tok.save_pretrained(str(out))
