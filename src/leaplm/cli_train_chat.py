@@ -54,3 +54,50 @@ def chatdata_cmd(
         task = prog.add_task("gen", total=n_prompts)
         rows = generate_chat_logits(cfg, on_rows=lambda d, n: prog.update(task, completed=d, total=n))
     out.print(f"{rows} answers in {out_dir}")
+
+
+def _dd(name: str):
+    from .training.chat_distill import ChatDistillConfig
+
+    return {f.name: f.default for f in dataclasses.fields(ChatDistillConfig)}[name]
+
+
+@train_app.command("distill-chat")
+def distill_chat_cmd(
+    model: str = typer.Option(..., "--model", help="The target (GGUF file, checkpoint directory or catalog name): "
+                                                   "its tokenizer and embedding."),
+    logits_dir: Path = typer.Option(..., "--logits-dir", help="Shards written by `train chatdata`."),
+    out_dir: Path = typer.Option(..., "--out", help="Run and draft directory (rerun to resume)."),
+    shape: str = typer.Option(_dd("shape"), help="Draft shape (training/chat_distill.py DRAFT_SHAPES)."),
+    draft_vocab: int = typer.Option(_dd("draft_vocab"), "--draft-vocab", min=2,
+                                    help="Draft vocabulary rows: the target tokens with most mass, + 1 'other'."),
+    steps: int = typer.Option(_dd("steps"), min=1),
+    batch_size: int = typer.Option(_dd("batch_size"), "--batch-size", min=1, help="Answers per step."),
+    alpha: float = typer.Option(_dd("alpha"), min=0.0, max=1.0, help="Loss = alpha * KL + (1 - alpha) * CE."),
+    temperatures: str = typer.Option("1.0,0.8", "--temperatures", help="KL averaged over these temperatures."),
+    lr: float = typer.Option(_dd("lr"), min=0.0),
+    warmup_steps: int = typer.Option(_dd("warmup_steps"), "--warmup-steps", min=1),
+    eval_every: int = typer.Option(_dd("eval_every"), "--eval-every", min=1),
+    save_every: int = typer.Option(_dd("save_every"), "--save-every", min=1),
+    seed: int = typer.Option(0),
+    threads: Optional[int] = Threads,
+) -> None:
+    """Distil a small reduced-vocabulary draft for any target from its chat shards; resumes from --out."""
+    from .cli_train import StepProgress, _report_done
+    from .models.catalog import resolve_model_name
+    from .training.chat_distill import ChatDistillConfig, distill_chat
+
+    _setup(threads)
+    try:
+        temps = tuple(float(x) for x in temperatures.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter("expected comma-separated numbers", param_hint="--temperatures") from None
+    with _user_errors(["model", "logits_dir", "shape", "draft_vocab", "temperatures"]):
+        cfg = ChatDistillConfig(model=resolve_model_name(model), logits_dir=str(logits_dir), out_dir=str(out_dir),
+                                shape=shape, draft_vocab=draft_vocab, steps=steps, batch_size=batch_size,
+                                alpha=alpha, temperatures=temps, lr=lr, warmup_steps=warmup_steps,
+                                eval_every=eval_every, save_every=save_every, seed=seed)
+        with StepProgress(f"distill-chat {shape}") as bar:
+            last = distill_chat(cfg, bar)
+    _report_done(out_dir, last)
+

@@ -120,3 +120,24 @@ def test_draft_is_picked_by_tokenizer_and_lossless(chat_draft, chat_target, tmp_
     assert out.stats.draft_tokens > 0
     sampled = engine.generate(ids, SamplingParams(max_new_tokens=24, temperature=0.8, seed=3))
     assert len(sampled.token_ids) > 0
+
+
+def test_cli_chatdata_then_distill_chat(chat_target, tmp_path):
+    from typer.testing import CliRunner
+
+    from leaplm.cli import app
+
+    run = CliRunner()
+    r = run.invoke(app, ["train", "chatdata", "--model", chat_target, "--out", str(tmp_path / "d"),
+                         "--n-prompts", "4", "--shard-rows", "2", "--new-tokens", "6", "--top-k", "3",
+                         "--max-prompt-tokens", "200", "--max-files", "20", "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    assert len(list((tmp_path / "d").glob("chat-*.safetensors"))) == 2
+    r = run.invoke(app, ["train", "distill-chat", "--model", chat_target, "--logits-dir", str(tmp_path / "d"),
+                         "--out", str(tmp_path / "m"), "--shape", "tiny", "--draft-vocab", "32", "--steps", "2",
+                         "--batch-size", "1", "--warmup-steps", "1", "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "m" / "draft_vocab.safetensors").is_file()
+    r = run.invoke(app, ["train", "distill-chat", "--model", chat_target, "--logits-dir", str(tmp_path / "d"),
+                         "--out", str(tmp_path / "m2"), "--shape", "huge"])
+    assert r.exit_code == 2 and "--shape" in r.output
