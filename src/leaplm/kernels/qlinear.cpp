@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -34,6 +35,14 @@ inline void dequant_block_scalar(const int8_t* q8, const uint8_t* q4, float s, f
     }
   }
 }
+
+// Weights of one row as the kernel walks them: block g, chunk i (elements 8 i .. 8 i + 7 of the block).
+struct Row {
+  const int8_t* q8;
+  const uint8_t* q4;
+  const float* scale;
+  const float* minv;
+};
 
 inline float lane_sum(const float* a) {   // fixed tree over 8 lanes: ((0+4)+(2+6)) + ((1+5)+(3+7))
   float s04 = a[0] + a[4], s15 = a[1] + a[5], s26 = a[2] + a[6], s37 = a[3] + a[7];
@@ -57,56 +66,68 @@ void row_scalar(const int8_t* q8, const uint8_t* q4, const float* scale, const f
 
 #if defined(__x86_64__)
 __attribute__((target("avx2,fma")))
-inline void dequant_block_avx2(const int8_t* q8, const uint8_t* q4, float s, float m, __m256* w) {
-  const __m256 vs = _mm256_set1_ps(s);
-  if (q8) {
-    for (int i = 0; i < 4; ++i) {
-      __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q8 + 8 * i));
-      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), vs);
-    }
-  } else {
-    const __m256 vm = _mm256_set1_ps(m);
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q4));
-    __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vs, vm);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vs, vm);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vs, vm);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vs, vm);
+inline __m256 dequant_chunk(const Row& r, int g, int i) {
+  const __m256 vs = _mm256_set1_ps(r.scale[g]);
+  if (r.q8) {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.q8 + g * QK + 8 * i));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), vs);
   }
+  // chunk 0 / 1: low nibbles of bytes 0..7 / 8..15; chunk 2 / 3: their high nibbles (elements 16..31)
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.q4 + g * (QK / 2) + 8 * (i & 1)));
+  if (i >= 2) b = _mm_srli_epi16(b, 4);
+  b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), vs, _mm256_set1_ps(r.minv[g]));
 }
 
-// TT tokens at a time keep their accumulators in registers; the block stays in L1 between token tiles.
-template <int TT>
+// R rows x TT tokens of accumulators, one 8-lane accumulator per (row, token): R > 1 gives a lone token
+// independent FMA chains (latency hidden); TT > 1 reuses each dequantized chunk for several tokens. Every
+// (row, token) sees the same sequence of FMAs whatever R and TT are.
+template <int R, int TT>
 __attribute__((target("avx2,fma")))
-void tile_avx2(const int8_t* q8, const uint8_t* q4, const float* scale, const float* minv, int G,
-               const float* x, int64_t K, float* out) {
-  __m256 acc[TT];
-  for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();
-  __m256 w[4];
+void tile_avx2(const Row* rows, int G, const float* x, int64_t K, float* out, int64_t ldo) {
+  __m256 acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm256_setzero_ps();
   for (int g = 0; g < G; ++g) {
-    dequant_block_avx2(q8 ? q8 + g * QK : nullptr, q4 ? q4 + g * (QK / 2) : nullptr, scale[g],
-                       minv ? minv[g] : 0.f, w);
-    for (int t = 0; t < TT; ++t) {
-      const float* xt = x + t * K + g * QK;
-      for (int i = 0; i < 4; ++i) acc[t] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xt + 8 * i), acc[t]);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = dequant_chunk(rows[r], g, i);
+#pragma GCC unroll 8
+        for (int t = 0; t < TT; ++t)
+          acc[r][t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * K + g * QK + 8 * i), acc[r][t]);
+      }
     }
   }
   alignas(32) float lanes[8];
-  for (int t = 0; t < TT; ++t) {
-    _mm256_store_ps(lanes, acc[t]);
-    out[t] = lane_sum(lanes);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) {
+      _mm256_store_ps(lanes, acc[r][t]);
+      out[r * ldo + t] = lane_sum(lanes);
+    }
 }
 
+// rows [n0, n1) x all T tokens; out [N, T] row-major
 __attribute__((target("avx2,fma")))
-void row_avx2(const int8_t* q8, const uint8_t* q4, const float* scale, const float* minv, int G,
-              const float* x, int64_t K, int T, float* out) {
-  int t = 0;
-  for (; t + 8 <= T; t += 8) tile_avx2<8>(q8, q4, scale, minv, G, x + t * K, K, out + t);
-  if (t + 4 <= T) { tile_avx2<4>(q8, q4, scale, minv, G, x + t * K, K, out + t); t += 4; }
-  if (t + 2 <= T) { tile_avx2<2>(q8, q4, scale, minv, G, x + t * K, K, out + t); t += 2; }
-  if (t < T) tile_avx2<1>(q8, q4, scale, minv, G, x + t * K, K, out + t);
+void rows_avx2(const Row* all, int64_t n0, int64_t n1, int G, const float* x, int64_t K, int T, float* out) {
+  int64_t n = n0;
+  if (T < 4) {                       // few tokens: 4 rows at a time
+    for (; n + 4 <= n1; n += 4) {
+      float* o = out + n * T;
+      if (T == 1) tile_avx2<4, 1>(all + n, G, x, K, o, T);
+      else if (T == 2) tile_avx2<4, 2>(all + n, G, x, K, o, T);
+      else tile_avx2<4, 3>(all + n, G, x, K, o, T);
+    }
+  }
+  for (; n < n1; ++n) {
+    int t = 0;
+    float* o = out + n * T;
+    for (; t + 8 <= T; t += 8) tile_avx2<1, 8>(all + n, G, x + t * K, K, o + t, T);
+    if (t + 4 <= T) { tile_avx2<1, 4>(all + n, G, x + t * K, K, o + t, T); t += 4; }
+    if (t + 2 <= T) { tile_avx2<1, 2>(all + n, G, x + t * K, K, o + t, T); t += 2; }
+    if (t < T) tile_avx2<1, 1>(all + n, G, x + t * K, K, o + t, T);
+  }
 }
 #endif
 
@@ -133,15 +154,16 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, tor
   const int G = K / QK;
   const int64_t rowbytes = int4 ? K / 2 : K;
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  std::vector<Row> rows(N);
+  for (int64_t n = 0; n < N; ++n)
+    rows[n] = Row{int4 ? nullptr : reinterpret_cast<const int8_t*>(qp + n * rowbytes), int4 ? qp + n * rowbytes : nullptr,
+                  sp + n * G, mp ? mp + n * G : nullptr};
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* q8 = int4 ? nullptr : reinterpret_cast<const int8_t*>(qp + n * rowbytes);
-      const uint8_t* q4 = int4 ? qp + n * rowbytes : nullptr;
 #if defined(__x86_64__)
-      if (avx2) { row_avx2(q8, q4, sp + n * G, mp ? mp + n * G : nullptr, G, xp, K, T, yp + n * T); continue; }
+    if (avx2) { rows_avx2(rows.data(), n0, n1, G, xp, K, T, yp); return; }
 #endif
-      row_scalar(q8, q4, sp + n * G, mp ? mp + n * G : nullptr, G, xp, K, T, yp + n * T);
-    }
+    for (int64_t n = n0; n < n1; ++n)
+      row_scalar(rows[n].q8, rows[n].q4, rows[n].scale, rows[n].minv, G, xp, K, T, yp + n * T);
   });
   auto y = y_nt.t().contiguous();                   // [T, N]
   if (bias.has_value()) y.add_(*bias);
