@@ -40,7 +40,7 @@ import torch
 from ..config import SamplingParams
 from ..propose.base import Proposal, ProposeContext, Proposer
 from ..sampling import LogitsProcessor
-from .adaptive import AcceptanceEstimate, BatchAdaptiveK, Estimates, RowSpec, expected_tokens
+from .adaptive import AcceptanceEstimate, BatchAdaptiveK, Estimates, RowSpec, expected_tokens, rows_bucket
 from .commit import commit, finish_chunk, new_request, verify_chain
 from .request import Request, StreamChunk, TokenLogprob
 from .tree_step import extra_logits, tree_block, verify_tree
@@ -208,7 +208,8 @@ class Batch:
         # 1. propose: one K for the step, each row drafts up to min(K, its own cap). A sampled row's tokens are
         # fixed by its seed and their positions (sampling/positional.py): K never changes what a seed produces.
         rooms = [max(0, self.max_len - len(r.req.tokens) - 1) for r in rows]
-        specs = [self._row_spec(r) for r in rows]
+        drafting = self._drafting_rows(rows)
+        specs = [self._row_spec(r, drafting) for r in rows]
         K = self.policy.choose([sp for sp, r in zip(specs, rows) if not r.fixed_k])
         K = max([K] + [sp.cap for sp, r in zip(specs, rows) if r.fixed_k])   # a fixed-K row drafts its K
         K = min(K, min(rooms))                             # every row gets 1 + K slots written
@@ -303,14 +304,24 @@ class Batch:
                 self.decoding += 1
         return failed
 
-    def _row_spec(self, r: Row) -> RowSpec:
+    @staticmethod
+    def _drafting_rows(rows: list[Row]) -> dict[str, int]:
+        """method -> rows that would draft together in this step (a group's cost per token depends on it)."""
+        out: dict[str, int] = {}
+        for r in rows:
+            if r.proposer is not None and getattr(r.proposer, "group", None) is not None:
+                out[r.req.stats.method] = out.get(r.req.stats.method, 0) + 1
+        return out
+
+    def _row_spec(self, r: Row, drafting: dict[str, int] | None = None) -> RowSpec:
         # Under the adaptive policy a row's first step drafts nothing: its first token then costs one target
         # forward, not the draft's catching up with the prompt as well (time to first token). A fixed K drafts
         # from the first step.
         room = max(0, self.max_len - len(r.req.tokens) - 1)
         first = r.req.stats.target_forwards == 0 and self.policy.enabled and not r.fixed_k
         cap = max(0, min(r.cap, room, r.req.remaining - 1)) if r.proposer is not None and not first else 0
-        return RowSpec(cap, r.acceptance.rate, self.estimates.propose_s.get(r.req.stats.method, 0.0),
+        method = r.req.stats.method
+        return RowSpec(cap, r.acceptance.rate, self.estimates.propose_cost(method, (drafting or {}).get(method, 1)),
                        self.catchup_s(r), extra_tokens=r.extra_tokens, tokens_by_k=r.acceptance.tokens_by_k(cap))
 
     def _observe_acceptance(self, r: Row, drafted: int, accepted: int, scored: int, asked: int) -> None:
@@ -373,7 +384,7 @@ class Batch:
                 r.req.stats.propose_s += dt * p.k / max(1, drafted)    # the group's time shared by drafted tokens
                 proposals[i] = self._trim(p, asked[i])
             if drafted:
-                self.estimates.observe_propose(self.rows[idx[0]].req.stats.method, dt / drafted)
+                self.estimates.observe_propose(self.rows[idx[0]].req.stats.method, dt / drafted, rows=len(idx))
         return proposals, total
 
     @staticmethod
@@ -457,3 +468,22 @@ def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> No
             one = min(one, time.perf_counter() - t)
         est.draft_prefill_s_per_token = best / n_tok
         est.propose_s.setdefault("draft", one)
+    if engine.draft is not None:
+        # the draft's one-token forward over n rows at once (a batch's draft rows draft together): per drafted token
+        draft = engine.draft.model
+        n_ctx = max(1, min(ctx, draft.max_len - 2))
+        todo = [n for n in sorted({min(max_rows, 1 << i) for i in range(max_rows.bit_length() + 1)})
+                if ("draft", rows_bucket(n)) not in est.propose_s_rows]
+        if todo and (max(todo) == 1 or getattr(draft, "supports_batch", False)):
+            cache = draft.new_cache(max(todo), n_ctx + 1)
+            for n in todo:
+                cache.lengths[:n] = [n_ctx] * n
+                best = min(_timed(lambda: draft(torch.zeros(n, 1, dtype=torch.long, device=draft.device), cache,
+                                                last_only=True)) for _ in range(repeats + 1))
+                est.propose_s_rows[("draft", rows_bucket(n))] = best / n
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
