@@ -114,3 +114,38 @@ def test_gguf_blocks_are_used_as_stored(tmp_path, qtype, tied):
     eng = Engine(lm, method="ngram", k=4, adaptive_k=False)
     for prompt in ["the quick brown fox the quick brown fox the", "def add(a, b):"]:
         assert eng.generate(prompt, greedy(20)).token_ids == plain.generate(prompt, greedy(20)).token_ids
+
+
+def test_cli_generate_and_serve_take_quantization(dirs):
+    import json
+
+    from typer.testing import CliRunner
+
+    from leaplm.cli import app
+
+    run = lambda *a: CliRunner().invoke(app, list(a))
+    plain = run("generate", "t1 t2 t3 t4 t5 t1 t2", "--model", dirs[0], "--method", "none", "--max-new-tokens", "12",
+                "--quantization", "int4", "--json", "--ignore-eos")
+    spec = run("generate", "t1 t2 t3 t4 t5 t1 t2", "--model", dirs[0], "--method", "ngram", "--fixed-k",
+               "--max-new-tokens", "12", "--quantization", "int4", "--json", "--ignore-eos")
+    assert plain.exit_code == 0 and spec.exit_code == 0, plain.output + spec.output
+    ids = lambda r: json.loads(r.stdout)["samples"][0]["token_ids"]
+    assert ids(plain) == ids(spec) and len(ids(plain)) == 12
+    for cmd in (["generate", "t1", "--model", dirs[0], "--method", "none"], ["serve", "--model", dirs[0]]):
+        bad = run(*cmd, "--quantization", "q3")
+        assert bad.exit_code == 2 and "--quantization" in bad.output and "q3" in bad.output, bad.output
+
+
+def test_no_extension_falls_back_to_torch_and_says_why(monkeypatch, caplog):
+    from leaplm.kernels import build
+
+    monkeypatch.setenv("LEAPLM_NO_EXTENSION", "1")
+    monkeypatch.setattr(build, "_state", {})
+    assert build.unavailable_reason() == "LEAPLM_NO_EXTENSION=1"
+    with caplog.at_level("WARNING"):
+        assert build.load() is None
+    assert "LEAPLM_NO_EXTENSION=1" in caplog.text and "pure-PyTorch" in caplog.text
+    from leaplm.quant.formats import quantize
+    from leaplm.quant.linear import QuantizedLinear
+
+    assert QuantizedLinear(quantize(torch.randn(4, 32), "int8")).backend == "torch"
