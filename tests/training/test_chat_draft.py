@@ -141,3 +141,33 @@ def test_cli_chatdata_then_distill_chat(chat_target, tmp_path):
     r = run.invoke(app, ["train", "distill-chat", "--model", chat_target, "--logits-dir", str(tmp_path / "d"),
                          "--out", str(tmp_path / "m2"), "--shape", "huge"])
     assert r.exit_code == 2 and "--shape" in r.output
+
+
+def test_transformers_assisted_generation_takes_the_reduced_vocabulary_draft(chat_draft, chat_target):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from leaplm.bench.runner import hf_assistant
+
+    tok = AutoTokenizer.from_pretrained(chat_target)
+    model = AutoModelForCausalLM.from_pretrained(chat_target).eval()
+    ids = tok("hello, how are you", return_tensors="pt")
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=tok.eos_token_id)
+    with torch.inference_mode():
+        plain = model.generate(**ids, **kw)
+        assisted = model.generate(**ids, **kw, assistant_model=hf_assistant(chat_draft, torch.float32),
+                                  num_assistant_tokens=3)
+    assert assisted.tolist() == plain.tolist()
+
+
+def test_chat_workloads_go_through_the_template(chat_target):
+    from transformers import AutoTokenizer
+
+    from leaplm.bench.workloads import CHAT_WORKLOADS, as_chat, get_workload
+
+    tok = AutoTokenizer.from_pretrained(chat_target)
+    for name in CHAT_WORKLOADS:
+        w = get_workload(name, 3)
+        assert w.chat and len(w.prompts) == 3
+        c = as_chat(w, tok)
+        assert not c.chat and all(p.startswith("<|user|>") and p.endswith("<|assistant|>") for p in c.prompts)
+    assert all(p.startswith("Write a Python function `") for p in get_workload("chat-code", 3).prompts)

@@ -59,7 +59,7 @@ def bench(
     methods: str = typer.Option("none,draft", help="Comma list; options after ':' separated by ';', e.g. "
                                                    "'none,draft,draft:k=8;adaptive_k=0,ngram:ngram_max=3'."),
     k: int = typer.Option(4, "--k", "-k"),
-    workloads: str = typer.Option("code,copy", help="Comma list of: code, copy."),
+    workloads: str = typer.Option("code,copy", help="Comma list of: code, copy, chat-code, chat-edit, chat-question."),
     prompts: int = typer.Option(6, help="Prompts per workload."),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens"),
     rounds: int = typer.Option(2, help="Timed rounds over all prompts (after one warm-up)."),
@@ -88,7 +88,7 @@ def bench(
     from ..engine.engine import Engine, draft_quantization
     from ..models import embedded, load_model
     from .runner import hf_contenders, leaplm_contender, machine_info, run_bench, summarize
-    from .workloads import fit_to_context, get_workload
+    from .workloads import as_chat, fit_to_context, get_workload
 
     logging.basicConfig(level=logging.WARNING)
     if threads is not None:
@@ -115,11 +115,12 @@ def bench(
         if room < 8:
             _fail(f"--max-new-tokens: {max_new_tokens} leaves no room for a prompt in the context of "
                   f"{target.model.max_len}")
-        wls = [fit_to_context(w, target.tokenizer, room) for w in wls]
+        wls = [fit_to_context(as_chat(w, target.tokenizer, target_name), target.tokenizer, room) for w in wls]
         configs = parse_methods(methods, k)
         if k_sweep is not None:
             configs = sweep_configs(configs, k_sweep)
-        draft_name = draft or (embedded.default_draft() if model is None else None)
+        # no --draft: the embedded default, or the shipped draft trained for this target (matched by tokenizer)
+        draft_name = draft or (embedded.default_draft() if model is None else embedded.draft_for(target.tokenizer))
         drafts: dict[str, object] = {}
         contenders = []
         for label, method, opts in configs:

@@ -88,11 +88,11 @@ def hf_contenders(target_path: str, draft_path: str | None, k: int, kinds: list[
     seeded before every call; assisted generation then verifies with speculative sampling."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(target_path)
-    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).eval()
+    tok = AutoTokenizer.from_pretrained(**_hf_source(target_path))
+    model = AutoModelForCausalLM.from_pretrained(**_hf_source(target_path), dtype=dtype).eval()
     assistant = None
     if "assisted" in kinds and draft_path:
-        assistant = AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).eval()
+        assistant = hf_assistant(draft_path, dtype)
 
     sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
                 else dict(do_sample=False))
@@ -117,6 +117,47 @@ def hf_contenders(target_path: str, draft_path: str | None, k: int, kinds: list[
     if "lookup" in kinds:
         out.append(Contender(f"hf-prompt-lookup k={k}", make({"prompt_lookup_num_tokens": k})))
     return out
+
+
+def _hf_source(path: str) -> dict:
+    """from_pretrained arguments for a checkpoint directory or a GGUF file (transformers dequantizes it)."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_file():
+        return dict(pretrained_model_name_or_path=str(p.parent), gguf_file=p.name)
+    return dict(pretrained_model_name_or_path=path)
+
+
+def hf_assistant(draft_path: str, dtype: torch.dtype):
+    """The draft as a transformers assistant model; a reduced-vocabulary draft (models/draft_vocab.py) gets the
+    same mapping leaplm uses (target ids in, logits over the target's vocabulary out, -inf outside)."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from ..models.draft_vocab import has_draft_vocab, read_d2t, t2d_table
+
+    if not has_draft_vocab(draft_path):
+        return AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).eval()
+    from transformers import LlamaForCausalLM
+
+    d2t = read_d2t(draft_path)
+    V = json.loads((Path(draft_path) / "config.json").read_text())["leaplm_draft"]["target_vocab_size"]
+    t2d, cols, keep = t2d_table(d2t, V), d2t.clamp(min=0), d2t >= 0
+
+    class MappedAssistant(LlamaForCausalLM):
+        def forward(self, input_ids=None, **kw):
+            out = super().forward(input_ids=t2d[input_ids], **kw)
+            small = out.logits                                                  # [B, T, N]
+            full = small.new_full((*small.shape[:-1], V), float("-inf"))        # [B, T, V]
+            out.logits = full.index_copy_(-1, cols[keep], small[..., keep])
+            return out
+
+    m = MappedAssistant.from_pretrained(draft_path, dtype=dtype).eval()
+    m.config.vocab_size = V          # generation's checks and processors see the target's vocabulary
+    return m
 
 
 def run_bench(contenders: list[Contender], workloads: list[Workload], max_new_tokens: int, rounds: int,

@@ -3,6 +3,9 @@
 - code: the context before a function definition plus its `def` line; the model writes the body (free-form).
 - copy: a whole function followed by the start of a second copy of it; the continuation repeats text that
   is already in the prompt (what prompt lookup and suffix caches exploit).
+- chat-code, chat-edit, chat-question: user messages for chat models (applied through the target's chat
+  template by the caller): "Write a Python function ..." from held-out docstrings, a held-out function with an
+  edit instruction, plain questions written here (none of them among training/chat_prompts.py's).
 """
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ from dataclasses import dataclass
 
 from ..training.corpus import stdlib_files
 
-WORKLOADS = ("code", "copy")
+WORKLOADS = ("code", "copy", "chat-code", "chat-edit", "chat-question")
+CHAT_WORKLOADS = ("chat-code", "chat-edit", "chat-question")
 _DEF = re.compile(r"^( *)(async )?def \w+\(")
 
 
@@ -20,6 +24,7 @@ class Workload:
     name: str
     description: str
     prompts: list[str]
+    chat: bool = False              # prompts are user messages: apply the target's chat template (as_chat)
 
 
 def functions(split: str = "heldout", min_lines: int = 8, max_lines: int = 40,
@@ -72,6 +77,66 @@ def copy_workload(n: int = 8, max_chars: int = 1400, lead_lines: int = 2) -> Wor
     return Workload("copy", "a held-out function, then the start of a second copy of it", prompts)
 
 
+HELDOUT_QUESTIONS = (
+    "What is the difference between a shallow copy and a deep copy in Python?",
+    "How do I check whether a string is a palindrome?",
+    "Explain what a generator expression is.",
+    "What is the boiling point of water at sea level?",
+    "How do I count the words in a text file with Python?",
+    "What does the `with` statement do in Python?",
+    "Name three planets of the solar system.",
+    "What is the difference between a set and a list?",
+    "How can I measure how long a function takes to run?",
+    "Explain what a closure is in programming.",
+    "What is an HTTP status code 404?",
+    "Give two reasons to write tests for your code.",
+)
+
+
+def _docstring_requests(n: int) -> list[str]:
+    import ast
+
+    out = []
+    for lines, i, j in _spread(functions(min_lines=4, max_lines=60), n * 8):
+        src = "".join(lines[i:j])
+        indent = len(src) - len(src.lstrip(" "))
+        try:
+            node = ast.parse("\n".join(ln[indent:] for ln in src.splitlines())).body[0]
+        except (SyntaxError, IndexError):
+            continue
+        doc = ast.get_docstring(node) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+        first = doc.strip().split("\n\n")[0].replace("\n", " ").split(". ")[0].rstrip(".") if doc else ""
+        if len(first) > 15 and not node.name.startswith("_"):
+            args = ", ".join(a.arg for a in node.args.args if a.arg not in ("self", "cls"))
+            out.append(f"Write a Python function `{node.name}({args})` that {first[0].lower() + first[1:]}.")
+    return _spread(out, n)
+
+
+def chat_workload(name: str, n: int = 8) -> Workload:
+    if name == "chat-code":
+        return Workload(name, "chat: write a function from a held-out docstring", _docstring_requests(n), chat=True)
+    if name == "chat-edit":
+        asks = ("Add type hints to this function.", "Explain what this function does.",
+                "Rewrite this function so that it is easier to read.", "Add a docstring to this function.")
+        prompts = []
+        for idx, (lines, i, j) in enumerate(_spread(functions(min_lines=5, max_lines=20), n)):
+            body = "".join(lines[i:j])
+            indent = len(body) - len(body.lstrip(" "))
+            body = "".join(ln[indent:] if ln.strip() else ln for ln in body.splitlines(keepends=True))
+            prompts.append(f"{asks[idx % len(asks)]}\n\n```python\n{body.rstrip()}\n```")
+        return Workload(name, "chat: edit or explain a held-out function", prompts, chat=True)
+    return Workload(name, "chat: plain questions", _spread(list(HELDOUT_QUESTIONS), n), chat=True)
+
+
+def as_chat(w: Workload, tokenizer, name: str = "model") -> Workload:
+    """A chat workload's messages through the target's chat template (assistant turn opened)."""
+    if not w.chat:
+        return w
+    from ..models.tokens import chat_prompt
+
+    return Workload(w.name, w.description, [chat_prompt(tokenizer, p, name) for p in w.prompts], chat=False)
+
+
 def fit_to_context(w: Workload, tokenizer, max_prompt_tokens: int) -> Workload:
     """Cut prompts from the left (at line starts where possible) until they fit the model's context."""
     fitted = []
@@ -88,6 +153,8 @@ def get_workload(name: str, n: int) -> Workload:
         return code_workload(n)
     if name == "copy":
         return copy_workload(n)
+    if name in CHAT_WORKLOADS:
+        return chat_workload(name, n)
     from ..config import ConfigError
 
     raise ConfigError("workload", f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
