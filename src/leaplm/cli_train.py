@@ -375,14 +375,16 @@ def acceptance_cmd(
     draft: Optional[str] = typer.Option(None, "--draft", help="Draft checkpoint (default: the embedded draft)."),
     ks: str = typer.Option("1,2,3,4,5,6,7,8", "--k", help="Comma list of K."),
     temperatures: str = typer.Option("0,0.8", "--temperatures", help="Comma list of temperatures (0 = greedy)."),
-    prompts: int = typer.Option(8, min=1, help="Held-out prompts (code workload, never trained on)."),
+    prompts: int = typer.Option(8, min=1, help="Held-out prompts of --workload (never trained on)."),
+    workload: str = typer.Option("code", "--workload", help="Benchmark workload: code, copy, chat-code, chat-edit, "
+                                                            "chat-question (chat ones through the target's template)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
     seed: int = typer.Option(0),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the rows here (input of `train card`)."),
     threads: Optional[int] = Threads,
 ) -> None:
     """Acceptance rate and mean accepted length of a draft against its target, per K and temperature."""
-    from .bench.workloads import code_workload, fit_to_context
+    from .bench.workloads import as_chat, fit_to_context, get_workload
     from .models import embedded, load_model
     from .training.acceptance import eval_acceptance
 
@@ -396,10 +398,13 @@ def acceptance_cmd(
         raise typer.BadParameter("each K must be >= 1", param_hint="--k")
     if not temps or min(temps) < 0:
         raise typer.BadParameter("temperatures must be >= 0", param_hint="--temperatures")
-    with _user_errors(["model", "draft"]):
+    with _user_errors(["model", "draft", "workload"]):
         tgt = load_model(target or embedded.default_target(), field="model")
-        drf = load_model(draft or embedded.default_draft() or "", field="draft")
-    w = fit_to_context(code_workload(prompts), tgt.tokenizer, tgt.model.max_len - max_new_tokens - max(k_list) - 2)
+        # no --draft: the embedded default draft, or the one shipped for this target (matched by tokenizer)
+        drf = load_model(draft or (embedded.draft_for(tgt.tokenizer) if target else embedded.default_draft()) or "",
+                         field="draft")
+        w = as_chat(get_workload(workload, prompts), tgt.tokenizer, tgt.name)
+    w = fit_to_context(w, tgt.tokenizer, min(tgt.model.max_len, 4096) - max_new_tokens - max(k_list) - 2)
     t = Table("temperature", "K", "acceptance rate", "mean accepted length", "drafted", title=f"{drf.name} -> {tgt.name}")
     rows = eval_acceptance(tgt, drf, w.prompts, k_list, temps, max_new_tokens, seed,
                            on_row=lambda r: err.print(f"[dim]T={r.temperature} K={r.k}: "
