@@ -80,9 +80,12 @@ def quantize_model(model, quantization: str, gguf_path: str | None = None, backe
         model.quantized[name] = lin
         rep.quantized[name] = qw.fmt
         rep.weight_bytes += qw.nbytes
-    for name, why in rep.kept.items():
+    for name in rep.kept:
         rep.weight_bytes += params[name].numel() * params[name].element_size()
-        log.warning("quantization %s: %s stays in %s (%s)", quantization, name, params[name].dtype, why)
+    if rep.kept:
+        name, why = next(iter(rep.kept.items()))
+        log.warning("quantization %s: %d of %d linear weights stay in %s, e.g. %s (%s)", quantization, len(rep.kept),
+                    len(rep.kept) + len(rep.quantized), params[name].dtype, name, why)
     _free_fp_weights(model, rep.quantized)
     model._fast = None
     log.info("quantization %s: %d linear weights quantized (%d from the GGUF file as stored), %.1f MB read per "
