@@ -27,11 +27,11 @@ test: setup
 test-all: setup
 	$(BIN)/python -m pytest -q tests
 
-# The reliability suite with its long variants (soak length: SOAK_SECONDS, default 300);
+# The reliability suite with its long variants (marked soak; soak length: SOAK_SECONDS, default 300);
 # its figures are printed and written to reliability-report.json (docs/reliability.md quotes them).
 reliability: setup
 	OMP_NUM_THREADS=1 SOAK_SECONDS=$${SOAK_SECONDS:-300} RELIABILITY_REPORT=$${RELIABILITY_REPORT:-reliability-report.json} \
-		$(BIN)/python -m pytest -q tests/reliability
+		$(BIN)/python -m pytest -q -m "not slow or soak" tests/reliability
 
 # Ray Serve scale-out (two replicas on this machine, about two minutes): installs the ray extra, and a missing
 # ray fails instead of skipping.
