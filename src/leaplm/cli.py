@@ -59,8 +59,10 @@ def generate(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text; read from stdin when omitted."),
     model: Optional[str] = ModelOpt,
     draft: Optional[str] = DraftOpt,
-    method: Optional[str] = typer.Option(None, help="none|draft|ngram|suffix|lookahead|layerskip "
+    method: Optional[str] = typer.Option(None, help="none|draft|ngram|suffix|lookahead|layerskip|eagle|medusa "
                                                     "(default: draft when a draft is known, else none)."),
+    head: Optional[str] = typer.Option(None, "--head", help="eagle/medusa: head directory (default: the head "
+                                                            "shipped for the target)."),
     k: int = KOpt,
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
     temperature: float = typer.Option(0.0, help="0 = greedy (the default here), > 0 samples."),
@@ -111,7 +113,7 @@ def generate(
                         adaptive_k=adaptive_k, ngram_min=ngram_min, ngram_max=ngram_max, window=window,
                         ngram_size=ngram_size, guess_set=guess_set, skip_layers=_skip_layers(skip_layers),
                         skip_confidence=skip_confidence,
-                        corpus=corpus, quantization=quantization)
+                        corpus=corpus, quantization=quantization, head=head)
         if chat:
             from .models.tokens import chat_prompt
 

@@ -30,6 +30,12 @@ def models_list(ctx: typer.Context) -> None:
         t.add_column(col)
     for name, path in embedded.available().items():
         cfg = json.loads((path / "config.json").read_text())
+        if "head" in cfg:                        # a draft head (heads/checkpoint.py), picked for its target
+            h, mb = cfg["head"], sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
+            t.add_row(name, f"{cfg['kind']} head for {cfg.get('target_name', 'its target')} (default)",
+                      f"{_param_count(path) / 1e6:.1f}M", str(h.get("num_heads", 1)), str(h["hidden_size"]),
+                      str(h["vocab_size"]), f"{mb:.1f}", str(path))
+            continue
         meta = cfg.get("leaplm_draft")
         role = "target (default)" if name == embedded.TARGET else (
             "draft (default)" if name == embedded.BEST_DRAFT else

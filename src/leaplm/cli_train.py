@@ -474,3 +474,4 @@ def ondata_cmd(
     out.print(f"wrote {rows} sequences to {out_path}")
 
 from . import cli_train_chat  # noqa: E402,F401  (registers `train chatdata`)
+from . import cli_heads  # noqa: E402,F401 - registers `train eagle` and `train medusa` on train_app

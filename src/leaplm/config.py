@@ -109,7 +109,7 @@ class SamplingParams:
                f"must be null or an integer in [0, {self.MAX_LOGPROBS}], got {lp!r}")
 
 
-METHODS = ("none", "draft", "ngram", "suffix", "lookahead", "layerskip")
+METHODS = ("none", "draft", "ngram", "suffix", "lookahead", "layerskip", "eagle", "medusa")
 
 
 @dataclass
@@ -139,6 +139,8 @@ class SpecConfig:
     the first draft token is always proposed)."""
     corpus: str | None = None
     """suffix: optional file or directory of text whose n-grams seed the static cache."""
+    head: str | None = None
+    """eagle/medusa: head directory (leaplm, Speculators or EAGLE layout); None = the head shipped for the target."""
     adaptive_k: bool = True
     """Lower K (to 0) when measured acceptance says speculation costs more than it saves."""
 
@@ -166,6 +168,9 @@ class SpecConfig:
                                                              "make the draft the target itself)")
         c = self.skip_confidence
         _check(_is_real(c) and 0 <= c < 1, "skip_confidence", f"must be in [0, 1), got {c!r}")
+        if self.head is not None:
+            _check(isinstance(self.head, str) and os.path.exists(self.head), "head",
+                   f"no such head directory: {self.head!r}")
         if self.corpus is not None:
             _check(isinstance(self.corpus, str) and os.path.exists(self.corpus), "corpus",
                    f"no such file or directory: {self.corpus!r}")

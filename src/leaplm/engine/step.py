@@ -142,11 +142,16 @@ class Batch:
         prompt_lps = None
         # prefilled at once unless a budget chunks it; prompt logprobs come back with the join, so whole too
         whole = self.max_num_batched_tokens is None or prompt_logprobs is not None
+        proposer = self._new_proposer(method, factory) if factory is not None else None
         try:
             if len(ids) > 1 and whole:
                 want = prompt_logprobs is not None
-                logits = self.model(torch.tensor([ids[:-1]], device=self.model.device), self._row_cache(i),
-                                    last_only=not want)
+                feats = reads_hidden(proposer)
+                out = self._forward(torch.tensor([ids[:-1]], device=self.model.device), self._row_cache(i),
+                                    feats, last_only=not (want or feats))
+                logits = out.logits if feats else out
+                if feats:
+                    proposer.observe_hidden(0, out.hidden[0])
                 self.cache.advance(len(ids) - 1, i)
                 if want:
                     prompt_lps = [None] + prompt_token_logprobs(logits[0], ids[1:], prompt_logprobs)
@@ -154,9 +159,11 @@ class Batch:
                 prompt_lps = [None]
         except Exception:
             self.cache.truncate(0, i)
+            close = getattr(proposer, "close", None)
+            if close is not None:
+                close()
             raise
         req.stats.prefill_s = time.perf_counter() - t0
-        proposer = self._new_proposer(method, factory) if factory is not None else None
         seen = self.estimates.method_acceptance.get(method)
         acceptance = AcceptanceEstimate.seeded(seen.rate) if seen is not None else AcceptanceEstimate()
         row = Row(req, LogitsProcessor(params), proposer, cap, adaptive_k is False, acceptance, tag=tag,
@@ -227,7 +234,9 @@ class Batch:
                 block[i, 0] = r.req.tokens[-1]
                 if p is not None:
                     block[i, 1: 1 + p.k] = p.tokens.to("cpu")
-            logits = self.model(block.to(self.model.device), self.cache)                 # [n, T, V]
+            feats = any(reads_hidden(r.proposer) for r in rows)
+            out = self._forward(block.to(self.model.device), self.cache, feats)
+            logits, hidden = (out.logits, out.hidden) if feats else (out, None)       # [n, T, V], [n, T, hid]
             self.estimates.costs.observe(n, T, time.perf_counter() - tp)
         tv = time.perf_counter()
 
@@ -238,10 +247,15 @@ class Batch:
             out = RowOutput(r)
             try:
                 if p is not None and p.parents is not None:
-                    result, row_logits = self._score_verify_tree(i, r, p)              # [T_tree, V]
+                    result, row_logits, row_hidden = self._score_verify_tree(i, r, p)  # [T_tree, V]
+                    rows_kept = [0] + [j + 1 for j in result.path]
                 else:
                     row_logits = logits[i, : 1 + d]                                   # [1 + k_i, V]
                     result = verify_chain(r.req, p, r.proc, row_logits)
+                    row_hidden, rows_kept = (hidden[i] if hidden is not None else None), None
+                if reads_hidden(r.proposer):    # the target's features of the committed block tokens
+                    kept = rows_kept or list(range(1 + result.accepted))
+                    r.proposer.observe_hidden(len(r.req.tokens) - 1, row_hidden[kept])
                 if p is not None:
                     r.proposer.observe(p, result, extra_logits(p, row_logits))
                     self._observe_acceptance(r, d, result.accepted, row_logits.shape[0], asked[i])
@@ -291,8 +305,11 @@ class Batch:
             if n > 0:
                 t0 = time.perf_counter()
                 try:
-                    self.model(torch.tensor([ids[r.prefilled: r.prefilled + n]], device=self.model.device),
-                               self._row_cache(i), last_only=True)
+                    feats = reads_hidden(r.proposer)
+                    out = self._forward(torch.tensor([ids[r.prefilled: r.prefilled + n]], device=self.model.device),
+                                        self._row_cache(i), feats, last_only=not feats)
+                    if feats:
+                        r.proposer.observe_hidden(r.prefilled, out.hidden[0])
                 except Exception as e:  # noqa: BLE001 - one request's failure is its own
                     log.exception("a request failed in its prefill")
                     failed.append(RowOutput(self.remove(i), error=f"engine error: {type(e).__name__}: {e}"))
@@ -412,10 +429,22 @@ class Batch:
         row it overwrites), then the tree verifier. Returns (result, logits [T_tree, V])."""
         tb = tree_block(r.req, p)
         t = time.perf_counter()
-        logits = self.model(tb.ids.unsqueeze(0), self._row_cache(i), tree_mask=tb.layout.mask,
-                            position_offsets=tb.layout.depths)[0]                       # [T_tree, V]
+        feats = reads_hidden(r.proposer)
+        out = self._forward(tb.ids.unsqueeze(0), self._row_cache(i), feats, tree_mask=tb.layout.mask,
+                            position_offsets=tb.layout.depths)
+        logits, hidden = (out.logits[0], out.hidden[0]) if feats else (out[0], None)   # [T_tree, V | hid]
         self.estimates.costs.observe(1, tb.ids.numel(), time.perf_counter() - t)
-        return verify_tree(r.req, p, r.proc, logits, tb.layout), logits
+        return verify_tree(r.req, p, r.proc, logits, tb.layout), logits, hidden
+
+    def _forward(self, ids: torch.Tensor, cache, feats: bool, **kw):
+        """The target's logits, or (with feats, for proposers reading the target's features) a Scored with the
+        last hidden state too."""
+        return self.model.forward_hidden(ids, cache, **kw) if feats else self.model(ids, cache, **kw)
+
+
+def reads_hidden(proposer) -> bool:
+    """Proposers reading the target's features (EAGLE) get them through observe_hidden(start, hidden)."""
+    return getattr(proposer, "reads_hidden", False)
 
 
 def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:

@@ -36,6 +36,12 @@ def _linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tenso
 
 
 @dataclass
+class Scored:
+    logits: torch.Tensor     # [B, T, V]
+    hidden: torch.Tensor     # [B, T, hidden]: the last hidden state after the final norm (lm_head's input)
+
+
+@dataclass
 class LlamaArgs:
     vocab_size: int
     hidden_size: int
@@ -234,10 +240,17 @@ class LlamaForCausalLM(nn.Module):
         position_offsets [T] are node depths; layers: the subset of layers to run (layer-skip drafting).
         Writes K/V at each row's [length, length + T) without moving the length (see KVCache).
         """
+        return self.forward_hidden(input_ids, cache, tree_mask=tree_mask, position_offsets=position_offsets,
+                                   layers=layers, last_only=last_only).logits
+
+    def forward_hidden(self, input_ids: torch.Tensor, cache: KVCache, *, tree_mask: torch.Tensor | None = None,
+                       position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
+                       last_only: bool = False) -> "Scored":
+        """forward(), also returning the last hidden state after the final norm (what EAGLE heads read)."""
         if not torch.is_inference_mode_enabled():   # entering the mode costs more than a small layer
             with torch.inference_mode():
-                return self.forward(input_ids, cache, tree_mask=tree_mask, position_offsets=position_offsets,
-                                    layers=layers, last_only=last_only)
+                return self.forward_hidden(input_ids, cache, tree_mask=tree_mask,
+                                           position_offsets=position_offsets, layers=layers, last_only=last_only)
         B, T = input_ids.shape
         cache.check_room(T, B)
         lens = cache.lengths[:B]
@@ -279,8 +292,9 @@ class LlamaForCausalLM(nn.Module):
             x = x + _linear(F.silu(g) * u, w.down)
         if last_only:
             x = x[:, -1:]
+        h = F.rms_norm(x, (hid,), self.norm.weight, eps)          # [B, T, hid]
         head = self.quantized.get("lm_head.weight", self.lm_head.weight)
-        return _linear(F.rms_norm(x, (hid,), self.norm.weight, eps), head)   # [B, T, V]
+        return Scored(_linear(h, head), h)                         # logits [B, T, V]
 
     def _mask(self, lens, T, kv_len, tree_mask, pos, offs, device):
         """Boolean attention mask [B, 1, T, S] (True = attend), or None when plain causal decoding of one token

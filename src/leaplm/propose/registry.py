@@ -41,7 +41,7 @@ def _load_builtin() -> None:
     """Import proposer modules so their @register runs (kept lazy: each pulls only what it needs)."""
     import importlib
 
-    for mod in ("ngram", "suffix", "lookahead", "layer_skip"):
+    for mod in ("ngram", "suffix", "lookahead", "layer_skip", "eagle", "medusa"):
         try:
             importlib.import_module(f"{__package__}.{mod}")
         except ModuleNotFoundError as e:

@@ -1,0 +1,152 @@
+"""`leaplm train eagle` and `leaplm train medusa`: training draft heads on the frozen target (mounted on
+cli_train's train_app). Rendering only; the recipes live in training/eagle.py and training/medusa.py."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .cli_train import Threads, StepProgress, _setup, _user_errors, out, train_app
+from .training.eagle import EagleTrainConfig
+
+
+def _e(name: str, help: str, **kw):
+    return typer.Option({f.name: f.default for f in dataclasses.fields(EagleTrainConfig)}[name], help=help, **kw)
+
+
+def _check_target(value: str) -> str:
+    p = Path(value)
+    if not (p / "config.json").exists() and not (p.is_file() and p.suffix == ".gguf"):
+        raise typer.BadParameter(f"{value!r} is neither a checkpoint directory (config.json) nor a .gguf file")
+    return value
+
+
+def _check_corpus(value: str) -> str:
+    if value != "stdlib" and not Path(value).exists():
+        raise typer.BadParameter(f"{value!r} is neither 'stdlib' nor an existing directory or file")
+    return value
+
+
+class HeadProgress(StepProgress):
+    """The training bar, plus each held-out evaluation: acceptance 1 - TV(p, q) per drafted position."""
+
+    def __call__(self, s) -> None:
+        super().__call__(s)
+        if s.eval_accept is not None:
+            acc = ", ".join(f"{a:.3f}" for a in s.eval_accept)
+            self.progress.console.log(f"  held-out acceptance by draft position: {acc}")
+
+
+@train_app.command("eagle")
+def eagle_cmd(
+    target_dir: str = typer.Option(..., "--target", callback=_check_target,
+                                   help="The target: checkpoint directory or .gguf file."),
+    out_dir: Path = typer.Option(..., "--out", help="Head directory (rerun to resume from its checkpoint)."),
+    corpus: str = _e("corpus", "Prompts: 'stdlib', a directory of .py files, or a .jsonl file.",
+                     callback=_check_corpus),
+    steps: int = _e("steps", "Optimizer steps.", min=1),
+    batch_size: int = _e("batch_size", "Sequences per step.", min=1),
+    prompt_tokens: int = _e("prompt_tokens", "Corpus tokens per prompt.", min=1),
+    new_tokens: int = _e("new_tokens", "Tokens the target generates per prompt.", min=1),
+    temperatures: str = typer.Option("0,0.8,1.0", help="Generation temperatures, cycled per batch (0 = greedy)."),
+    unroll: int = _e("unroll", "Training-time-test passes (draft positions trained).", min=1, max=8),
+    corpus_fraction: float = _e("corpus_fraction", "Share of batches that are corpus windows (no generation).",
+                                min=0.0, max=1.0),
+    reuse: int = _e("reuse", "Optimizer steps per generated batch (others replay recent batches).", min=1),
+    intermediate_size: Optional[int] = typer.Option(None, min=1, help="Head MLP width (default: the target's)."),
+    lr: float = _e("lr", "Peak learning rate.", min=0.0),
+    seed: int = _e("seed", "Random seed."),
+    save_every: int = _e("save_every", "Steps between resumable checkpoints.", min=1),
+    eval_every: int = _e("eval_every", "Steps between held-out evaluations (stdlib corpus).", min=1),
+    max_minutes: Optional[float] = typer.Option(None, min=0.0, help="Stop (and save) after this wall time."),
+    max_files: Optional[int] = typer.Option(None, min=1, help="Use only the first N corpus files (tests)."),
+    threads: Optional[int] = Threads,
+) -> None:
+    """Train an EAGLE head on the frozen target by self-distillation on its own greedy and sampled text."""
+    from .training.eagle import train_eagle
+
+    temps = _temps(temperatures)
+    _setup(threads)
+    cfg = EagleTrainConfig(target_dir=target_dir, out_dir=str(out_dir), corpus=corpus, steps=steps,
+                           batch_size=batch_size, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                           temperatures=temps, unroll=unroll, reuse=reuse, corpus_fraction=corpus_fraction, intermediate_size=intermediate_size,
+                           lr=lr, seed=seed, save_every=save_every, eval_every=eval_every, max_minutes=max_minutes,
+                           max_files=max_files)
+    with _user_errors([f.name for f in dataclasses.fields(cfg)]), HeadProgress("train eagle") as bar:
+        last = train_eagle(cfg, bar)
+    _done(out_dir, steps, last)
+
+
+@train_app.command("medusa")
+def medusa_cmd(
+    target_dir: str = typer.Option(..., "--target", callback=_check_target,
+                                   help="The target: checkpoint directory or .gguf file."),
+    out_dir: Path = typer.Option(..., "--out", help="Head directory (rerun to resume from its checkpoint)."),
+    heads: int = _e("medusa_heads", "Medusa heads (draft depth).", min=1, max=8),
+    corpus: str = _e("corpus", "Prompts: 'stdlib', a directory of .py files, or a .jsonl file.",
+                     callback=_check_corpus),
+    steps: int = _e("steps", "Optimizer steps.", min=1),
+    batch_size: int = _e("batch_size", "Sequences per step.", min=1),
+    prompt_tokens: int = _e("prompt_tokens", "Corpus tokens per prompt.", min=1),
+    new_tokens: int = _e("new_tokens", "Tokens the target generates per prompt.", min=1),
+    temperatures: str = typer.Option("0,0.8,1.0", help="Generation temperatures, cycled per batch (0 = greedy)."),
+    corpus_fraction: float = _e("corpus_fraction", "Share of batches that are corpus windows (no generation).",
+                                min=0.0, max=1.0),
+    reuse: int = _e("reuse", "Optimizer steps per generated batch (others replay recent batches).", min=1),
+    lr: float = _e("lr", "Peak learning rate.", min=0.0),
+    seed: int = _e("seed", "Random seed."),
+    save_every: int = _e("save_every", "Steps between resumable checkpoints.", min=1),
+    eval_every: int = _e("eval_every", "Steps between held-out evaluations (stdlib corpus).", min=1),
+    max_minutes: Optional[float] = typer.Option(None, min=0.0, help="Stop (and save) after this wall time."),
+    max_files: Optional[int] = typer.Option(None, min=1, help="Use only the first N corpus files (tests)."),
+    threads: Optional[int] = Threads,
+) -> None:
+    """Train Medusa-1 heads on the frozen target by self-distillation on its own greedy and sampled text."""
+    from .training.eagle import train_eagle
+
+    temps = _temps(temperatures)
+    _setup(threads)
+    cfg = EagleTrainConfig(target_dir=target_dir, out_dir=str(out_dir), corpus=corpus, steps=steps,
+                           batch_size=batch_size, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                           temperatures=temps, reuse=reuse, corpus_fraction=corpus_fraction, lr=lr, seed=seed,
+                           save_every=save_every, eval_every=eval_every, max_minutes=max_minutes,
+                           max_files=max_files, kind="medusa", medusa_heads=heads)
+    with _user_errors([f.name for f in dataclasses.fields(cfg)]), HeadProgress("train medusa") as bar:
+        last = train_eagle(cfg, bar)
+    _done(out_dir, steps, last)
+
+
+@train_app.command("export-head")
+def export_cmd(
+    head: Path = typer.Option(..., "--head", help="A leaplm EAGLE head directory (from `leaplm train eagle`)."),
+    target_dir: str = typer.Option(..., "--target", callback=_check_target, help="The head's target."),
+    out_dir: Path = typer.Option(..., "--out", help="Directory to write."),
+    layout: str = typer.Option("speculators", help="speculators (vLLM, speculators) | eagle (EAGLE's repos)."),
+    speculative_tokens: int = typer.Option(5, min=1, help="Speculators: proposal_methods' speculative_tokens."),
+) -> None:
+    """Export an EAGLE head to the Speculators layout (vLLM's --speculative-config '{"model": OUT,
+    "method": "eagle"}') or to the original EAGLE repositories' layout."""
+    from .heads.formats import export_head
+    from .models.loading import load_model
+
+    with _user_errors(["head", "layout", "target_dir"]):
+        target = load_model(target_dir, field="target_dir")
+        export_head(head, out_dir, target, layout, speculative_tokens)
+    out.print(f"wrote {layout} layout to {out_dir}")
+
+
+def _temps(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of numbers",
+                                 param_hint="--temperatures") from None
+
+
+def _done(out_dir: Path, steps: int, last) -> None:
+    if last is None:
+        out.print(f"nothing to do: {out_dir} already finished its {steps} steps (raise --steps to continue)")
+        return
+    out.print(f"done: step {last.step}/{last.steps}, loss {last.loss:.4f}; head in {out_dir}")

@@ -1,0 +1,30 @@
+"""Medusa-1 heads trained by `leaplm train medusa`: the EAGLE recipe's data and loop (training/eagle.py,
+kind="medusa") with this loss. Head i reads f_t and is scored by KL(p_{t+1+i} || q_i), p_{t+1+i} being the
+target's distribution of token t + 2 + i (self-distillation on the target's own text, frozen target)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..heads.medusa_net import MedusaNet
+from .eagle import PassStats, TargetBatch
+
+
+def medusa_losses(net: MedusaNet, lm_head: torch.Tensor, b: TargetBatch) -> list[PassStats]:
+    """One PassStats per head. b.feats [B, S, hid]; lm_head [V, hid] (frozen)."""
+    B, S, _ = b.feats.shape
+    out = []
+    preds = net(b.feats)                                               # [H, B, S, hid]
+    for i in range(preds.shape[0]):
+        n = S - 1 - i                                                  # positions t with a label t + 1 + i
+        if n < 1:
+            break
+        logq = torch.log_softmax(F.linear(preds[i, :, :n], lm_head), -1)        # [B, n, V]
+        with torch.no_grad():
+            lp = torch.log_softmax(F.linear(b.feats[:, 1 + i:], lm_head), -1)  # [B, n, V]
+        kl = (lp.exp() * (lp - logq)).sum(-1).mean()
+        with torch.no_grad():
+            agree = (logq.argmax(-1) == lp.argmax(-1)).float().mean().item()
+            accept = torch.minimum(lp.exp(), logq.exp()).sum(-1).mean().item()
+        out.append(PassStats(kl, kl.item(), agree, accept))
+    return out

@@ -1,0 +1,58 @@
+"""Medusa-1 heads: training lowers the loss in seconds; greedy output equals plain decoding for trees of several
+sizes; sampled output follows the target's distribution (Monte Carlo, tests/engine/mc_bounds.py) in mixed
+batches, with untrained (miscalibrated) heads too."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from head_helpers import train_tiny_eagle, write_word_corpus
+from leaplm import Engine, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
+from mc_bounds import tv_and_bound  # noqa: E402
+from test_batch_distribution import N, sample_in_batches  # noqa: E402
+from test_lossless_sampling import PROCESSED, exact_positions_2_3  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def medusa16(tiny_llama_factory, tmp_path_factory):
+    target = tiny_llama_factory(vocab=16, layers=2, seed=3)
+    d = tmp_path_factory.mktemp("medusa16")
+    logs = train_tiny_eagle(target.path, write_word_corpus(d / "c.jsonl", 16), d / "head", steps=30,
+                            kind="medusa", medusa_heads=3)
+    return {"target": target, "head": str(d / "head"), "logs": logs}
+
+
+def test_training_lowers_the_loss(medusa16):
+    logs = medusa16["logs"]
+    first, last = sum(l.loss for l in logs[:3]) / 3, sum(l.loss for l in logs[-3:]) / 3
+    assert last < 0.8 * first, (first, last)
+    assert len(logs[-1].agree) == 3                         # one figure per head
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_equals_none(medusa16, k):
+    target = medusa16["target"]
+    eng = Engine(target, method="medusa", k=k, head=medusa16["head"], adaptive_k=False)
+    drafted = 0
+    for prompt in ([1, 2, 3], [5], [7, 3, 9, 3, 7, 1, 2, 2, 4, 11, 12]):
+        params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+        assert eng.generate(prompt, params).token_ids == \
+            Engine(target, method="none").generate(prompt, params).token_ids
+        drafted += eng.generate(prompt, params).stats.draft_tokens
+    assert drafted > 0
+
+
+def test_sampled_rows_follow_the_target(tiny_vocab, ref_probs, tmp_path):
+    """Untrained heads start as the identity (each guesses the token after f_t): miscalibrated on purpose."""
+    target = tiny_vocab["target"]
+    train_tiny_eagle(target.path, write_word_corpus(tmp_path / "c.jsonl", 8), tmp_path / "h", steps=1,
+                     kind="medusa", medusa_heads=3, lr=1e-9)
+    exact = exact_positions_2_3(target.path, SamplingParams(**PROCESSED), ref_probs)
+    eng = Engine(target, draft=tiny_vocab["near"], method="draft", k=4, head=str(tmp_path / "h"), adaptive_k=False)
+    got = sample_in_batches(eng, PROCESSED, kinds=[("medusa", 4), ("none", None), ("medusa", 2), ("draft", 2)])
+    tv, bound = tv_and_bound(got, exact, N)
+    assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f}"
