@@ -275,6 +275,9 @@ def train_eagle(cfg: EagleTrainConfig, on_step: Callable[[EagleStepLog], None] |
     def export(step: int) -> None:
         save_head(out, cfg.kind, hcfg.to_dict(), identity_of(loaded), net.state_dict(),
                   {"trained_steps": step, "target_name": loaded.name})
+        from ..heads.card import write_head_card
+
+        write_head_card(out)
 
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
