@@ -58,6 +58,12 @@ def tiny_llama_factory(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def long_context_llama(tmp_path_factory) -> str:
+    """A tiny Llama (2 layers, 2 kv heads x 8) whose config allows 131072 positions, like Llama-3.2-1B's."""
+    return write_tiny_llama(tmp_path_factory.mktemp("long_ctx"), vocab=32, layers=2, max_len=131072)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tiny_llama_factory):
     """Vocabulary 16, 4 layers: small enough to enumerate distributions, big enough to have layers to skip."""
     return tiny_llama_factory()
@@ -89,6 +95,17 @@ FAMILIES = {
     "mistral_sw": ("MistralConfig", dict(sliding_window=8)),
     "qwen2_bias": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3_qknorm": ("Qwen3Config", dict(attention_bias=False)),
+    # every other field that changes the maths (tests/models/test_config_fields.py): native or the fallback
+    "llama_biases": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
+    "llama_gelu": ("LlamaConfig", dict(hidden_act="gelu_pytorch_tanh")),
+    "llama_yarn": ("LlamaConfig", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 64})),
+    "llama_dynamic": ("LlamaConfig", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+    "llama_longrope": ("LlamaConfig", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                                         "long_factor": [2.0, 3.0, 4.0, 6.0],
+                                                         "original_max_position_embeddings": 64})),
+    "qwen2_swa": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen3_bias": ("Qwen3Config", dict(attention_bias=True)),
     # drafts sharing the tokenizer: a different random llama that rarely agrees with any target
     "llama_draft": ("LlamaConfig", dict(num_hidden_layers=1, seed=7)),
     "llama_draft_short": ("LlamaConfig", dict(num_hidden_layers=1, seed=7, max_position_embeddings=48)),

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from .cli_aliases import ALIAS_FLAGS, check_llama_cpp_only, check_samples, parse_speculative_config
 from .config import ConfigError, SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -47,11 +48,21 @@ def _skip_layers(text: Optional[str]) -> Optional[list[int]]:
 
 # Options shared by generate and bench: names as vLLM / llama.cpp users know them.
 ModelOpt = typer.Option(None, "--model", "-m", help="Target: local HF checkpoint dir, a .gguf file, or hub id (default: embedded).")
-DraftOpt = typer.Option(None, "--draft", help="Draft model for --method draft (default: the embedded draft).")
-KOpt = typer.Option(5, "--k", "-k", help="Speculative tokens per step (tree nodes for tree methods).")
+DraftOpt = typer.Option(None, "--draft", "-md", "--model-draft",
+                        help="Draft model for --method draft (default: the embedded draft).")
+KOpt = typer.Option(5, "--k", "-k", "--draft-max", "--num-speculative-tokens",
+                    help="Speculative tokens per step (tree nodes for tree methods).")
+SpecConfigOpt = typer.Option(None, "--speculative-config", help="vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+                             "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' or '{\"model\": DRAFT}'.")
+DraftMinOpt = typer.Option(None, "--draft-min", hidden=True)          # llama.cpp's: refused with leaplm's name
+NglOpt = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", hidden=True)   # llama.cpp's: 0 accepted
 QuantOpt = typer.Option(None, "--quantization", help="Weight-only quantization of target and draft: int8 | int4 "
                                                      "(blocks of 32, quantized at load) | gguf (a GGUF file's own "
                                                      "Q8_0/Q4_0/Q4_1 blocks). Default: none.")
+DtypeOpt = typer.Option("float32", help="float32|bfloat16|float16|auto (auto: the checkpoint's dtype).")
+KVDtypeOpt = typer.Option("auto", "--kv-cache-dtype", help="KV-cache dtype: auto (the model's)|float32|bfloat16|float16.")
+MaxLenOpt = typer.Option(None, "--max-model-len", "-c", "--ctx-size", help="Context (prompt + output) per request "
+                                                       "(default: min(the model's, 4096)).")
 
 
 @app.command()
@@ -64,7 +75,7 @@ def generate(
     head: Optional[str] = typer.Option(None, "--head", help="eagle/medusa: head directory (default: the head "
                                                             "shipped for the target)."),
     k: int = KOpt,
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "--max-tokens", "--n-predict"),
     temperature: float = typer.Option(0.0, help="0 = greedy (the default here), > 0 samples."),
     top_k: int = typer.Option(0, "--top-k"),
     top_p: float = typer.Option(1.0, "--top-p"),
@@ -72,7 +83,8 @@ def generate(
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
     seed: Optional[int] = typer.Option(None, help="Seed; sample i of -n uses seed + i."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
-    n: int = typer.Option(1, "-n", help="Independent samples of the same prompt."),
+    n: int = typer.Option(1, "-n", help="Independent samples of the same prompt (vLLM's n; llama.cpp's -n is "
+                                        "--max-new-tokens here)."),
     stream: bool = typer.Option(False, help="Print text as it is generated."),
     as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object."),
     chat: bool = typer.Option(False, "--chat", help="PROMPT is a user message: apply the model's chat template."),
@@ -88,8 +100,13 @@ def generate(
                                           help="layerskip: stop drafting when the draft's top probability drops below this."),
     corpus: Optional[str] = typer.Option(None, "--corpus", help="suffix: extra text file or directory."),
     device: str = typer.Option("cpu", help="cpu|cuda|mps"),
-    dtype: str = typer.Option("float32", help="float32|bfloat16|float16"),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
+    dtype: str = DtypeOpt,
+    kv_cache_dtype: str = KVDtypeOpt,
+    max_model_len: Optional[int] = MaxLenOpt,
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="torch CPU threads (default: torch's choice)."),
+    speculative_config: Optional[str] = SpecConfigOpt,
+    draft_min: Optional[int] = DraftMinOpt,
+    n_gpu_layers: Optional[int] = NglOpt,
     quantization: Optional[str] = QuantOpt,
 ):
     """Generate a continuation of PROMPT, with speculation, and report acceptance and speed."""
@@ -102,15 +119,24 @@ def generate(
         if sys.stdin is None or sys.stdin.isatty():
             fail("prompt: give PROMPT or pipe it on stdin")
         prompt = sys.stdin.read()
-    if n < 1:
-        fail(f"-n: must be >= 1, got {n}")
+    try:
+        check_samples(n)
+        check_llama_cpp_only(draft_min, n_gpu_layers)
+        sc = parse_speculative_config(speculative_config)
+    except ConfigError as e:
+        fail(f"{ALIAS_FLAGS.get(e.field, '--' + e.field.replace('_', '-'))}: {e.message}")
+    method, draft = sc.method or method, sc.draft or draft
+    k = sc.k if sc.k is not None else k
+    ngram_min = sc.ngram_min if sc.ngram_min is not None else ngram_min
+    ngram_max = sc.ngram_max if sc.ngram_max is not None else ngram_max
     try:
         params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  min_p=min_p, repetition_penalty=repetition_penalty,
                                  seed=None if seed is None else seed + i, stop=list(stop or []),
                                  ignore_eos=ignore_eos) for i in range(n)]
         engine = Engine(model=model, draft=draft, method=method, k=k, device=device, dtype=dtype,
-                        adaptive_k=adaptive_k, ngram_min=ngram_min, ngram_max=ngram_max, window=window,
+                        kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, adaptive_k=adaptive_k,
+                        ngram_min=ngram_min, ngram_max=ngram_max, window=window,
                         ngram_size=ngram_size, guess_set=guess_set, skip_layers=_skip_layers(skip_layers),
                         skip_confidence=skip_confidence,
                         corpus=corpus, quantization=quantization, head=head)
@@ -153,7 +179,8 @@ def generate(
             "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_length": round(s.mean_accepted_length, 4),
             "decode_s": round(s.decode_s, 4), "tokens_per_s": round(s.tokens_per_s, 2),
             "prefill_s": round(s.prefill_s, 4), "acceptance_by_position": [round(a, 4) for a in
-                                                                            s.acceptance_by_position]}}))
+                                                                            s.acceptance_by_position],
+            "max_model_len": engine.max_model_len, "kv_cache_peak_bytes": engine.kv_cache_peak_bytes}}))
     else:
         s = total
         spec = f"{s.method} k={s.k}" if s.method != "none" else "none"

@@ -176,3 +176,34 @@ def test_rows_of_different_lengths_match_single_rows(loaded):
     for row, toks in enumerate((a, b)):
         ref = model(torch.tensor([toks + nxt[row].tolist()]), model.new_cache(1, 256))[0, len(toks):]
         torch.testing.assert_close(out[row], ref, atol=ATOL, rtol=0)
+
+
+# --- growth: storage follows the rows' lengths (CHUNK shrunk so a short history crosses many chunks) ----------
+@pytest.mark.parametrize("name", ["llama_tied", "mistral_sw"])
+def test_growing_cache_equals_fresh_prefill(name, loaded, monkeypatch):
+    from leaplm.cache import kv_cache
+
+    monkeypatch.setattr(kv_cache, "CHUNK", 4)
+    test_random_accepts_and_rejects_equal_fresh_prefill(name, 3, loaded)
+    test_compacted_tree_path_equals_fresh_prefill(name, 1, loaded)
+
+
+def test_growth_is_in_chunks_and_shrinks_when_empty(loaded, monkeypatch):
+    from leaplm.cache import kv_cache
+
+    monkeypatch.setattr(kv_cache, "CHUNK", 4)
+    model = loaded("llama_tied").model
+    cache = model.new_cache(2, 200)
+    assert cache.capacity == 4 and cache.nbytes == 2 * 4 * cache.bytes_per_token
+    view = cache.row_view(1)                                 # a joining row's prefill grows the parent
+    model(torch.tensor([list(range(9))]), view)
+    cache.advance(9, 1)
+    assert cache.capacity == 12                              # 9 slots, at least doubled, in whole chunks
+    assert cache.nbytes == 2 * 12 * cache.bytes_per_token
+    view = cache.row_view(1)
+    ref = model(torch.tensor([list(range(9)) + [5]]), model.new_cache(1, 200))[0, -1]
+    torch.testing.assert_close(model(torch.tensor([[5]]), view)[0, -1], ref, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError):
+        cache.check_room(192, 2)                             # 9 + 192 > 200: the limit stays max_len
+    cache.truncate(0, 1)                                     # every row empty: back to one chunk
+    assert cache.capacity == 4 and cache.peak_nbytes == 2 * 12 * cache.bytes_per_token

@@ -67,9 +67,11 @@ def bench(
     seed: int = typer.Option(0),
     baselines: Optional[str] = typer.Option(None, help="'hf' adds transformers generate: plain, assisted, "
                                                        "prompt lookup (same models, prompts, K)."),
-    dtype: str = typer.Option("float32"),
+    dtype: str = typer.Option("float32", help="float32|bfloat16|float16|auto (auto: the checkpoint's dtype)."),
     quantization: Optional[str] = typer.Option(None, "--quantization", help="int8 | int4 | gguf for target and "
                                                "draft (see `leaplm generate --help`)."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context per request "
+                                                "(default: min(the model's, 4096))."),
     threads: Optional[int] = typer.Option(None),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all figures and samples here."),
     plot: Optional[Path] = typer.Option(None, help="Write a speedup bar chart (PNG) here."),
@@ -111,10 +113,12 @@ def bench(
         wls = [get_workload(w.strip(), prompts) for w in workloads.split(",") if w.strip()]
         target_name = model or embedded.default_target()
         target = load_model(target_name, dtype=dtype, field="model", quantization=quantization)
-        room = target.model.max_len - max_new_tokens - max(k, 8) - 2
+        from ..models.loading import resolve_max_model_len
+
+        context = resolve_max_model_len(max_model_len, target.model.max_len, target_name)
+        room = context - max_new_tokens - max(k, 8) - 2
         if room < 8:
-            _fail(f"--max-new-tokens: {max_new_tokens} leaves no room for a prompt in the context of "
-                  f"{target.model.max_len}")
+            _fail(f"--max-new-tokens: {max_new_tokens} leaves no room for a prompt in the context of {context}")
         wls = [fit_to_context(as_chat(w, target.tokenizer, target_name), target.tokenizer, room) for w in wls]
         configs = parse_methods(methods, k)
         if k_sweep is not None:
@@ -133,7 +137,7 @@ def bench(
                     drafts[dn] = load_model(dn, dtype=dtype, field="draft",
                                             quantization=draft_quantization(quantization, dn))
                 d = drafts[dn]
-            eng = Engine(target, draft=d, method=method, **opts)
+            eng = Engine(target, draft=d, method=method, max_model_len=context, **opts)
             contenders.append(leaplm_contender(label, eng, params))
     except ConfigError as e:
         _fail(f"--{e.field.replace('_', '-')}: {e.message}")

@@ -1,4 +1,4 @@
-"""A preallocated key/value cache for a batch of sequences, each with its own length.
+"""A key/value cache for a batch of sequences, each with its own length, grown in chunks as they grow.
 
 The rule that makes rollback free: a forward over T new tokens of row b writes their keys and values into
 slots [lengths[b], lengths[b] + T) but does not move lengths[b]; attention never reads a slot at or past
@@ -6,20 +6,77 @@ a row's length except the ones the current forward just wrote. So "keeping n of 
 `lengths[b] += n`, and "rejecting" them is doing nothing: the stale slots are overwritten by the next
 forward. Tree verification keeps a path of non-contiguous nodes; `compact` moves those few slots to be
 contiguous first. tests/cache/test_kv_cache.py checks both against a fresh prefill.
+
+Memory follows the work: `max_len` is the limit a row may reach, `capacity` the slots allocated per row now.
+check_room (called by every forward before it writes) grows the capacity to the next multiple of CHUNK at
+least doubling it, copying the committed slots (amortized O(1) per token); when every row is empty again the
+cache drops back to one chunk. A model whose config allows 131072 positions thus holds what its requests use.
 """
 from __future__ import annotations
 
 import torch
 
+CHUNK = 256          # slots per row allocated at a time
+
 
 class KVCache:
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        shape = (batch_size, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # [B, Hkv, S, D] per layer
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]  # [B, Hkv, S, D] per layer
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", capacity: int | None = None):
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
         self.max_len = max_len
         self.lengths = [0] * batch_size  # committed tokens per row (host ints: read on every forward)
+        self.k: list[torch.Tensor] = []  # [B, Hkv, capacity, D] per layer
+        self.v: list[torch.Tensor] = []
+        self.capacity = 0
+        self.peak_nbytes = 0
+        self._allocate(min(max_len, CHUNK) if capacity is None else min(max_len, capacity))
+
+    def _allocate(self, capacity: int, keep: int = 0) -> None:
+        """New storage of `capacity` slots per row, the first `keep` slots of every row copied over."""
+        shape = (self.batch_size, self.n_kv_heads, capacity, self.head_dim)
+        old_k, old_v = self.k, self.v
+        self.k, self.v = [], []
+        with torch.inference_mode(False):   # normal tensors even when a forward grows us: commit-time ops
+            self._fill(shape, old_k, old_v, keep)   # (compact, move_row) run outside inference mode
+        self.capacity = capacity
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
+
+    def _fill(self, shape, old_k, old_v, keep: int) -> None:
+        for i in range(self.n_layers):
+            for old, new in ((old_k, self.k), (old_v, self.v)):
+                # zeros, not empty: a short row's slots up to the batch's longest row are read (masked), and
+                # uninitialized memory may hold NaN, which a zero attention weight does not cancel
+                t = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if keep:
+                    t[:, :, :keep] = old[i][:, :, :keep]
+                if old:
+                    old[i] = None   # free layer by layer: growth never holds two whole caches
+                new.append(t)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated now (every layer's K and V)."""
+        return 2 * self.n_layers * self.batch_size * self.n_kv_heads * self.capacity * self.head_dim * \
+            self.dtype.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token of one row takes (every layer's K and V)."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.batch_size * self.capacity
+
+    def reserve(self, needed: int) -> None:
+        """Make room for `needed` slots per row (growing in chunks, at least doubling); never beyond max_len."""
+        if needed <= self.capacity:
+            return
+        cap = max(needed, 2 * self.capacity)
+        cap = min(self.max_len, -(-cap // CHUNK) * CHUNK)
+        self._allocate(cap, keep=self.capacity)   # every slot, not only committed ones: a forward's uncommitted
+        # slots (a layer-skip draft's, a chain block before a tree row's forward) may still be read
 
     @property
     def batch_size(self) -> int:
@@ -39,9 +96,15 @@ class KVCache:
             self.v[layer][b, :, s : s + T] = v[b]
 
     def check_room(self, T: int, B: int = 1) -> None:
+        """Before a forward writes T tokens to rows [0, B): refuse past max_len, grow the storage if needed."""
         longest = max(self.lengths[:B])
         if longest + T > self.max_len:
             raise ValueError(f"KV cache full: {longest} + {T} tokens exceed max_len={self.max_len}")
+        self.reserve(longest + T)
+
+    def _shrink_if_empty(self) -> None:
+        if self.capacity > CHUNK and not any(self.lengths):
+            self._allocate(min(self.max_len, CHUNK))
 
     # --- commit-time operations: the only ones that change state -------------------------------------------
     def advance(self, n: int, row: int = 0) -> None:
@@ -53,6 +116,8 @@ class KVCache:
         if not 0 <= length <= self.lengths[row]:
             raise ValueError(f"truncate to {length} outside [0, {self.lengths[row]}]")
         self.lengths[row] = length
+        if length == 0:
+            self._shrink_if_empty()
 
     def compact(self, offsets: list[int], row: int = 0) -> None:
         """After a tree forward: make the written slots at lengths[row] + offsets contiguous from lengths[row].
@@ -73,6 +138,7 @@ class KVCache:
 
     def reset_row(self, row: int) -> None:
         self.lengths[row] = 0
+        self._shrink_if_empty()
 
     def move_row(self, src: int, dst: int) -> None:
         """Copy row src to row dst (the server keeps its running requests in rows [0, n))."""
@@ -82,14 +148,38 @@ class KVCache:
                 t[dst, :, :n] = t[src, :, :n]
         self.lengths[dst] = n
 
-    def row_view(self, row: int) -> "KVCache":
+    def row_view(self, row: int) -> "RowView":
         """Row `row` seen as a batch-1 cache: its k/v are views of this cache's storage, its length a copy.
 
         The batch scheduler prefills a joining request through it, then commits with advance(n, row) here.
         """
-        view = object.__new__(KVCache)
-        view.k = [t[row : row + 1] for t in self.k]     # [1, Hkv, S, D] per layer, shared storage
-        view.v = [t[row : row + 1] for t in self.v]
-        view.max_len = self.max_len
-        view.lengths = [self.lengths[row]]
-        return view
+        return RowView(self, row)
+
+
+class RowView(KVCache):
+    """One row of a parent cache as a batch-1 cache. Growth goes to the parent (every row grows together),
+    after which the view re-slices the parent's new storage."""
+
+    def __init__(self, parent: KVCache, row: int):   # no storage of its own: slices of the parent's
+        self.parent, self.row = parent, row
+        self.n_layers, self.n_kv_heads, self.head_dim = parent.n_layers, parent.n_kv_heads, parent.head_dim
+        self.dtype, self.device, self.max_len = parent.dtype, parent.device, parent.max_len
+        self.lengths = [parent.lengths[row]]
+        self.peak_nbytes = 0
+        self._slice()
+
+    def _slice(self) -> None:
+        r = self.row
+        self._source = self.parent.k                       # the parent's list: replaced when it reallocates
+        self.k = [t[r: r + 1] for t in self.parent.k]     # [1, Hkv, capacity, D] per layer, shared storage
+        self.v = [t[r: r + 1] for t in self.parent.v]
+        self.capacity = self.parent.capacity
+
+    def reserve(self, needed: int) -> None:
+        if needed > self.parent.capacity:
+            self.parent.reserve(needed)
+        if self._source is not self.parent.k:
+            self._slice()
+
+    def _shrink_if_empty(self) -> None:   # the parent decides (other rows may hold tokens)
+        pass

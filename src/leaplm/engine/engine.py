@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 from ..config import ConfigError, SamplingParams, SpecConfig
 from ..models import LoadedModel, load_model
+from ..models.loading import resolve_max_model_len
 from ..models import embedded
 from ..models.tokens import encode_prompt
 from ..propose.base import Proposer
@@ -51,7 +52,8 @@ class Engine:
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
                  method: str | None = None, k: int = 5, *, device: str = "cpu", dtype: str = "float32",
                  max_model_len: int | None = None, spec: SpecConfig | None = None, draft_device: str | None = None,
-                 quantization: str | None = None, max_num_batched_tokens: int | None = None, **spec_options):
+                 quantization: str | None = None, max_num_batched_tokens: int | None = None,
+                 kv_cache_dtype: str = "auto", **spec_options):
         if draft_device is not None:                 # the draft on another device than the target
             from ..devices import check_device
 
@@ -61,7 +63,7 @@ class Engine:
             if draft is None and method in (None, "draft"):
                 draft = embedded.default_draft()
         self.target = model if isinstance(model, LoadedModel) else load_model(model, device, dtype, "model",
-                                                                                    quantization)
+                                                                                quantization, kv_cache_dtype)
         if draft is None and method in (None, "draft") and (spec is None or spec.draft is None):
             draft = embedded.draft_for(self.target.tokenizer)   # a shipped draft trained for this target
         if spec is None:
@@ -82,7 +84,7 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.tokenizer = self.target.tokenizer
         self.model = self.target.model
-        self.max_model_len = min(max_model_len or self.model.max_len, self.model.max_len)
+        self.max_model_len = resolve_max_model_len(max_model_len, self.model.max_len, self.target.name)
         if self.draft is not None and self.draft.model.max_len < self.max_model_len:
             # the draft must see every committed token: past its positions it would fail mid-request
             log.warning("draft %s has a context of %d positions, shorter than %d: requests are limited to %d",
@@ -129,6 +131,12 @@ class Engine:
             raise ConfigError("max_new_tokens", f"prompt ({len(ids)} tokens) + max_new_tokens "
                                                 f"({params.max_new_tokens}) exceed the context of {self.max_model_len}")
         return ids
+
+    @property
+    def kv_cache_peak_bytes(self) -> int:
+        """Most bytes the target KV cache of generate/stream has held (it grows with the sequence)."""
+        cache = self._batch.cache if self._batch is not None else None
+        return getattr(cache, "peak_nbytes", 0) or 0
 
     # --- the step loop: a batch of one through the one step ---------------------------------------------------
     def proposer_factory(self, method: str) -> Callable[[int], Proposer] | None:
@@ -190,9 +198,18 @@ def draft_quantization(quantization: str | None, draft: str) -> str | None:
 
 
 def check_vocab(target: LoadedModel, draft: LoadedModel) -> None:
-    vt, vd = target.model.vocab_size, draft.model.vocab_size
-    if vt != vd:
-        raise ConfigError("draft", f"draft vocab size {vd} differs from target vocab size {vt}; "
-                                   "the draft must share the target's tokenizer")
-    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
-        raise ConfigError("draft", f"draft tokenizer differs from the target's (both have vocab size {vt})")
+    """The draft must share the target's tokenizer, token for token. Its model may have more or fewer embedding
+    rows than the target's (vocabularies padded to a multiple of 64 or 128) as long as both cover every real
+    token: the draft proposer masks and cuts the padded rows."""
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if tv != dv:
+        diff = sorted(set(tv.items()) ^ set(dv.items()), key=lambda kv: kv[1])
+        tok = diff[0][0]
+        raise ConfigError("draft", f"{draft.name}: its tokenizer ({len(dv)} tokens) disagrees with the target's "
+                                   f"({len(tv)} tokens): token {tok!r} is id {tv.get(tok)} in the target, "
+                                   f"{dv.get(tok)} in the draft; the draft must share the target's tokenizer")
+    real = max(tv.values()) + 1 if tv else 0
+    for who, lm in (("target", target), ("draft", draft)):
+        if lm.model.vocab_size < real:
+            raise ConfigError("draft", f"{lm.name}: the {who} model has {lm.model.vocab_size} vocabulary rows, "
+                                       f"fewer than the {real} tokens of the shared tokenizer")

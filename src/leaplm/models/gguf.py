@@ -92,6 +92,14 @@ def inspect_gguf(name: str, field: str = "model") -> GGUFInfo:
     return GGUFInfo(p, arch, types, None if add_bos is None else bool(add_bos))
 
 
+def file_dtype(info: GGUFInfo) -> str:
+    """The compute dtype --dtype auto picks for a GGUF file: its float type when every tensor is a float
+    (norms are F32 in every file, so an F16 file counts as float16), float32 for quantized files (dequantized)."""
+    kinds = set(info.tensor_types.values()) - {"F32"}
+    return {frozenset(): "float32", frozenset({"F16"}): "float16",
+            frozenset({"BF16"}): "bfloat16"}.get(frozenset(kinds), "float32")
+
+
 def read_gguf_checkpoint(info: GGUFInfo, dtype: torch.dtype, field: str = "model") -> tuple[dict, dict[str, torch.Tensor]]:
     """(Hugging Face config dict, state dict with Hugging Face names in `dtype`) of a checked GGUF file."""
     from transformers import AutoConfig, AutoModelForCausalLM

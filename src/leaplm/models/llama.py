@@ -53,20 +53,53 @@ class LlamaArgs:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None     # {"rope_type": "llama3" | "linear" | "default", ...}
+    rope_scaling: dict | None = None     # {"rope_type": "llama3" | "linear" | "dynamic" | "yarn" | "default", ...}
     tie_word_embeddings: bool = False
-    attention_bias: bool = False         # qwen2: bias on q/k/v
+    attention_bias: bool = False         # bias on q/k/v (qwen2 always; llama and qwen3 with attention_bias)
+    o_bias: bool = False                 # bias on the output projection (llama and qwen3 with attention_bias)
+    mlp_bias: bool = False               # bias on gate/up/down (llama mlp_bias)
+    hidden_act: str = "silu"             # a key of ACTIVATIONS
     qk_norm: bool = False                # qwen3: RMSNorm on each head's q and k
-    sliding_window: int | None = None    # mistral
+    sliding_window: int | None = None    # mistral, qwen2/qwen3 with use_sliding_window
+    window_layers: list[bool] | None = None   # which layers use sliding_window (None: all of them)
     model_type: str = "llama"
     eos_token_id: list[int] = field(default_factory=list)
+    hf_config: dict | None = field(default=None, repr=False)   # for rope types computed by transformers' own code
+
+    def layer_window(self, i: int) -> int | None:
+        if self.sliding_window is None or (self.window_layers is not None and not self.window_layers[i]):
+            return None
+        return self.sliding_window
 
 
-def rope_inv_freq(a: LlamaArgs) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with the llama3 and linear scaling variants."""
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# hidden_act names (transformers' ACT2FN keys) the native MLP implements; any other goes to the fallback
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": _gelu_tanh,
+               "gelu_new": _gelu_tanh, "relu": F.relu}
+# rope types computed here (default, linear, llama3) or by transformers' own init function (dynamic: equal to
+# default up to max_position_embeddings, which positions never pass here; yarn: frequencies and a scale)
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
+
+
+def rope_kind(rs: dict | None) -> str:
+    rs = rs or {}
+    return rs.get("rope_type", rs.get("type", "default")) or "default"
+
+
+def rope_inv_freq(a: LlamaArgs) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim / 2], the scale of cos/sin) for the config's rope type."""
     inv = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float64) / a.head_dim))
     rs = a.rope_scaling or {}
-    kind = rs.get("rope_type", rs.get("type", "default"))
+    kind = rope_kind(rs)
+    if kind in ("dynamic", "yarn"):
+        from transformers import AutoConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv, scale = ROPE_INIT_FUNCTIONS[kind](AutoConfig.for_model(**(a.hf_config or {})), None)
+        return inv.float(), float(scale)
     if kind == "linear":
         inv = inv / rs["factor"]
     elif kind == "llama3":
@@ -79,9 +112,9 @@ def rope_inv_freq(a: LlamaArgs) -> torch.Tensor:
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wl >= hi_wl) & (wl <= lo_wl)
         inv = torch.where(is_mid, mid, scaled)
-    elif kind not in ("default", None):
-        raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported (default, linear, llama3)")
-    return inv.float()
+    elif kind != "default":
+        raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
+    return inv.float(), 1.0
 
 
 class RMSNorm(nn.Module):
@@ -122,7 +155,7 @@ class Attention(nn.Module):
         super().__init__()
         self.h, self.hkv, self.d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         self.qkv = nn.Linear(a.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=a.attention_bias)
-        self.o_proj = nn.Linear(self.h * self.d, a.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d, a.hidden_size, bias=a.o_bias)
         self.q_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
 
@@ -131,8 +164,8 @@ class MLP(nn.Module):
     def __init__(self, a: LlamaArgs):
         super().__init__()
         self.inter = a.intermediate_size
-        self.gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=a.mlp_bias)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
 
 
 class Block(nn.Module):
@@ -156,6 +189,9 @@ class LayerWeights:
     ln2: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -178,12 +214,14 @@ class LlamaForCausalLM(nn.Module):
         self._fast: list[LayerWeights] | None = None
         # parameter name -> a callable standing in for F.linear with that weight (quant/apply.py fills it)
         self.quantized: dict[str, object] = {}
+        self.cache_dtype: torch.dtype | None = None   # --kv-cache-dtype; None: the weights' dtype
 
     @staticmethod
     def rope_table(a: LlamaArgs, device=None) -> torch.Tensor:
-        inv = rope_inv_freq(a)
+        inv, scale = rope_inv_freq(a)
         t = torch.arange(a.max_position_embeddings, dtype=torch.float32)
-        return torch.polar(torch.ones(len(t), len(inv)), torch.outer(t, inv)).to(device)   # [P, D/2]
+        # |cis| = the rope type's cos/sin scale (yarn), applied to q and k alike as transformers does
+        return torch.polar(torch.full((len(t), len(inv)), scale), torch.outer(t, inv)).to(device)   # [P, D/2]
 
     def _apply(self, fn, *args, **kwargs):
         self._fast = None                  # .to() / .half() replace the tensors we hold references to
@@ -202,7 +240,8 @@ class LlamaForCausalLM(nn.Module):
                 b.self_attn.k_norm.weight if b.self_attn.k_norm is not None else None,
                 qw(f"layers.{i}.self_attn.o_proj.weight", b.self_attn.o_proj.weight),
                 b.post_attention_layernorm.weight, qw(f"layers.{i}.mlp.gate_up.weight", b.mlp.gate_up.weight),
-                qw(f"layers.{i}.mlp.down_proj.weight", b.mlp.down_proj.weight)) for i, b in enumerate(self.layers)]
+                qw(f"layers.{i}.mlp.down_proj.weight", b.mlp.down_proj.weight),
+                b.self_attn.o_proj.bias, b.mlp.gate_up.bias, b.mlp.down_proj.bias) for i, b in enumerate(self.layers)]
         return self._fast
 
     # --- protocol ----------------------------------------------------------------------------------------------
@@ -229,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
         a = self.args
         return KVCache(a.num_hidden_layers, batch_size, a.num_key_value_heads, a.head_dim,
-                       max_len or a.max_position_embeddings, self.dtype, self.device)
+                       max_len or a.max_position_embeddings, self.cache_dtype or self.dtype, self.device)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, *, tree_mask: torch.Tensor | None = None,
                 position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
@@ -264,8 +303,10 @@ class LlamaForCausalLM(nn.Module):
                              f"{self.args.max_position_embeddings}")
         cis = self.rope_cis[pos].unsqueeze(2)                      # [B, T, 1, D/2]
         kv_len = max(lens) + T
-        mask = self._mask(lens, T, kv_len, tree_mask, pos, offs, input_ids.device)
         a = self.args
+        windows = [a.layer_window(i) for i in range(a.num_hidden_layers)]
+        masks = {w: self._mask(lens, T, kv_len, tree_mask, pos, offs, input_ids.device, w) for w in set(windows)}
+        act = ACTIVATIONS[a.hidden_act]
         H, Hkv, D, hid, eps = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.hidden_size, a.rms_norm_eps
         gqa = {"enable_gqa": True} if (Hkv != H and _HAS_GQA) else {}
         rep = H // Hkv if (Hkv != H and not _HAS_GQA) else 1
@@ -283,23 +324,24 @@ class LlamaForCausalLM(nn.Module):
             cache.write(i, k, v.transpose(1, 2))
             keys = cache.k[i][:B, :, :kv_len]                      # [B, Hkv, S, D]
             vals = cache.v[i][:B, :, :kv_len]
+            if keys.dtype != q.dtype:                              # a --kv-cache-dtype other than the weights'
+                keys, vals = keys.to(q.dtype), vals.to(q.dtype)
             if rep > 1:
                 keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
-            y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, **gqa)   # [B, H, T, D]
-            x = x + _linear(y.transpose(1, 2).reshape(B, T, H * D), w.o)
+            y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=masks[windows[i]], **gqa)   # [B, H, T, D]
+            x = x + _linear(y.transpose(1, 2).reshape(B, T, H * D), w.o, w.o_bias)
             h = F.rms_norm(x, (hid,), w.ln2, eps)
-            g, u = _linear(h, w.gate_up).chunk(2, dim=-1)         # [B, T, inter] each
-            x = x + _linear(F.silu(g) * u, w.down)
+            g, u = _linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)   # [B, T, inter] each
+            x = x + _linear(act(g) * u, w.down, w.down_bias)
         if last_only:
             x = x[:, -1:]
         h = F.rms_norm(x, (hid,), self.norm.weight, eps)          # [B, T, hid]
         head = self.quantized.get("lm_head.weight", self.lm_head.weight)
         return Scored(_linear(h, head), h)                         # logits [B, T, V]
 
-    def _mask(self, lens, T, kv_len, tree_mask, pos, offs, device):
-        """Boolean attention mask [B, 1, T, S] (True = attend), or None when plain causal decoding of one token
-        per row of equal length needs none."""
-        sw = self.args.sliding_window
+    def _mask(self, lens, T, kv_len, tree_mask, pos, offs, device, sw: int | None):
+        """Boolean attention mask [B, 1, T, S] (True = attend) for a layer with sliding window sw (None: full),
+        or None when plain causal decoding of one token per row of equal length needs none."""
         if T == 1 and tree_mask is None and len(set(lens)) == 1 and (sw is None or kv_len <= sw):
             return None
         j = torch.arange(kv_len, device=device)                   # key slot
@@ -320,15 +362,26 @@ class LlamaForCausalLM(nn.Module):
 
 
 def args_from_hf_config(cfg: dict) -> LlamaArgs:
-    """LlamaArgs from a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
+    """LlamaArgs from a Hugging Face config.json dict (transformers 4.x and 5.x spellings), every field that
+    changes the maths read as transformers' own classes read it. Check native_blockers(cfg) first."""
     mt = cfg.get("model_type")
     heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    sw = cfg.get("sliding_window")
-    if mt in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    scaling = cfg.get("rope_scaling") or (rope if rope_kind(rope) != "default" else None)
+    sw, window_layers = cfg.get("sliding_window"), None
+    if mt in ("qwen2", "qwen3"):      # transformers: the window only with use_sliding_window, per layer_types
+        if not cfg.get("use_sliding_window", False):
+            sw = None
+        n = cfg["num_hidden_layers"]
+        types = cfg.get("layer_types") or ["sliding_attention" if sw is not None and i >= cfg.get("max_window_layers", n)
+                                           else "full_attention" for i in range(n)]
+        window_layers = [t == "sliding_attention" for t in types]
+        if sw is not None and not any(window_layers):
+            sw = None
+    elif mt == "llama":
         sw = None
+    bias = bool(cfg.get("attention_bias", False))
     eos = cfg.get("eos_token_id")
     return LlamaArgs(
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
@@ -338,10 +391,30 @@ def args_from_hf_config(cfg: dict) -> LlamaArgs:
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        attention_bias=cfg.get("attention_bias", mt == "qwen2"), qk_norm=(mt == "qwen3"),
-        sliding_window=sw, model_type=mt,
-        eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
+        attention_bias=True if mt == "qwen2" else (bias and mt in ("llama", "qwen3")),
+        o_bias=bias and mt in ("llama", "qwen3"), mlp_bias=bool(cfg.get("mlp_bias", False)) and mt == "llama",
+        hidden_act=cfg.get("hidden_act", "silu"), qk_norm=(mt == "qwen3"),
+        sliding_window=sw, window_layers=window_layers, model_type=mt,
+        eos_token_id=[eos] if isinstance(eos, int) else list(eos or []), hf_config=cfg,
     )
+
+
+def native_blockers(cfg: dict) -> list[str]:
+    """Fields of a native-family config that the native code does not implement, each as 'field: value'; the
+    loader runs such a model through the transformers fallback instead (or refuses it, naming the field)."""
+    out = []
+    act = cfg.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        out.append(f"hidden_act: {act!r} (native: {', '.join(ACTIVATIONS)})")
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if rope_kind(rope) not in ROPE_TYPES:
+        out.append(f"rope_scaling: rope_type {rope_kind(rope)!r} (native: {', '.join(ROPE_TYPES)})")
+    prf = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if prf not in (None, 1, 1.0):
+        out.append(f"partial_rotary_factor: {prf}")
+    if cfg.get("quantization_config"):
+        out.append(f"quantization_config: {cfg['quantization_config'].get('quant_method', 'quantized')} weights")
+    return out
 
 
 def fuse_hf_state_dict(sd: dict[str, torch.Tensor], a: LlamaArgs) -> dict[str, torch.Tensor]:
@@ -360,6 +433,11 @@ def fuse_hf_state_dict(sd: dict[str, torch.Tensor], a: LlamaArgs) -> dict[str, t
             out[o + "self_attn.qkv.bias"] = torch.cat([interleave_rope_rows(qb, H, D),
                                                        interleave_rope_rows(kb, Hkv, D), vb])
         out[o + "self_attn.o_proj.weight"] = sd[at + "o_proj.weight"]
+        if a.o_bias:
+            out[o + "self_attn.o_proj.bias"] = sd[at + "o_proj.bias"]
+        if a.mlp_bias:
+            out[o + "mlp.gate_up.bias"] = torch.cat([sd[p + "mlp.gate_proj.bias"], sd[p + "mlp.up_proj.bias"]])
+            out[o + "mlp.down_proj.bias"] = sd[p + "mlp.down_proj.bias"]
         if a.qk_norm:
             out[o + "self_attn.q_norm.weight"] = interleave_rope_rows(sd[at + "q_norm.weight"], 1, D)
             out[o + "self_attn.k_norm.weight"] = interleave_rope_rows(sd[at + "k_norm.weight"], 1, D)

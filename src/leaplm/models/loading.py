@@ -14,12 +14,48 @@ import torch
 
 from ..config import ConfigError
 from .draft_vocab import VocabMappedDraft, has_draft_vocab, read_d2t
+from .llama import native_blockers
 from .registry import native_family
 from .tokens import bos_to_add
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_MODEL_LEN = 4096     # the context when --max-model-len is not given (if the model allows it)
+
+
+def resolve_max_model_len(requested: int | None, model_max: int, name: str) -> int:
+    """The context (prompt + output) requests get: --max-model-len, or min(the model's, DEFAULT_MAX_MODEL_LEN).
+    A config allowing 131072 positions must not decide the memory a first `generate` reserves."""
+    if requested is None:
+        n = min(model_max, DEFAULT_MAX_MODEL_LEN)
+        log.info("max_model_len %d for %s (its config allows %d positions; --max-model-len to change)", n, name,
+                 model_max)
+        return n
+    if requested > model_max:
+        raise ConfigError("max_model_len", f"{requested} exceeds the {model_max} positions {name} supports "
+                                           f"(max_position_embeddings)")
+    return requested
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str | None, name: str) -> str:
+    """--dtype: a name in DTYPES, or 'auto' = the checkpoint's own (float32 when it names none we run)."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ConfigError("dtype", f"must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
+        return dtype
+    chosen = checkpoint_dtype if checkpoint_dtype in DTYPES else "float32"
+    log.info("dtype auto: %s for %s (the checkpoint says %s)", chosen, name, checkpoint_dtype)
+    return chosen
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> torch.dtype:
+    """--kv-cache-dtype: 'auto' follows the weights' dtype."""
+    if kv_cache_dtype == "auto":
+        return DTYPES[dtype]
+    if kv_cache_dtype not in DTYPES:
+        raise ConfigError("kv_cache_dtype", f"must be auto or one of {', '.join(DTYPES)}, got {kv_cache_dtype!r}")
+    return DTYPES[kv_cache_dtype]
 
 
 @dataclass
@@ -78,7 +114,8 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def build_native(cfg: dict, hf_state_dict: dict[str, torch.Tensor], device: str, td: torch.dtype):
+def build_native(cfg: dict, hf_state_dict: dict[str, torch.Tensor], device: str, td: torch.dtype,
+                 cache_td: torch.dtype | None = None):
     """The native Llama-family model from a Hugging Face config dict and state dict (Hugging Face names)."""
     from .llama import LlamaForCausalLM, args_from_hf_config, fuse_hf_state_dict
 
@@ -94,20 +131,26 @@ def build_native(cfg: dict, hf_state_dict: dict[str, torch.Tensor], device: str,
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model._fast = None
+    model.cache_dtype = cache_td
     model.eval()
     return model
 
 
 def load_gguf_model(name: str, device: str, dtype: str, field: str = "model",
-                    quantization: str | None = None) -> LoadedModel:
+                    quantization: str | None = None, kv_cache_dtype: str = "auto") -> LoadedModel:
     """A GGUF file (see gguf.py): checked, tokenizer built, tensors dequantized to `dtype`."""
-    from .gguf import inspect_gguf, load_gguf_tokenizer, read_gguf_checkpoint
+    from .gguf import file_dtype, inspect_gguf, load_gguf_tokenizer, read_gguf_checkpoint
 
     info = inspect_gguf(name, field)
+    dtype = resolve_dtype(dtype, file_dtype(info), name)
+    cache_td = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
     tok = load_gguf_tokenizer(info, field)
     td = DTYPES[dtype]
     cfg, sd = read_gguf_checkpoint(info, td, field)
-    model = build_native(cfg, sd, device, td)
+    blockers = native_blockers(cfg)
+    if blockers:
+        raise ConfigError(field, f"{name}: config field {blockers[0]} is not implemented for GGUF files")
+    model = build_native(cfg, sd, device, td, cache_td)
     del sd
     eos = cfg.get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -130,11 +173,14 @@ def _quantize(model, quantization: str, device: str, field: str, gguf_path: str 
 
 
 def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: str = "model",
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, kv_cache_dtype: str = "auto") -> LoadedModel:
     """Load target or draft `name`; `field` names the user's option in errors ('model' or 'draft').
-    quantization: None, or 'int8' | 'int4' | 'gguf' (quant/apply.py) applied at load."""
-    if dtype not in DTYPES:
-        raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    quantization: None, or 'int8' | 'int4' | 'gguf' (quant/apply.py) applied at load. dtype 'auto' takes the
+    checkpoint's; kv_cache_dtype 'auto' follows dtype."""
+    if dtype != "auto":
+        resolve_dtype(dtype, None, name)
+    if kv_cache_dtype != "auto":
+        resolve_kv_cache_dtype(kv_cache_dtype, "float32")
     from ..quant.apply import check_quantization
     from .catalog import resolve_model_name
     from .gguf import is_gguf
@@ -142,12 +188,14 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
     check_quantization(quantization)
     name = resolve_model_name(name, field)     # `smollm2` -> its fetched file (`leaplm models fetch`)
     if is_gguf(name):
-        return load_gguf_model(name, device, dtype, field, quantization)
+        return load_gguf_model(name, device, dtype, field, quantization, kv_cache_dtype)
     if quantization == "gguf":
         raise ConfigError("quantization", f"'gguf' keeps a GGUF file's own blocks, and {name!r} is not a GGUF "
                                           "file (use int8 or int4)")
     path = resolve_path(name, field)
     cfg = json.loads((path / "config.json").read_text())
+    dtype = resolve_dtype(dtype, cfg.get("torch_dtype") or cfg.get("dtype"), name)
+    cache_td = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
     mt = cfg.get("model_type")
     tok = load_tokenizer(path)
     eos = cfg.get("eos_token_id")
@@ -158,14 +206,27 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
     if not eos_ids and tok.eos_token_id is not None:
         eos_ids = [tok.eos_token_id]
     td = DTYPES[dtype]
-    if native_family(mt):
-        model = build_native(cfg, read_state_dict(path), device, td)
+    blockers = native_blockers(cfg) if native_family(mt) else []
+    if native_family(mt) and not blockers:
+        model = build_native(cfg, read_state_dict(path), device, td, cache_td)
         if has_draft_vocab(path):              # a reduced-vocabulary draft: seen as one over the target's tokens
             model = VocabMappedDraft(model, read_d2t(path), cfg["leaplm_draft"]["target_vocab_size"])
     else:
         from .hf import HFCausalLM
 
-        model = HFCausalLM.load(path, cfg, device, td, field)
+        if blockers:   # never silently different output: the model's own code runs what ours does not
+            log.warning("%s: the native %s code does not implement %s; running it through the transformers "
+                        "fallback", name, mt, "; ".join(blockers))
+        if cache_td != td:
+            raise ConfigError("kv_cache_dtype", f"{name} runs through the transformers fallback, whose cache "
+                                                f"follows the weights' dtype ({dtype}); leave --kv-cache-dtype auto")
+        try:
+            model = HFCausalLM.load(path, cfg, device, td, field)
+        except ConfigError as e:
+            if not blockers:
+                raise
+            raise ConfigError(field, f"{name}: config field {blockers[0]} runs neither natively nor in "
+                                     f"transformers ({e.message})") from None
     n_params = sum(p.numel() for p in model.parameters())
     if quantization is not None:
         _quantize(model, quantization, device, field)

@@ -11,6 +11,10 @@ len(tokens) + min(accepted, K - 1) entries, so nothing is ever recomputed or cop
 prompt) is prefilled alone first, so the batched forward's padding stays short; padding after a row's real tokens
 is harmless (causal attention, and the slots past a row's length are overwritten later).
 
+Vocabulary: a draft whose embedding is padded past the tokenizer (or the target's, the other way round) drafts
+over the tokenizer's real tokens only: its padded rows are masked and its logits cut or padded to the target's
+size, so q and p index the same tokens (engine.check_vocab has checked that the tokenizers agree).
+
 Placement: the draft may sit on another device than the target (--draft-device). Its logits move to the
 target's device (out_device) as soon as they are computed, so the logits processors, the request's generator
 and the returned proposal all live where the verifier runs; only the token ids fed to the draft cross back.
@@ -30,13 +34,26 @@ CATCHUP_IN_BATCH = 4      # unseen tokens a row feeds inside the batched forward
 class DraftRows:
     """The draft KV cache of the draft proposers of one batch (see the module docstring)."""
 
-    def __init__(self, model, max_rows: int, max_len: int, out_device=None):
+    def __init__(self, model, max_rows: int, max_len: int, out_device=None, vocab_size: int | None = None,
+                 real_tokens: int | None = None):
         self.model = model                       # CausalLM, shared by all requests
+        self.vocab_size = vocab_size or model.vocab_size     # the target's rows: q must have as many
+        self.real_tokens = real_tokens           # tokens the tokenizer has (rows past it are padding)
         self.out_device = out_device if out_device is not None else model.device   # the target's device
         self.max_len = max_len
         self.cache = model.new_cache(max_rows, max_len)
         self.owners: list[DraftModelProposer] = []          # owners[s] holds slot s
         self.batched = max_rows > 1 and getattr(model, "supports_batch", False)
+
+    def fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [n, V_draft] -> [n, V_target], padded rows at -inf (a no-op when the sizes agree)."""
+        Vd, Vt = logits.shape[-1], self.vocab_size
+        if Vd == Vt:
+            return logits
+        real = min(self.real_tokens or min(Vd, Vt), Vd, Vt)
+        out = logits.new_full((logits.shape[0], Vt), float("-inf"))
+        out[:, :real] = logits[:, :real]
+        return out
 
     # --- slots ---------------------------------------------------------------------------------------------------
     def take_slot(self, proposer: "DraftModelProposer") -> int:
@@ -94,7 +111,7 @@ class DraftRows:
         cur = feeds
         for i in range(max(ks)):
             active = [j for j in range(len(proposers)) if i < ks[j]]
-            logits = self._forward([slots[j] for j in active], [cur[j] for j in active], hi)   # [len(active), V]
+            logits = self.fit_vocab(self._forward([slots[j] for j in active], [cur[j] for j in active], hi))  # [n, V]
             for a, j in enumerate(active):
                 ctx, row_logits = ctxs[j], logits[a: a + 1].to(self.out_device)              # [1, V]
                 pres = presence[j].unsqueeze(0) if presence[j] is not None else None
@@ -148,12 +165,15 @@ class DraftModelFactory:
     """method 'draft': builds one proposer per request; proposers of one batch share a DraftRows group."""
     model: object                                # the draft CausalLM
     out_device: object = None                    # the target's device
+    vocab_size: int | None = None                # the target's vocabulary rows (None: the draft's)
+    real_tokens: int | None = None               # the shared tokenizer's tokens (rows past it are padding)
 
     def new_group(self, max_rows: int, max_len: int) -> DraftRows:
-        return DraftRows(self.model, max_rows, max_len, self.out_device)
+        return DraftRows(self.model, max_rows, max_len, self.out_device, self.vocab_size, self.real_tokens)
 
     def __call__(self, max_len: int, group: DraftRows | None = None) -> "DraftModelProposer":
-        return DraftModelProposer(self.model, max_len, self.out_device, group)
+        return DraftModelProposer(self.model, max_len, self.out_device,
+                                  group if group is not None else self.new_group(1, max_len))
 
 
 class DraftModelProposer:

@@ -24,7 +24,8 @@ def register(method: str):
 def _draft(spec: SpecConfig, target, draft):
     from .draft_model import DraftModelFactory
 
-    return DraftModelFactory(draft.model, out_device=target.model.device)
+    return DraftModelFactory(draft.model, out_device=target.model.device, vocab_size=target.model.vocab_size,
+                             real_tokens=max(target.tokenizer.get_vocab().values()) + 1)
 
 
 def make_proposer_factory(spec: SpecConfig, target, draft) -> Callable[[int], Proposer] | None:

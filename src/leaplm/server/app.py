@@ -97,7 +97,12 @@ class ServerState:
 
 def build_scheduler(engine, config: ServerConfig) -> BatchScheduler:
     """The scheduler over engine, calibrated and warmed up (one short request through every stage)."""
-    sched = BatchScheduler(engine, max_batch=config.max_batch, max_queue=max(config.max_queue, 1))
+    rows = config.max_batch
+    if rows > 1 and not getattr(engine.model, "supports_batch", False):   # the transformers fallback
+        log.warning("%s runs one sequence per forward: serving with one batch row (requests beyond it queue)",
+                    type(engine.model).__name__)
+        rows = 1
+    sched = BatchScheduler(engine, max_batch=rows, max_queue=max(config.max_queue, 1))
     ids = engine.tokenizer("warm up", add_special_tokens=False)["input_ids"] or [0]
     sched.submit([SeqRequest(ids[: max(1, engine.max_model_len // 2)], SamplingParams(max_new_tokens=4, temperature=0),
                              on_output=lambda out: None)])

@@ -27,14 +27,17 @@ def _fail(message: str) -> None:
 
 
 def serve(
+    model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", help="Target, as `vllm serve MODEL` "
+                                              "(same as --model)."),
     model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="Target: local HF checkpoint dir or hub id (default: the embedded model)."),
-    draft: Optional[str] = typer.Option(None, "--draft", "--speculative-model",
+                                        help="Target: local HF checkpoint dir, a .gguf file or hub id (default: the "
+                                             "embedded model)."),
+    draft: Optional[str] = typer.Option(None, "--draft", "--speculative-model", "-md", "--model-draft",
                                         help="Draft model for --method draft (default: the embedded draft)."),
     method: Optional[str] = typer.Option(None, "--method", "--speculative-method",
                                          help="none|draft|ngram|suffix|lookahead|layerskip (default: draft when a "
                                               "draft is known, else none). Requests may override it."),
-    k: int = typer.Option(5, "--k", "-k", "--num-speculative-tokens",
+    k: int = typer.Option(5, "--k", "-k", "--num-speculative-tokens", "--draft-max",
                           help="Most speculative tokens per step; the server lowers it (to 0) as the batch fills."),
     host: str = typer.Option("127.0.0.1", help="Bind address (loopback by default)."),
     port: int = typer.Option(8000, help="TCP port."),
@@ -43,7 +46,10 @@ def serve(
     max_batch: int = typer.Option(8, "--max-batch", "--max-num-seqs", help="Requests decoded together."),
     max_queue: int = typer.Option(64, "--max-queue", help="Waiting sequences (prompts x n) beyond the batch's rows: "
                                   "over max_batch + max_queue in flight, new requests get 429."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context length per request."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", "-c", "--ctx-size",
+                                                help="Context (prompt + output) per request (default: min(the "
+                                                     "model's, 4096)); the cache grows with the requests, up to "
+                                                     "this per row."),
     max_num_batched_tokens: Optional[int] = typer.Option(
         None, "--max-num-batched-tokens", help="Tokens a step may feed the model: longer prompts are prefilled in "
                                                "chunks between decoding steps of running streams (default: whole)."),
@@ -59,7 +65,7 @@ def serve(
     keep_alive_timeout: float = typer.Option(5.0, "--keep-alive-timeout",
                                              help="Seconds an idle keep-alive connection stays open."),
     kv_cache_bytes: Optional[int] = typer.Option(
-        None, "--kv-cache-bytes", help="KV-cache memory admitted sequences may reserve (prompt + max_tokens each); "
+        None, "--kv-cache-bytes", "--kv-cache-memory", "--kv-cache-memory-bytes", help="KV-cache memory admitted sequences may reserve (prompt + max_tokens each); "
                                        "400 for a request that never fits, 429 for one that does not fit now "
                                        "(default: what the cache rows hold)."),
     adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k", help="Choose K per step from measured costs."),
@@ -67,10 +73,17 @@ def serve(
     draft_device: Optional[str] = typer.Option(None, "--draft-device",
                                                help="Device of the draft model (default: --device), e.g. cpu "
                                                     "while the target is on cuda."),
-    dtype: str = typer.Option("float32", help="float32|bfloat16|float16"),
+    dtype: str = typer.Option("float32", help="float32|bfloat16|float16|auto (auto: the checkpoint's dtype)."),
     quantization: Optional[str] = typer.Option(None, "--quantization", help="int8 | int4 | gguf: weight-only "
                                                "quantization of target and draft (see `leaplm generate --help`)."),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
+    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype",
+                                       help="KV-cache dtype: auto (the model's)|float32|bfloat16|float16."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="torch CPU threads (default: torch's choice)."),
+    speculative_config: Optional[str] = typer.Option(
+        None, "--speculative-config", help="vLLM's JSON: method (ngram|draft_model|suffix|...), "
+                                           "num_speculative_tokens, prompt_lookup_max/min, model (the draft)."),
+    draft_min: Optional[int] = typer.Option(None, "--draft-min", hidden=True),      # llama.cpp's: refused
+    n_gpu_layers: Optional[int] = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", hidden=True),
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
     replicas: int = typer.Option(1, "--replicas", help="Engine replicas behind one HTTP endpoint (needs --backend ray)."),
     backend: str = typer.Option("local", "--backend", help="local (this process) | ray (Ray Serve replicas, "
@@ -79,6 +92,17 @@ def serve(
     """Serve the OpenAI API (completions, chat, models) with speculative decoding and continuous batching."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ..cli_aliases import ALIAS_FLAGS, check_llama_cpp_only, parse_speculative_config, pick
+
+    try:
+        model = pick(model, model_arg, "--model", "MODEL")
+        check_llama_cpp_only(draft_min, n_gpu_layers)
+        sc = parse_speculative_config(speculative_config)
+        method, draft = pick(method, sc.method, "--method", "--speculative-config method"), sc.draft or draft
+    except ConfigError as e:
+        _fail(f"{ALIAS_FLAGS.get(e.field, '--' + e.field.replace('_', '-'))}: {e.message}")
+    k = sc.k if sc.k is not None else k
+    spec_options = {n: v for n, v in (("ngram_min", sc.ngram_min), ("ngram_max", sc.ngram_max)) if v is not None}
     try:
         config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                               max_batch=max_batch, max_queue=max_queue, max_model_len=max_model_len,
@@ -132,7 +156,8 @@ def serve(
         return Engine(model, draft=draft, method=method, k=k, device=device, dtype=dtype, draft_device=draft_device,
                       quantization=quantization,
                       max_model_len=max_model_len, adaptive_k=adaptive_k,
-                      max_num_batched_tokens=max_num_batched_tokens)
+                      max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
+                      **spec_options)
 
     code = run_server(config, load, model_name=model or "leaplm-embedded")
     raise typer.Exit(code)

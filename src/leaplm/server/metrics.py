@@ -27,7 +27,10 @@ class ServerMetrics:
         self.running = Gauge(P + "running_requests", "Requests in the running batch.", registry=r)
         self.rows_in_use = Gauge(P + "kv_cache_rows_in_use", "Target KV-cache rows holding tokens.", registry=r)
         self.cached_tokens = Gauge(P + "kv_cache_tokens", "Tokens held in the target KV cache.", registry=r)
-        self.cache_bytes = Gauge(P + "kv_cache_bytes", "Bytes the target KV cache holds (allocated).", registry=r)
+        self.cache_bytes = Gauge(P + "kv_cache_bytes", "Bytes the target KV cache holds (allocated now: it grows "
+                                 "with the running sequences and shrinks when none runs).", registry=r)
+        self.cache_peak_bytes = Gauge(P + "kv_cache_peak_bytes", "Most bytes the target KV cache has held.",
+                                      registry=r)
         self.reserved_tokens = Gauge(P + "kv_cache_reserved_tokens", "KV-cache tokens reserved by admitted "
                                      "sequences (prompt + max_tokens each) until they finish.", registry=r)
         self.budget_tokens = Gauge(P + "kv_cache_budget_tokens", "KV-cache tokens admission may reserve "
@@ -67,6 +70,7 @@ class ServerMetrics:
         from .admission import cache_bytes
 
         self.cache_bytes.set_function(lambda: cache_bytes(scheduler.cache) or 0)
+        self.cache_peak_bytes.set_function(lambda: getattr(scheduler.cache, "peak_nbytes", 0) or 0)
         self.in_flight.set_function(lambda: scheduler.sequences_in_flight)
         if admission is not None:
             self.reserved_tokens.set_function(lambda: admission.reserved_tokens)

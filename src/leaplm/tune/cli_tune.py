@@ -57,7 +57,9 @@ def tune(
     device: str = typer.Option("cpu", help="Target device: cpu|cuda|cuda:N|mps."),
     draft_device: Optional[str] = typer.Option(None, "--draft-device", help="Device of the draft (default: the "
                                                                            "target's)."),
-    dtype: str = typer.Option("float32"),
+    dtype: str = typer.Option("float32", help="float32|bfloat16|float16|auto (auto: the checkpoint's dtype)."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context per request (default: "
+                                                "min(the model's, 4096); tuning uses what its prompts need)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Directory for speedup-vs-K and acceptance plots."),
@@ -115,17 +117,19 @@ def tune(
                     if draft:            # the user named it: a path that does not load is an error
                         raise
                     drafts[label] = e.message
+        from ..models.loading import resolve_max_model_len
+
+        context = resolve_max_model_len(max_model_len, target.model.max_len, target.name)
     except ConfigError as e:
         _fail(f"--{e.field.replace('_', '-')}: {e.message}")
     from ..bench.workloads import fit_to_context
 
-    room = target.model.max_len - max_new_tokens - 12
+    room = context - max_new_tokens - 12
     if room < 8:
-        _fail(f"--max-new-tokens: {max_new_tokens} leaves no room for a prompt in the context of "
-              f"{target.model.max_len}")
+        _fail(f"--max-new-tokens: {max_new_tokens} leaves no room for a prompt in the context of {context}")
     w = fit_to_context(w, target.tokenizer, min(room, 384))
     longest = max(len(target.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in w.prompts)
-    max_len = min(target.model.max_len, longest + max_new_tokens + 12)
+    max_len = min(context, longest + max_new_tokens + 12)
     cset = build_candidates(target, drafts, wanted, grid)
     loaded_drafts = {k: v for k, v in drafts.items() if not isinstance(v, str)}
     settings = TuneSettings(levels=levels, prompts=len(w.prompts), max_new_tokens=max_new_tokens,
