@@ -78,6 +78,7 @@ class ServerState:
     ready: bool = False
     draining: bool = False
     load_error: str | None = None
+    load_error_is_input: bool = False   # the load failed on bad input (ConfigError): serve exits 2
     created: int = field(default_factory=lambda: int(time.time()))
     max_token_chars: int = 0        # the longest token's text: a prompt longer than this x context never fits
     # Tokenizing (and templating) runs here, off the event loop; one worker, since a fast tokenizer object is not
@@ -137,6 +138,11 @@ def create_app(config: ServerConfig, *, load: Callable[[], object] | None = None
             state.ready = True
             log.info("model %s ready (max_batch=%d, max_queue=%d)", state.model_name, config.max_batch,
                      config.max_queue)
+        except ConfigError as e:   # bad input (a path, a file, a config field): one line, no traceback
+            state.load_error, state.load_error_is_input = f"--{e.field.replace('_', '-')}: {e.message}", True
+            log.error("loading the model failed: %s", state.load_error)
+            if on_load_error is not None:
+                on_load_error(state.load_error)
         except Exception as e:  # noqa: BLE001 - reported through /health and on_load_error
             log.exception("loading the model failed")
             state.load_error = f"{type(e).__name__}: {e}"

@@ -101,6 +101,14 @@ def serve(
         method, draft = pick(method, sc.method, "--method", "--speculative-config method"), sc.draft or draft
     except ConfigError as e:
         _fail(f"{ALIAS_FLAGS.get(e.field, '--' + e.field.replace('_', '-'))}: {e.message}")
+    try:                              # bad paths and files refused now, not after the server has started
+        from ..models.loading import check_source
+
+        for name, field in ((model, "model"), (draft, "draft")):
+            if name is not None:
+                check_source(name, field)
+    except ConfigError as e:
+        _fail(f"--{e.field}: {e.message}")
     k = sc.k if sc.k is not None else k
     spec_options = {n: v for n, v in (("ngram_min", sc.ngram_min), ("ngram_max", sc.ngram_max)) if v is not None}
     try:
@@ -184,7 +192,7 @@ def run_server(config: ServerConfig, load, model_name: str) -> int:
     server.run()
     if "failed" in holder:
         err.print(f"[bold red]error:[/] {holder['failed']}")
-        return 1
+        return 2 if app.state.leaplm.load_error_is_input else 1
     return 0
 
 
