@@ -210,10 +210,42 @@ def print_k_sweep(rows) -> None:
     console.print(t)
 
 
+def bench_memory(
+    model_dir: Path = typer.Option(Path.home() / ".cache/leaplm/bench/llama-3.2-1b-random", "--model-dir",
+                                   help="Where the random-weight checkpoint is written (once) and read."),
+    shape: str = typer.Option("llama-3.2-1b", help="Model shape (config) of the random checkpoint."),
+    dtype: str = typer.Option("bfloat16", help="Weights and compute dtype (bfloat16 halves the weights' RSS)."),
+    prompt_tokens: int = typer.Option(200, "--prompt-tokens"),
+    new_tokens: int = typer.Option(64, "--new-tokens"),
+    requests: int = typer.Option(8, help="serve: completions sent, 4 at a time."),
+    port: int = typer.Option(8199),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures here."),
+) -> None:
+    """Peak RSS of `leaplm generate` and `leaplm serve` on a long-context shape (Llama-3.2-1B's 131072 positions
+    by default, random weights), next to the KV cache preallocating every position would take."""
+    from .memory import SHAPES, figures_dict, run_memory_bench
+
+    if shape not in SHAPES:
+        _fail(f"--shape: one of {', '.join(SHAPES)}, got {shape!r}")
+    figs = run_memory_bench(model_dir, shape, dtype, prompt_tokens, new_tokens, port, requests)
+    t = Table(title=f"peak RSS, {shape} shape ({dtype}, random weights), {prompt_tokens} prompt + {new_tokens} "
+                    f"new tokens")
+    for col in ("command", "peak RSS GB", "KV cache peak MB", "preallocated cache GB", "weights GB"):
+        t.add_column(col, justify="left" if col == "command" else "right")
+    for f in figs:
+        t.add_row(f.command, f"{f.peak_rss_bytes / 1e9:.2f}", f"{(f.kv_cache_peak_bytes or 0) / 1e6:.1f}",
+                  f"{f.preallocated_cache_bytes / 1e9:.1f}", f"{f.weights_bytes / 1e9:.2f}")
+    console.print(t)
+    if json_out:
+        json_out.write_text(json.dumps(figures_dict(figs, dict(shape=shape, dtype=dtype, prompt_tokens=prompt_tokens,
+                                                               new_tokens=new_tokens, requests=requests)), indent=1))
+
+
 def _mount() -> None:
     from ..server.cli_serve import bench_serve
 
     bench_app.command("serve")(bench_serve)
+    bench_app.command("memory")(bench_memory)
 
 
 _mount()
