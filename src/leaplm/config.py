@@ -195,7 +195,7 @@ class ServerConfig:
     """Sequences (prompts x n) waiting beyond the batch rows: a request that would bring the sequences in flight
     (waiting or running) over max_batch + max_queue is refused at once with 429 and Retry-After."""
     max_model_len: int | None = None
-    """Context length (prompt + output) per request; None: the model's."""
+    """Context length (prompt + output) per request; None: min(the model's, 4096)."""
     max_body_bytes: int = 4 << 20
     """Largest request body; beyond it 413."""
     drain_timeout_s: float = 30.0
@@ -211,7 +211,7 @@ class ServerConfig:
     kv_cache_bytes: int | None = None
     """KV-cache memory the admitted sequences (waiting or running) may reserve, each prompt + max_tokens tokens:
     a request that can never fit gets 400 naming the field, one that cannot fit now 429 with Retry-After. None:
-    no memory gate (the cache rows are allocated whole, and a sequence within max_model_len fits its row)."""
+    no memory gate (the cache grows with the running sequences, at most max_batch x max_model_len tokens)."""
 
     def __post_init__(self) -> None:
         self.validate()

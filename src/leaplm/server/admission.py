@@ -5,13 +5,13 @@ request is refused with 429 when the sequences waiting or running plus its own w
 max_batch + max_queue. Counted in cache memory (with --kv-cache-bytes): every admitted sequence, waiting or running, reserves
 prompt + max_tokens tokens of KV cache (what it can grow to) from the budget until it finishes; a request
 whose sequences could never fit the budget is refused with 400 naming max_tokens (or the prompt, or n); one
-that fits the budget but not what is unreserved now gets 429. Without a budget the cache rows are allocated
-whole (max_batch x max_model_len) and a sequence that passes the context check always fits its row. Both 429s
+that fits the budget but not what is unreserved now gets 429. Without a budget the cache grows with the
+running sequences up to max_batch x max_model_len, and a sequence that passes the context check fits its row. Both 429s
 carry a Retry-After derived from the measured drain rate (sequences and reserved tokens finished per second
 over the last finishes), not a constant.
 
-cache_bytes() is the one place that knows how to read a cache's size, so a cache that grows in chunks (and
-knows its own nbytes) changes only that function.
+cache_bytes() is the one place that knows how to read a cache's size (the growing KVCache tells its nbytes;
+bytes_per_token divides by the capacity it has now).
 """
 from __future__ import annotations
 
