@@ -218,7 +218,7 @@ def bench_memory(
     prompt_tokens: int = typer.Option(200, "--prompt-tokens"),
     new_tokens: int = typer.Option(64, "--new-tokens"),
     requests: int = typer.Option(8, help="serve: completions sent, 4 at a time."),
-    port: int = typer.Option(8199),
+    port: int = typer.Option(0, help="serve's port (0: a free one)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures here."),
 ) -> None:
     """Peak RSS of `leaplm generate` and `leaplm serve` on a long-context shape (Llama-3.2-1B's 131072 positions

@@ -111,6 +111,12 @@ def measure_serve(model: Path, dtype: str, prompt_tokens: int, new_tokens: int, 
     import httpx
     from concurrent.futures import ThreadPoolExecutor
 
+    if not port:                         # a free port: a fixed one may be another server's on a shared machine
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
     cmd = _leaplm() + ["serve", str(model), "--dtype", dtype, "--method", "none", "--port", str(port),
                        "--threads", "1", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -129,20 +135,21 @@ def measure_serve(model: Path, dtype: str, prompt_tokens: int, new_tokens: int, 
             time.sleep(0.5)
         prompt = " ".join(f"t{i % 1000 + 1}" for i in range(prompt_tokens))
 
-        def ask(i: int) -> int:
+        def ask(i: int) -> httpx.Response:
             return httpx.post(url + "/v1/completions", timeout=1800, json={
                 "model": str(model), "prompt": prompt, "max_tokens": new_tokens, "ignore_eos": True,
-                "temperature": 0}).status_code
+                "temperature": 0})
 
         with ThreadPoolExecutor(4) as pool:
-            codes = list(pool.map(ask, range(requests)))
-        if any(c != 200 for c in codes):
-            raise RuntimeError(f"serve answered {codes}")
+            answers = list(pool.map(ask, range(requests)))
+        bad = [r for r in answers if r.status_code != 200]
+        if bad:
+            raise RuntimeError(f"serve answered {bad[0].status_code}: {bad[0].text[:500]}")
         peak_cache = 0
         for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
             if line.startswith("leaplm_kv_cache_peak_bytes "):
                 peak_cache = int(float(line.split()[-1]))
-        return _vm_hwm(proc.pid), peak_cache, " ".join(cmd[3:])
+        return _vm_hwm(proc.pid), peak_cache, " ".join(cmd[3:]).replace(f"--port {port} ", "")
     finally:
         proc.terminate()
         try:
