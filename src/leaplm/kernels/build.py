@@ -39,6 +39,10 @@ def unavailable_reason() -> str | None:
         return "LEAPLM_NO_EXTENSION=1"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler found (set CXX or install g++)"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return "ninja not found (pip install 'leaplm[kernels]')"
     return None
 
 
