@@ -79,6 +79,10 @@ def distill_chat_cmd(
     warmup_steps: int = typer.Option(_dd("warmup_steps"), "--warmup-steps", min=1),
     eval_every: int = typer.Option(_dd("eval_every"), "--eval-every", min=1),
     save_every: int = typer.Option(_dd("save_every"), "--save-every", min=1),
+    text_weight: float = typer.Option(_dd("text_weight"), "--text-weight", min=0.0,
+                                      help="Add this times next-token CE on --text-corpus (no target needed)."),
+    text_corpus: str = typer.Option(_dd("text_corpus"), "--text-corpus",
+                                    help="'stdlib', a directory of .py files, or a .jsonl file."),
     seed: int = typer.Option(0),
     threads: Optional[int] = Threads,
 ) -> None:
@@ -92,11 +96,12 @@ def distill_chat_cmd(
         temps = tuple(float(x) for x in temperatures.split(",") if x.strip())
     except ValueError:
         raise typer.BadParameter("expected comma-separated numbers", param_hint="--temperatures") from None
-    with _user_errors(["model", "logits_dir", "shape", "draft_vocab", "temperatures"]):
+    with _user_errors(["model", "logits_dir", "shape", "draft_vocab", "temperatures", "text_corpus"]):
         cfg = ChatDistillConfig(model=resolve_model_name(model), logits_dir=str(logits_dir), out_dir=str(out_dir),
                                 shape=shape, draft_vocab=draft_vocab, steps=steps, batch_size=batch_size,
                                 alpha=alpha, temperatures=temps, lr=lr, warmup_steps=warmup_steps,
-                                eval_every=eval_every, save_every=save_every, seed=seed)
+                                eval_every=eval_every, save_every=save_every, seed=seed, text_weight=text_weight,
+                                text_corpus=text_corpus)
         with StepProgress(f"distill-chat {shape}") as bar:
             last = distill_chat(cfg, bar)
     _report_done(out_dir, last)

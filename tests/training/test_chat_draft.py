@@ -87,7 +87,8 @@ def test_generation_resumes_without_rewriting(shards, chat_target):
 def chat_draft(tmp_path_factory, shards, chat_target):
     out = tmp_path_factory.mktemp("chat_draft")
     cfg = ChatDistillConfig(model=chat_target, logits_dir=str(shards), out_dir=str(out), shape="tiny",
-                            draft_vocab=48, steps=3, batch_size=2, warmup_steps=1, eval_every=3, save_every=3)
+                            draft_vocab=48, steps=3, batch_size=2, warmup_steps=1, eval_every=3, save_every=3,
+                            text_weight=0.5, text_max_files=2, text_seq_len=32)
     last = distill_chat(cfg)
     assert last.step == 3 and last.eval_kl is not None
     return str(out)

@@ -59,6 +59,12 @@ class ChatDistillConfig:
     save_every: int = 100
     eval_every: int = 100
     valid_every: int = 10              # every valid_every-th shard is held out (the last one when fewer)
+    # plain next-token CE on a text corpus (draft compute only, no target): a cheap prior for the draft when the
+    # target's answers are few; text_weight 0 turns it off
+    text_corpus: str = "stdlib"
+    text_weight: float = 0.0
+    text_seq_len: int = 256
+    text_max_files: int | None = 300   # the first files of the corpus (tokenizing all of the stdlib takes minutes)
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "warmup_steps", "save_every", "eval_every", "valid_every"):
@@ -124,15 +130,25 @@ class ChatShards:
         return sum(r.topk_ids.shape[0] for r in (self.train if rows is None else rows))
 
 
-def choose_vocab(rows: list[ChatRow], n: int, target_vocab: int) -> torch.Tensor:
+def choose_vocab(rows: list[ChatRow], n: int, target_vocab: int, text_mass: torch.Tensor | None = None) -> torch.Tensor:
     """d2t [n] int64: -1 (row 0, "other"), then the n - 1 target tokens with the most target probability mass
-    over the answers' top k (the emitted tokens counted once more), most first."""
+    over the answers' top k (the emitted tokens counted once more), most first; text_mass ([V], sums to 1)
+    adds a text corpus' frequencies at half the answers' weight (ranks the tokens the few answers never used)."""
     mass = torch.zeros(target_vocab, dtype=torch.float64)
     for r in rows:
         mass.index_add_(0, r.topk_ids.reshape(-1), r.topk_logp.exp().reshape(-1).double())
         mass.index_add_(0, r.ids[r.prompt_len:], torch.ones(len(r.ids) - r.prompt_len, dtype=torch.float64))
+    mass = mass / mass.sum().clamp(min=1e-12)
+    if text_mass is not None:
+        mass = mass + 0.5 * text_mass
     top = mass.topk(min(n - 1, target_vocab)).indices
     return torch.cat([torch.tensor([-1]), top])
+
+
+def text_token_mass(stream_ids: torch.Tensor, target_vocab: int) -> torch.Tensor:
+    """[V] float64 token frequencies of a text corpus, summing to 1."""
+    c = torch.bincount(stream_ids.long(), minlength=target_vocab)[:target_vocab].double()
+    return c / c.sum().clamp(min=1)
 
 
 def coverage(rows: list[ChatRow], d2t: torch.Tensor) -> float:
@@ -255,6 +271,16 @@ def _forward(draft, b: ChatBatch) -> torch.Tensor:
     return draft.lm_head(h[b.where[:, 0], b.where[:, 1]])                        # [M, N]
 
 
+def text_ce(draft, x: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """Next-token CE of the draft on target-tokenized text x [B, S]; targets outside the vocabulary skipped."""
+    d = t2d[x]                                                                  # [B, S] draft ids
+    logits = draft(input_ids=d[:, :-1]).logits.float()                          # [B, S-1, N]
+    logits[..., 0] = float("-inf")
+    y = d[:, 1:]
+    keep = y > 0
+    return F.cross_entropy(logits[keep], y[keep])
+
+
 # ---- training ----------------------------------------------------------------------------------------------
 
 def _lr(step: int, cfg: ChatDistillConfig) -> float:
@@ -288,8 +314,15 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
     shards = ChatShards.load(cfg.logits_dir, cfg.valid_every)
     tok = _target_tokenizer(cfg.model)
     V = len(tok.get_vocab())
+    text = None
+    if cfg.text_weight > 0:
+        from .corpus import TokenStream, corpus_texts
+
+        text = TokenStream.build(corpus_texts(cfg.text_corpus, "train", cfg.text_max_files), tok, tok.eos_token_id)
+        log.info("text corpus %s: %d tokens (CE weight %g)", cfg.text_corpus, len(text), cfg.text_weight)
     vocab_path = out / "d2t.pt"
-    d2t = torch.load(vocab_path) if vocab_path.exists() else choose_vocab(shards.train, cfg.draft_vocab, V)
+    d2t = torch.load(vocab_path) if vocab_path.exists() else choose_vocab(
+        shards.train, cfg.draft_vocab, V, text_token_mass(text.ids, V) if text is not None else None)
     torch.save(d2t, vocab_path)
     t2d = t2d_table(d2t, V)
     cov = coverage(shards.valid or shards.train, d2t)
@@ -322,7 +355,10 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
             g["lr"] = lr
         b = make_batch(rng.sample(shards.train, min(cfg.batch_size, len(shards.train))), t2d)
         r = chat_loss(_forward(draft, b), b, cfg.alpha, cfg.temperatures)
-        r.loss.backward()
+        loss = r.loss
+        if text is not None:
+            loss = loss + cfg.text_weight * text_ce(draft, text.batch(rng, cfg.batch_size, cfg.text_seq_len), t2d)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
