@@ -172,3 +172,17 @@ def test_chat_workloads_go_through_the_template(chat_target):
         c = as_chat(w, tok)
         assert not c.chat and all(p.startswith("<|user|>") and p.endswith("<|assistant|>") for p in c.prompts)
     assert all(p.startswith("Write a Python function `") for p in get_workload("chat-code", 3).prompts)
+
+
+def test_text_only_prior_before_any_answer(chat_target, tmp_path):
+    empty = tmp_path / "none"
+    empty.mkdir()
+    cfg = ChatDistillConfig(model=chat_target, logits_dir=str(empty), out_dir=str(tmp_path / "m"), shape="tiny",
+                            draft_vocab=40, steps=2, batch_size=2, warmup_steps=1, save_every=2,
+                            text_weight=1.0, text_max_files=2, text_seq_len=32)
+    last = distill_chat(cfg)
+    assert last.step == 2 and last.loss > 0 and last.eval_kl is None
+    assert len(read_d2t(tmp_path / "m")) == 40
+    with pytest.raises(FileNotFoundError, match="logits_dir"):
+        distill_chat(ChatDistillConfig(model=chat_target, logits_dir=str(empty), out_dir=str(tmp_path / "m2"),
+                                       shape="tiny", steps=1))

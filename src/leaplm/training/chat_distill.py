@@ -311,7 +311,10 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
     cfg.validate()
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shards = ChatShards.load(cfg.logits_dir, cfg.valid_every)
+    if cfg.text_weight > 0 and not any(Path(cfg.logits_dir).glob("chat-*.safetensors")):
+        shards = ChatShards([], [])                 # text only: a prior before any answer exists
+    else:
+        shards = ChatShards.load(cfg.logits_dir, cfg.valid_every)
     tok = _target_tokenizer(cfg.model)
     V = len(tok.get_vocab())
     text = None
@@ -353,20 +356,24 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
         lr = _lr(step, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
-        b = make_batch(rng.sample(shards.train, min(cfg.batch_size, len(shards.train))), t2d)
-        r = chat_loss(_forward(draft, b), b, cfg.alpha, cfg.temperatures)
-        loss = r.loss
+        r, loss, n_tok = None, torch.zeros(()), 0
+        if shards.train:
+            b = make_batch(rng.sample(shards.train, min(cfg.batch_size, len(shards.train))), t2d)
+            r = chat_loss(_forward(draft, b), b, cfg.alpha, cfg.temperatures)
+            loss, n_tok = r.loss, len(b.emitted)
         if text is not None:
             loss = loss + cfg.text_weight * text_ce(draft, text.batch(rng, cfg.batch_size, cfg.text_seq_len), t2d)
+            n_tok += cfg.batch_size * cfg.text_seq_len
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         elapsed += dt
-        tokens_seen += len(b.emitted)
-        s = DistillStepLog(step + 1, cfg.steps, r.loss.item(), lr, tokens_seen, len(b.emitted) / dt, elapsed,
-                           kl=r.kl.item(), ce=r.ce.item(), agree=r.agree.item())
+        tokens_seen += n_tok
+        s = DistillStepLog(step + 1, cfg.steps, loss.item(), lr, tokens_seen, n_tok / dt, elapsed,
+                           kl=r.kl.item() if r else 0.0, ce=r.ce.item() if r else 0.0,
+                           agree=r.agree.item() if r else None)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             ev = evaluate(draft, shards.valid, t2d, cfg)
             if ev is not None:
