@@ -23,6 +23,11 @@ SHAPES = {
                          tie_word_embeddings=True, rope_theta=500000.0,
                          rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # Llama-3.2-1B's KV cache exactly (16 layers x 8 kv heads x 64, 131072 positions: 64 KiB per token in fp32)
+    # behind small weights, so generate and serve run in minutes on a shared CPU
+    "llama-3.2-1b-kv": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=8,
+                            num_key_value_heads=8, head_dim=64, vocab_size=4096, max_position_embeddings=131072,
+                            tie_word_embeddings=True, rope_theta=500000.0),
     "tiny-131k": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,   # a check
                       num_key_value_heads=2, head_dim=16, vocab_size=2048, max_position_embeddings=131072,
                       tie_word_embeddings=True),
