@@ -62,10 +62,10 @@ class EagleNet(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, hid, bias=False)
         args = LlamaArgs(c.vocab_size, hid, c.intermediate_size, 1, H, Hkv, D, c.max_position_embeddings,
                          rope_theta=c.rope_theta)
-        inv = rope_inv_freq(args)                                                    # [D/2]
+        inv, scale = rope_inv_freq(args)                                             # [D/2], cos/sin scale
         ang = torch.outer(torch.arange(c.max_position_embeddings, dtype=torch.float32), inv)   # [P, D/2]
-        self.register_buffer("cos", torch.cat([ang.cos(), ang.cos()], -1), persistent=False)   # [P, D]
-        self.register_buffer("sin", torch.cat([ang.sin(), ang.sin()], -1), persistent=False)
+        self.register_buffer("cos", scale * torch.cat([ang.cos(), ang.cos()], -1), persistent=False)   # [P, D]
+        self.register_buffer("sin", scale * torch.cat([ang.sin(), ang.sin()], -1), persistent=False)
 
     # --- pieces, so training can lay out keys of several unrolled passes --------------------------------------
     def fuse(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
