@@ -306,7 +306,11 @@ async def _run_long_prompt(url: str, cfg: LoadBenchConfig, long_ids: list[int] |
 def _k_gauge(url: str) -> float | None:
     import httpx
 
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:             # a gauge is not worth a whole report
+        return None
+    for line in text.splitlines():
         if line.startswith("leaplm_spec_decode_k "):
             return float(line.split()[-1])
     return None
@@ -412,6 +416,9 @@ def run_load_bench(cfg: LoadBenchConfig) -> dict:
                     for spec in order:
                         wall, results = asyncio.run(_run_level(server.url, c, n, spec, cfg, rnd))
                         runs.append(RunResult(c, spec, rnd, wall, results, _k_gauge(server.url)))
+                        if cfg.out:             # what is measured so far survives a crash later in the run
+                            Path(cfg.out).write_text(json.dumps({"partial": True, "long_prompt": long_prompt,
+                                                                 "summary": summarize(runs)}, indent=2))
                         log.info("c=%d spec=%s round=%d: %.1f s, %d errors", c, spec, rnd, wall,
                                  sum(not r.ok for r in results))
         finally:
