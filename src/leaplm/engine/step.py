@@ -116,6 +116,13 @@ class Batch:
         self.rows: list[Row] = []                        # row i of the cache <-> rows[i]
         self.decoding = 0                                # rows [0, decoding) decode, the rest still prefill
         self.max_num_batched_tokens: int | None = getattr(engine, "max_num_batched_tokens", None)
+        full_step = max_rows * (1 + engine.spec.k) + MIN_CHUNK
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < full_step:
+            # every running row decodes each step; prompts get only what is left (at least MIN_CHUNK), so a full
+            # batch admits new requests a few prompt tokens per step (measured: minute-long TTFTs at 64 rows / 96)
+            log.warning("max_num_batched_tokens=%d is below what %d decoding rows with K=%d take plus a chunk (%d): "
+                        "a full batch prefills new prompts %d tokens per step", self.max_num_batched_tokens,
+                        max_rows, engine.spec.k, full_step, MIN_CHUNK)
         self.groups: dict[str, object] = {}              # method -> ProposerGroup of rows that draft together
         self.current_k = 0
         self.steps = 0
