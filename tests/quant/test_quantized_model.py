@@ -9,12 +9,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import write_noisy_copy, write_tiny_llama
 from leaplm.config import ConfigError, SamplingParams
 from leaplm.engine.engine import Engine
 from leaplm.models import load_model
 from leaplm.quant.apply import linear_names, quantize_model
 from leaplm.quant.formats import dequantize
+
+
+
+def _root_conftest():
+    """tests/conftest.py by path: `from conftest import` finds whichever conftest pytest loaded first (tests/heads
+    and tests/server have their own)."""
+    import importlib.util
+
+    name = "leaplm_tests_root_conftest"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "conftest.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+write_noisy_copy = _root_conftest().write_noisy_copy
+write_tiny_llama = _root_conftest().write_tiny_llama
 
 LOOP = [1, 2, 3, 4, 5] * 3
 PROMPTS = [LOOP, [7, 3, 9, 3, 7, 1], [4]]
