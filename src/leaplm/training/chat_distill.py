@@ -184,7 +184,7 @@ def build_draft(cfg: ChatDistillConfig, d2t: torch.Tensor, target_emb: torch.Ten
 
     shape = DRAFT_SHAPES[cfg.shape]
     t2d_eos = int((d2t == eos_target).nonzero()[0]) if bool((d2t == eos_target).any()) else 0
-    conf = LlamaConfig(vocab_size=len(d2t), tie_word_embeddings=True, max_position_embeddings=2048,
+    conf = LlamaConfig(vocab_size=len(d2t), tie_word_embeddings=True, max_position_embeddings=8192,
                        rope_theta=100000.0, rms_norm_eps=1e-5, bos_token_id=t2d_eos, eos_token_id=t2d_eos, **shape)
     torch.manual_seed(cfg.seed)
     draft = LlamaForCausalLM(conf)
