@@ -73,6 +73,6 @@ def test_shipped_draft_is_picked_and_lossless(smollm2):
     tgt = load_model(smollm2)
     if embedded.draft_for(tgt.tokenizer) is None:
         pytest.skip("no embedded draft matches SmolLM2's tokenizer in this build")
-    with_draft = cli_generate(smollm2)                       # --method draft by default: the matched draft
+    with_draft = cli_generate(smollm2, "--method", "draft")  # no --draft: the matched shipped draft
     assert with_draft["stats"]["method"] == "draft" and with_draft["stats"]["draft_tokens"] > 0
     assert _ids(with_draft) == _ids(cli_generate(smollm2, "--method", "none"))

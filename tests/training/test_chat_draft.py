@@ -111,7 +111,7 @@ def test_draft_is_picked_by_tokenizer_and_lossless(chat_draft, chat_target, tmp_
     emb = tmp_path / "embedded"
     shutil.copytree(chat_draft, emb / "chat-draft")
     monkeypatch.setattr(embedded, "EMBEDDED_DIR", emb)
-    engine = Engine(chat_target, k=3, adaptive_k=False)                 # no draft given: matched by tokenizer
+    engine = Engine(chat_target, method="draft", k=3, adaptive_k=False)   # no draft given: matched by tokenizer
     assert engine.spec.method == "draft" and engine.draft.path == str(emb / "chat-draft")
     plain = Engine(chat_target, method="none")
     ids = plain.encode("hello, how are you", SamplingParams())

@@ -64,8 +64,10 @@ class Engine:
                 draft = embedded.default_draft()
         self.target = model if isinstance(model, LoadedModel) else load_model(model, device, dtype, "model",
                                                                                 quantization, kv_cache_dtype)
-        if draft is None and method in (None, "draft") and (spec is None or spec.draft is None):
-            draft = embedded.draft_for(self.target.tokenizer)   # a shipped draft trained for this target
+        if draft is None and (method == "draft" or (spec is not None and spec.method == "draft" and spec.draft is None)):
+            # --method draft without --draft: the shipped draft trained for this target (matched by tokenizer).
+            # Not made the default method: how much it pays depends on the draft (see its model card)
+            draft = embedded.draft_for(self.target.tokenizer)
         if spec is None:
             method = method or ("draft" if draft is not None else "none")
             draft_name = draft.name if isinstance(draft, LoadedModel) else draft
