@@ -64,7 +64,7 @@ def test_tune_on_tiny_models_recommends_a_measured_configuration(checkpoint, tin
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     skipped = [s for s in out["skipped"] if s.startswith(f"draft {tiny_llama.path.rstrip('/').split('/')[-1]}")]
-    assert len(skipped) == 1 and "vocab" in skipped[0]
+    assert len(skipped) == 1 and "tokenizer" in skipped[0] and "disagrees" in skipped[0]
     configs = {(r["concurrency"], r["config"]) for r in out["rows"]}
     assert (1, "none") in configs and (2, "none") in configs
     for r in out["rows"]:
