@@ -101,10 +101,25 @@ def test_impossible_budget_names_the_minimum(checkpoint):
 
 
 @pytest.mark.parametrize("args,field", [(["--concurrency", "0"], "--concurrency"),
-                                        (["--methods", "medusa"], "--methods"),
+                                        (["--methods", "hydra"], "--methods"),
                                         (["--draft-device", "cuda:7"], "--draft-device"),
                                         (["--workload", "/no/such/file.txt"], "--workload"),
                                         (["--budget-s", "nan"], "--budget-s")])
 def test_bad_input_names_the_option(checkpoint, args, field):
     res = _tune("--model", checkpoint("llama_tied"), *args)
     assert res.exit_code == 2 and field in res.output, res.output
+
+
+def test_heads_are_tried_with_the_head_shipped_for_the_target_and_skipped_otherwise(checkpoint):
+    from leaplm.models import embedded, load_model
+    from leaplm.tune.candidates import build_candidates
+
+    tiny = load_model(checkpoint("llama_tied"))
+    got = build_candidates(tiny, {}, ["eagle", "medusa", "ngram"])
+    assert {c.method for c in got.ordered} == {"ngram"}
+    assert any(s.startswith("eagle:") and "leaplm train eagle" in s for s in got.skipped)
+    assert any(s.startswith("medusa:") and "leaplm train medusa" in s for s in got.skipped)
+
+    target = load_model(embedded.default_target())     # an EAGLE head ships for the embedded target
+    got = build_candidates(target, {}, ["eagle"])
+    assert [c.label for c in got.ordered] == ["eagle k=4", "eagle k=8"] and not got.skipped

@@ -8,9 +8,11 @@ from ..config import ConfigError
 from ..models import LoadedModel
 
 DRAFT_FREE = ("ngram", "suffix", "layerskip", "lookahead")
+HEADS = ("eagle", "medusa")           # tried with the head shipped for this very target, skipped otherwise
 DEFAULT_K_GRID = (2, 4, 6)
 # Per method, the Ks tried (the first is the method's screening K: measured first when the budget is short).
-K_GRIDS = {"draft": (4, 2, 6), "ngram": (4, 8), "suffix": (8, 4), "layerskip": (3, 2), "lookahead": (5,)}
+K_GRIDS = {"draft": (4, 2, 6), "ngram": (4, 8), "suffix": (8, 4), "layerskip": (3, 2), "lookahead": (5,),
+           "eagle": (4, 8), "medusa": (4,)}
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,13 @@ def build_candidates(target: LoadedModel, drafts: dict[str, LoadedModel | str], 
                 families.append([Candidate("draft", k, d.name, label) for k in ks])
             if not drafts:
                 skipped.append("draft: no draft given and none shipped for this target")
+        elif m in HEADS:
+            from ..heads.loader import default_head_dir
+
+            if default_head_dir(target, m) is None:
+                skipped.append(f"{m}: no {m} head ships for this target (train one: leaplm train {m})")
+            else:
+                families.append([Candidate(m, k) for k in (k_grid or K_GRIDS[m])])
         elif m == "layerskip" and target.config.get("num_hidden_layers", 0) < 2:
             skipped.append("layerskip: the target has fewer than 2 layers to skip")
         else:

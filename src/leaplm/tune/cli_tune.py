@@ -18,7 +18,7 @@ from ..config import ConfigError
 log = logging.getLogger(__name__)
 console = Console(width=160)
 err = Console(stderr=True)
-ALL_METHODS = ("draft", "ngram", "suffix", "layerskip", "lookahead")
+ALL_METHODS = ("draft", "ngram", "suffix", "layerskip", "lookahead", "eagle", "medusa")
 
 
 def _fail(msg: str) -> None:
@@ -181,11 +181,15 @@ def build_result(target, model, drafts, draft_paths, cset, plan, samples, positi
         firsts.setdefault(c.family, c)
     screening = set(firsts.values())
     rows = []
+    from ..heads.loader import default_head_dir
+
+    tried = {c.method for c in cset.ordered}
+    heads = {m: default_head_dir(target, m) for m in ("eagle", "medusa") if m in tried}
     for s in summarize(samples, "none"):
         c = by_label[s.config]
         level = int(s.workload.split("=")[1])
         mem = option_memory(c.method, drafts.get(c.draft_label) if c.draft_label else None, rows=level,
-                            context=max_len, dtype=settings.dtype)
+                            context=max_len, dtype=settings.dtype, head_dir=heads.get(c.method))
         rows.append(Row(level, c, step_of(c, screening), s.tokens_per_s, s.speedup, s.acceptance_rate,
                         s.mean_accepted_length, s.identical if settings.temperature == 0 else None, s.samples,
                         mem.total_mb, mem.note, positions.get((c.label, level)) or []))

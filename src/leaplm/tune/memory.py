@@ -41,10 +41,16 @@ def draft_footprint(draft: LoadedModel, context: int) -> tuple[int, int]:
 
 
 def option_memory(method: str, draft: LoadedModel | None, rows: int, context: int,
-                  dtype: str = "float32") -> MemoryCost:
+                  dtype: str = "float32", head_dir=None) -> MemoryCost:
     if method == "draft" and draft is not None:
         weights, per_row = draft_footprint(draft, context)
         return MemoryCost(weights, rows * per_row, f"draft weights + its KV cache ({rows} rows x {context} positions)")
+    if method in ("eagle", "medusa") and head_dir is not None:
+        from pathlib import Path
+
+        weights = sum(p.stat().st_size for p in Path(head_dir).glob("*.safetensors"))
+        note = "head weights (the target's embedding and lm_head are shared)"
+        return MemoryCost(weights, 0, note + ("; plus one decoder layer of KV per row" if method == "eagle" else ""))
     if method == "layerskip":
         return MemoryCost(0, 0, "none: the draft pass is the target with layers skipped, same weights and cache")
     if method in ("ngram", "suffix", "lookahead"):
