@@ -71,6 +71,7 @@ class LoadBenchConfig:
     max_num_batched_tokens: int | None = None   # the server's prefill chunking budget (None: whole prompts)
     long_prompt_among: int = 0           # > 0: the long-prompt scenario with this many running streams
     long_prompt_tokens: int = 2000       # its prompt length (capped to what the server's context holds)
+    fixed_k: bool = False                # serve --fixed-k: always draft k (the controller may otherwise pick 0)
 
 
 @dataclass
@@ -159,6 +160,8 @@ class _Server:
             cmd += ["--threads", str(cfg.threads)]
         if cfg.max_num_batched_tokens:
             cmd += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
+        if cfg.fixed_k:
+            cmd += ["--fixed-k"]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.log_path = log_path

@@ -294,6 +294,8 @@ def bench_serve(
                                           "inter-token latency with and without a long prompt arriving."),
     long_prompt_tokens: int = typer.Option(2000, "--long-prompt-tokens",
                                            help="Its length (capped to the server's context)."),
+    adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k",
+                                    help="The server's K policy (--fixed-k: always draft --k)."),
 ) -> None:
     """Load-test `leaplm serve` on 127.0.0.1 at several concurrencies, with and without speculation."""
     from ..bench.serve_load import LoadBenchConfig, print_report, run_load_bench
@@ -302,7 +304,8 @@ def bench_serve(
         from ..bench.serve_profiles import parse_profiles, print_profiles, run_profiles
 
         cfg = LoadBenchConfig(model=model, draft=draft, method=method, k=k, synthetic=synthetic, rounds=rounds,
-                              max_batch=max_batch, threads=threads, timeout_s=timeout, out=out)
+                              max_batch=max_batch, threads=threads, timeout_s=timeout, out=out,
+                              fixed_k=not adaptive_k)
         try:
             print_profiles(run_profiles(cfg, parse_profiles(profile)))
         except ConfigError as e:
@@ -321,7 +324,8 @@ def bench_serve(
     cfg = LoadBenchConfig(model=model, draft=draft, method=method, k=k, synthetic=synthetic, concurrency=levels,
                           requests=requests, max_tokens=max_tokens, rounds=rounds, max_batch=max_batch,
                           threads=threads, timeout_s=timeout, out=out, max_num_batched_tokens=max_num_batched_tokens,
-                          long_prompt_among=long_prompt_among, long_prompt_tokens=long_prompt_tokens)
+                          long_prompt_among=long_prompt_among, long_prompt_tokens=long_prompt_tokens,
+                          fixed_k=not adaptive_k)
     try:
         report = run_load_bench(cfg)
     except ConfigError as e:
