@@ -86,3 +86,29 @@ def _param_count(path) -> int:
             for key in sf.keys():
                 n += math.prod(sf.get_slice(key).get_shape())
     return n
+
+
+@models_app.command("export-gguf")
+def export_gguf_cmd(
+    source: str = typer.Argument(..., help="A Llama checkpoint directory or an embedded model's name (target, "
+                                           "smollm2-draft, ...)."),
+    output: str = typer.Argument(..., help="The .gguf file to write."),
+    tensor_type: str = typer.Option("f32", "--type", help="Matrices as f32 | f16 | q8_0 (1-D tensors stay f32)."),
+    tokenizer_from: str = typer.Option(None, "--tokenizer-from", help="Copy the tokenizer.* fields of this GGUF "
+                                       "file (a draft: its target's file, so llama.cpp sees the same vocabulary); "
+                                       "default: built from the checkpoint's byte-level BPE tokenizer.json."),
+) -> None:
+    """Write a checkpoint as GGUF for llama.cpp (a reduced-vocabulary draft is expanded to its target's
+    vocabulary; see models/gguf_export.py)."""
+    from .config import ConfigError
+    from .models import embedded
+    from .models.gguf_export import export_gguf
+
+    path = embedded.available().get(source, source)
+    try:
+        r = export_gguf(str(path), output, tensor_type, tokenizer_from)
+    except ConfigError as e:
+        fail(f"--{e.field.replace('_', '-')}: {e.message}" if e.field != "source" else f"SOURCE: {e.message}")
+    note = f", draft vocabulary {r.draft_vocab_rows} expanded to {r.vocab_size} rows" if r.draft_vocab_rows else ""
+    out.print(soft_wrap=True, *[f"wrote {r.path} ({r.bytes / 1e6:.1f} MB, {r.tensor_type}, vocabulary {r.vocab_size}{note}; "
+              f"tokenizer from {r.tokenizer_source})"])

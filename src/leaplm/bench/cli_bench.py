@@ -65,8 +65,17 @@ def bench(
     rounds: int = typer.Option(2, help="Timed rounds over all prompts (after one warm-up)."),
     temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples (seeded by --seed; HF baselines too)."),
     seed: int = typer.Option(0),
-    baselines: Optional[str] = typer.Option(None, help="'hf' adds transformers generate: plain, assisted, "
-                                                       "prompt lookup (same models, prompts, K)."),
+    baselines: Optional[str] = typer.Option(None, help="Comma list: 'hf' adds transformers generate (plain, "
+                                                       "assisted, prompt lookup); 'llamacpp' adds llama.cpp's "
+                                                       "binaries (plain, llama-lookup, speculative with the draft "
+                                                       "as GGUF, llama-bench tg128) on the same GGUF file."),
+    llamacpp_dir: Optional[str] = typer.Option(None, "--llamacpp-dir", help="Directory of llama.cpp's binaries "
+                                               "(or its bin/); default $LEAPLM_LLAMACPP_DIR, then PATH."),
+    llamacpp_model: Optional[str] = typer.Option(None, "--llamacpp-model", help="GGUF file llama.cpp runs "
+                                                 "(default: the target when it is a GGUF file, else the target "
+                                                 "written as GGUF: f32, or q8_0 with --quantization int8)."),
+    llamacpp_draft: Optional[str] = typer.Option(None, "--llamacpp-draft", help="GGUF draft for llama.cpp's "
+                                                 "speculative row (default: the draft written as q8_0 GGUF)."),
     dtype: str = typer.Option("float32", help="float32|bfloat16|float16|auto (auto: the checkpoint's dtype)."),
     quantization: Optional[str] = typer.Option(None, "--quantization", help="int8 | int4 | gguf for target and "
                                                "draft (see `leaplm generate --help`)."),
@@ -106,8 +115,20 @@ def bench(
         return run_roofline(model=model, draft=draft, methods=methods, k=k, workloads=workloads, prompts=prompts,
                             max_new_tokens=max_new_tokens, rounds=rounds, dtype=dtype, quantization=quantization,
                             json_out=json_out, fail=_fail)
-    if baselines not in (None, "hf"):
-        _fail(f"--baselines: only 'hf' is supported, got {baselines!r}")
+    kinds_of_baseline = [b.strip() for b in (baselines or "").split(",") if b.strip()]
+    for b in kinds_of_baseline:
+        if b not in ("hf", "llamacpp"):
+            _fail(f"--baselines: 'hf' and/or 'llamacpp', got {b!r}")
+    llamacpp_bins = None
+    if "llamacpp" in kinds_of_baseline:
+        from .llamacpp import find_binaries
+
+        try:
+            llamacpp_bins = find_binaries(llamacpp_dir)
+        except ConfigError as e:
+            _fail(f"--{e.field.replace('_', '-')}: {e.message}")
+        if temperature > 0:
+            _fail("--temperature: the llamacpp baseline is greedy only (its identity check needs greedy output)")
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, ignore_eos=True)
         wls = [get_workload(w.strip(), prompts) for w in workloads.split(",") if w.strip()]
@@ -141,7 +162,22 @@ def bench(
             contenders.append(leaplm_contender(label, eng, params))
     except ConfigError as e:
         _fail(f"--{e.field.replace('_', '-')}: {e.message}")
-    if baselines == "hf":
+    import tempfile
+
+    tmp = tempfile.TemporaryDirectory(prefix="leaplm-bench-")
+    llama_setup = None
+    if llamacpp_bins is not None:
+        from .cli_llamacpp import llamacpp_setup
+
+        # llama.cpp's speculative row runs when leaplm's draft method does (same draft, as GGUF)
+        with_draft = draft_name if any(m == "draft" for _, m, _ in configs) else None
+        dpath = (drafts[with_draft].path if with_draft in drafts else None) if with_draft else None
+        llama_setup = llamacpp_setup(llamacpp_bins, target, quantization, dpath, llamacpp_model,
+                                     llamacpp_draft, torch.get_num_threads(), context, tmp.name, wls, _fail)
+        from .llamacpp import llamacpp_contenders
+
+        contenders += llamacpp_contenders(llama_setup, k, tmp.name)
+    if "hf" in kinds_of_baseline:
         kinds = ["plain", "lookup"] + (["assisted"] if draft_name else [])
         contenders += hf_contenders(target.path, draft_name and (drafts.get(draft_name) or load_model(draft_name)).path,
                                     k, kinds, ignore_eos=True, dtype=getattr(torch, dtype), temperature=temperature,
@@ -152,6 +188,12 @@ def bench(
         samples = run_bench(contenders, wls, max_new_tokens, rounds, baseline="none",
                             on_sample=lambda s: prog.advance(task))
     summaries = summarize(samples, "none")
+    reference = None
+    if llama_setup is not None:
+        from .cli_llamacpp import finish_llamacpp
+
+        reference = finish_llamacpp(llama_setup, summaries, samples, target, wls, err)
+    tmp.cleanup()
     if temperature > 0:      # sampled outputs match `none` in distribution, not token by token: no identity check
         for s in summaries:
             s.identical = None
@@ -159,7 +201,17 @@ def bench(
                     prompts=prompts, max_new_tokens=max_new_tokens, rounds=rounds, temperature=temperature,
                     dtype=dtype, quantization=quantization, baselines=baselines, timing="end to end incl. prefill; speedup = median of "
                                                           "per-(round, prompt) ratios vs none")
+    if llama_setup is not None:
+        settings["llamacpp"] = dict(model=llama_setup.model, draft=llama_setup.draft, threads=llama_setup.threads,
+                                    no_repack=llama_setup.no_repack, binaries=str(llama_setup.binaries.completion.parent),
+                                    timing="llama.cpp rows: prompt + decode by llama.cpp's own timing lines "
+                                           "(model load excluded); wall tok/s: the whole process",
+                                    llama_bench=reference and reference.__dict__)
     print_table(summaries, settings)
+    if reference is not None:
+        from .cli_llamacpp import print_reference
+
+        print_reference(reference, summaries, console)
     if k_sweep is not None:
         from .report import k_sweep_rows
 
@@ -179,14 +231,25 @@ def bench(
 def print_table(summaries, settings) -> None:
     t = Table(title=f"leaplm bench: {settings['max_new_tokens']} new tokens, temperature {settings['temperature']}, "
                     f"{settings['rounds']} rounds x {settings['prompts']} prompts")
-    for col in ("workload", "config", "tokens/s", "speedup vs none", "acceptance", "mean acc. len", "= none"):
+    external = any(s.wall_tokens_per_s is not None for s in summaries)
+    cols = ["workload", "config", "tokens/s", "speedup vs none", "acceptance", "mean acc. len", "= none"]
+    cols += ["wall tok/s", "own decode tok/s"] if external else []
+    for col in cols:
         t.add_column(col, justify="right" if col not in ("workload", "config") else "left")
     f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"
     for s in summaries:
-        t.add_row(s.workload, s.config, f(s.tokens_per_s, 1), f(s.speedup) + ("x" if s.speedup else ""),
-                  f(s.acceptance_rate), f(s.mean_accepted_length),
-                  "-" if s.identical is None else ("yes" if s.identical else "NO"))
+        same = "-" if s.identical is None else ("yes" if s.identical else "NO")
+        if s.common_prefix is not None:      # another engine's text: the leading tokens it reproduces
+            same = f"{same} {s.common_prefix:.0f}/{s.compared_tokens:.0f} (min {s.common_prefix_min})"
+        row = [s.workload, s.config, f(s.tokens_per_s, 1), f(s.speedup) + ("x" if s.speedup else ""),
+               f(s.acceptance_rate), f(s.mean_accepted_length), same]
+        t.add_row(*row, *([f(s.wall_tokens_per_s, 1), f(s.decode_tokens_per_s, 1)] if external else []))
     console.print(t)
+    if external:
+        console.print("[dim]llama.cpp rows: tokens/s from llama.cpp's own timing lines (prompt + decode, model load "
+                      "excluded), speedup paired with leaplm none; '= none': leaplm none's greedy tokens reproduced "
+                      "(median/compared, up to none's first EOS), identity across engines is not expected on "
+                      "quantized weights[/]")
 
 
 def sweep_configs(configs: list[tuple[str, str, dict]], k_max: int) -> list[tuple[str, str, dict]]:

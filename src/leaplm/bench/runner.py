@@ -31,6 +31,10 @@ class Sample:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     target_forwards: int = 0
+    wall_seconds: float | None = None           # an external engine's whole process (seconds is its own clock)
+    decode_tokens_per_s: float | None = None    # an external engine's own decode figure
+    text: str | None = None                     # an external engine's generated text (it reports no token ids)
+    prompt_tokens: int | None = None            # as the external engine tokenized the prompt
 
     @property
     def tokens_per_s(self) -> float:
@@ -47,6 +51,11 @@ class ConfigSummary:
     mean_accepted_length: float | None
     identical: bool | None              # greedy output token-identical to the baseline on every prompt
     samples: int
+    wall_tokens_per_s: float | None = None      # external engines: new tokens / whole-process seconds (median)
+    decode_tokens_per_s: float | None = None    # external engines: their own decode figure (median)
+    common_prefix: float | None = None          # external engines: median count of the baseline's first tokens
+    common_prefix_min: int | None = None        # its text reproduces (llamacpp.common_prefix_tokens), the fewest,
+    compared_tokens: float | None = None        # and the median count compared (up to the baseline's first EOS)
 
 
 @dataclass
@@ -62,7 +71,24 @@ class BenchResult:
                 "samples": [asdict(s) | {"token_ids": None} for s in self.samples]}
 
 
-# A runner takes (prompt, max_new_tokens) and returns (token_ids, stats or None).
+@dataclass
+class ExternalStats:
+    """One run of another engine's process, as it reported it (bench/llamacpp.py). Its `seconds` (prompt +
+    decode by the engine's own clock) replaces the runner's clock, which would count process start and model
+    load; the wall time is kept beside it."""
+    seconds: float
+    wall_seconds: float
+    new_tokens: int
+    decode_tokens_per_s: float
+    text: str
+    prompt_tokens: int
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    target_forwards: int = 0
+
+
+# A runner takes (prompt, max_new_tokens) and returns (token_ids, stats or None): leaplm's Stats, or
+# ExternalStats for another engine's process.
 Runner = Callable[[str, int], tuple[list[int], object]]
 
 
@@ -175,6 +201,10 @@ def run_bench(contenders: list[Contender], workloads: list[Workload], max_new_to
                     ids, st = c.run(prompt, max_new_tokens)
                     dt = time.perf_counter() - t
                     s = Sample(c.name, w.name, pi, r, len(ids), dt, ids)
+                    if isinstance(st, ExternalStats):
+                        s.new_tokens, s.seconds, s.wall_seconds = st.new_tokens, st.seconds, st.wall_seconds
+                        s.decode_tokens_per_s, s.text, s.prompt_tokens = (
+                            st.decode_tokens_per_s, st.text, st.prompt_tokens)
                     if st is not None:
                         s.draft_tokens, s.accepted_tokens, s.target_forwards = (
                             st.draft_tokens, st.accepted_tokens, st.target_forwards)
@@ -194,6 +224,7 @@ def summarize(samples: list[Sample], baseline: str) -> list[ConfigSummary]:
             if not mine:
                 continue
             ratios, same = [], True
+            external = any(s.text is not None for s in mine)    # text only: identity is judged by the caller
             for s in mine:
                 b = keyed.get((baseline, w, s.prompt, s.round))
                 if b is not None:
@@ -207,7 +238,9 @@ def summarize(samples: list[Sample], baseline: str) -> list[ConfigSummary]:
                 speedup=statistics.median(ratios) if ratios else None,
                 acceptance_rate=sum(s.accepted_tokens for s in mine) / drafted if drafted else None,
                 mean_accepted_length=sum(s.new_tokens for s in mine) / forwards if forwards else None,
-                identical=same if ratios and c != baseline else None, samples=len(mine)))
+                identical=same if ratios and c != baseline and not external else None, samples=len(mine),
+                wall_tokens_per_s=statistics.median(s.new_tokens / s.wall_seconds for s in mine) if external else None,
+                decode_tokens_per_s=statistics.median(s.decode_tokens_per_s for s in mine) if external else None))
     return out
 
 
