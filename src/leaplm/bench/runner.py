@@ -239,9 +239,13 @@ def summarize(samples: list[Sample], baseline: str) -> list[ConfigSummary]:
                 acceptance_rate=sum(s.accepted_tokens for s in mine) / drafted if drafted else None,
                 mean_accepted_length=sum(s.new_tokens for s in mine) / forwards if forwards else None,
                 identical=same if ratios and c != baseline and not external else None, samples=len(mine),
-                wall_tokens_per_s=statistics.median(s.new_tokens / s.wall_seconds for s in mine) if external else None,
-                decode_tokens_per_s=statistics.median(s.decode_tokens_per_s for s in mine) if external else None))
+                wall_tokens_per_s=_median([s.new_tokens / s.wall_seconds for s in mine if s.wall_seconds]),
+                decode_tokens_per_s=_median([s.decode_tokens_per_s for s in mine if s.decode_tokens_per_s])))
     return out
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
 
 
 def machine_info() -> dict:

@@ -39,6 +39,7 @@ class ExportResult:
     draft_vocab_rows: int | None    # the source's reduced vocabulary, when it was expanded to vocab_size
     tokenizer_source: str           # "tokenizer.json" or the GGUF file the tokenizer fields were copied from
     bytes: int
+    f16_fallback: list[str]         # q8_0 asked, but rows not a multiple of 32: these matrices are F16
 
 
 def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -200,11 +201,15 @@ def export_gguf(source: str, out: str, tensor_type: str = "f32", tokenizer_from:
     else:
         _tokenizer_fields_from_hf(w, src, vocab, cfg)
 
+    f16_fallback: list[str] = []
+
     def put(name: str, t: torch.Tensor) -> None:
         a = np.ascontiguousarray(t.float().numpy())
         if a.ndim == 1 or tensor_type == "f32":
             w.add_tensor(name, a)
-        elif tensor_type == "f16":
+        elif tensor_type == "f16" or a.shape[-1] % 32:      # Q8_0 blocks are 32 along a row: F16 otherwise,
+            if tensor_type != "f16":                          # as llama.cpp's converter falls back
+                f16_fallback.append(name)
             w.add_tensor(name, a.astype(np.float16))
         else:
             w.add_tensor(name, quantize(a, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -228,5 +233,8 @@ def export_gguf(source: str, out: str, tensor_type: str = "f32", tokenizer_from:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if f16_fallback:
+        log.warning("%s: %d matrices have rows that are not a multiple of Q8_0's block of 32 (hidden size %d): "
+                    "written as F16", out_path.name, len(f16_fallback), hidden)
     return ExportResult(out_path, tensor_type, vocab, draft_rows, tokenizer_from or "tokenizer.json",
-                        out_path.stat().st_size)
+                        out_path.stat().st_size, f16_fallback)
