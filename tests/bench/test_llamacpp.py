@@ -176,12 +176,14 @@ def test_bench_cli_llamacpp_rows_from_stand_in_binaries(checkpoint, tmp_path, mo
     res = CliRunner().invoke(app, [
         "bench", "--model", checkpoint("llama_tied"), "--draft", checkpoint("llama_draft"), "--methods",
         "none,draft", "--k", "2", "--workloads", "code", "--prompts", "1", "--rounds", "1",
-        "--max-new-tokens", "6", "--threads", "1", "--baselines", "llamacpp", "--llamacpp-dir", str(d),
+        "--max-new-tokens", "6", "--threads", "1", "--baselines", "hf,llamacpp", "--llamacpp-dir", str(d),
         "--json", str(out)])
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     rows = {s["config"]: s for s in data["summaries"]}
-    assert set(rows) == {"none", "draft k=2", "llama.cpp", "llama.cpp lookup k=2", "llama.cpp draft k=2"}
+    assert set(rows) == {"none", "draft k=2", "llama.cpp", "llama.cpp lookup k=2", "llama.cpp draft k=2", "hf",
+                         "hf-assisted k=2", "hf-prompt-lookup k=2"}
+    assert rows["hf"]["identical"] is True and rows["hf"]["wall_tokens_per_s"] is None
     # tokens/s by llama.cpp's own clock (process start and model load excluded): 6 tokens in 5 ms, in 2.5 ms
     assert rows["llama.cpp"]["tokens_per_s"] == pytest.approx(1200.0)
     assert rows["llama.cpp lookup k=2"]["tokens_per_s"] == pytest.approx(2400.0)
