@@ -56,6 +56,17 @@ def load_head_for(head: str | None, target, kind: str = "eagle"):
     return build_runtime(hf, target, d)
 
 
+def target_head_weight(model) -> torch.Tensor:
+    """[V, hid] fp32: the target's output projection as it computes it. Under --quantization the fp weight is
+    freed (quant/apply.py) and the quantized one is dequantized here, so heads see the quantized target's head."""
+    q = getattr(model, "quantized", {}).get("lm_head.weight")
+    if q is None:
+        return model.lm_head.weight.detach().float()
+    from ..quant.formats import dequantize
+
+    return dequantize(q.weight).float()
+
+
 def build_runtime(hf, target, where):
     if hf.kind == "eagle":
         from ..propose.eagle import EagleHead
@@ -67,8 +78,7 @@ def build_runtime(hf, target, where):
             raise ConfigError("head", f"{where}: head config is malformed ({e})") from None
         _load_state(net, hf.state, where)
         m = target.model
-        return EagleHead(net.eval().float(), m.embed_tokens.weight.detach().float(),
-                         m.lm_head.weight.detach().float())
+        return EagleHead(net.eval().float(), m.embed_tokens.weight.detach().float(), target_head_weight(m))
     from ..propose.medusa import build_medusa
 
     return build_medusa(hf, target, where)

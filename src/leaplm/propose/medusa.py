@@ -87,14 +87,14 @@ class MedusaProposer:
 
 
 def build_medusa(hf, target, where) -> MedusaHeads:
-    from ..heads.loader import _load_state
+    from ..heads.loader import _load_state, target_head_weight
 
     try:
         net = MedusaNet(MedusaConfig(**hf.config))
     except TypeError as e:
         raise ConfigError("head", f"{where}: head config is malformed ({e})") from None
     _load_state(net, hf.state, where)
-    return MedusaHeads(net.eval().float(), target.model.lm_head.weight.detach().float())
+    return MedusaHeads(net.eval().float(), target_head_weight(target.model))
 
 
 @register("medusa")
