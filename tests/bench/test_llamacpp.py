@@ -150,6 +150,9 @@ if name == "llama-bench":
     sys.exit(0)
 assert "-md" not in a or opt("--spec-type") == "draft-simple"
 prompt = open(opt("-bf"), "rb").read().decode()
+if "CRASH" in prompt and "--no-repack" not in a:
+    import os, signal
+    os.kill(os.getpid(), signal.SIGILL)
 n = int(opt("-n"))
 text = " t" * n
 if name == "llama-completion":
@@ -194,3 +197,34 @@ def test_bench_cli_llamacpp_rows_from_stand_in_binaries(checkpoint, tmp_path, mo
     assert s["model"].endswith("target-f32.gguf") and s["draft"].endswith("draft-q8_0.gguf")
     assert s["llama_bench"]["tokens_per_s"] == 123.5 and s["threads"] == 1
     assert "tokenized" in res.output and "llama-bench tg128" in res.output
+
+
+def test_a_failing_binary_stops_the_bench_with_its_name(checkpoint, tmp_path, monkeypatch):
+    d = tmp_path / "bin"
+    d.mkdir()
+    for n in lc.BINARIES:
+        body = "import sys; sys.stderr.write('boom: unknown argument\\n'); sys.exit(1)" if n == lc.LOOKUP else FAKE
+        (d / n).write_text(f"#!{sys.executable}\n{body}")
+        (d / n).chmod((d / n).stat().st_mode | stat.S_IEXEC)
+    monkeypatch.delenv(lc.ENV_DIR, raising=False)
+    res = CliRunner().invoke(app, [
+        "bench", "--model", checkpoint("llama_tied"), "--methods", "none", "--workloads", "code", "--prompts", "1",
+        "--rounds", "1", "--max-new-tokens", "4", "--baselines", "llamacpp", "--llamacpp-dir", str(d)])
+    assert res.exit_code == 2 and "llama-lookup failed (exit status 1)" in res.output and "boom" in res.output
+
+
+def test_probe_turns_repacking_off_when_the_process_dies(tmp_path, caplog):
+    d = tmp_path / "bin"
+    d.mkdir()
+    for n in lc.BINARIES:
+        (d / n).write_text(f"#!{sys.executable}\n{FAKE}")
+        (d / n).chmod((d / n).stat().st_mode | stat.S_IEXEC)
+    s = lc.LlamaCppSetup(lc.find_binaries(str(d), env={}), "m.gguf", threads=1, context=64)
+    (tmp_path / "ok.txt").write_text("fine")
+    lc.probe_repack(s, str(tmp_path / "ok.txt"))
+    assert not s.no_repack and "--no-repack" not in lc.completion_command(s, "p", 4)
+    (tmp_path / "crash.txt").write_text("CRASH")                 # dies unless --no-repack, like the AMX SIGILL
+    lc.probe_repack(s, str(tmp_path / "crash.txt"))
+    assert s.no_repack and "--no-repack" in lc.completion_command(s, "p", 4)
+    assert "killed by signal 4" in caplog.text
+    assert lc.llama_bench_command(s)[-2:] == ["--repack", "0"]

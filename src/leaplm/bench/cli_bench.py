@@ -185,8 +185,15 @@ def bench(
     total = rounds * sum(len(w.prompts) for w in wls) * len(contenders)
     with Progress(console=err, transient=True) as prog:
         task = prog.add_task("benchmarking", total=total)
-        samples = run_bench(contenders, wls, max_new_tokens, rounds, baseline="none",
-                            on_sample=lambda s: prog.advance(task))
+        try:
+            samples = run_bench(contenders, wls, max_new_tokens, rounds, baseline="none",
+                                on_sample=lambda s: prog.advance(task))
+        except RuntimeError as e:           # a llama.cpp process failed or printed what we cannot read
+            from .llamacpp import LlamaCppOutputError
+
+            if not isinstance(e, LlamaCppOutputError):
+                raise
+            _fail(f"--baselines llamacpp: {e}")
     summaries = summarize(samples, "none")
     reference = None
     if llama_setup is not None:

@@ -203,7 +203,10 @@ def llama_bench_command(s: LlamaCppSetup, n_gen: int = 128, repetitions: int = 3
 
 def _run(cmd: list[str], timeout: float = 900) -> tuple[str, str, float]:
     t = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, timeout=timeout)
+    try:
+        p = subprocess.run(cmd, capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise LlamaCppOutputError(f"{Path(cmd[0]).name} did not finish in {timeout:.0f} s") from None
     wall = time.perf_counter() - t
     out, err = p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace")
     if p.returncode != 0:
