@@ -56,10 +56,16 @@ def eagle_cmd(
                                 min=0.0, max=1.0),
     reuse: int = _e("reuse", "Optimizer steps per generated batch (others replay recent batches).", min=1),
     intermediate_size: Optional[int] = typer.Option(None, min=1, help="Head MLP width (default: the target's)."),
+    chat: bool = typer.Option(False, "--chat", help="Prompts are user messages through the target's chat "
+                              "template (stdlib: leaplm's chat prompts from the training split; or a .jsonl with "
+                              "'prompt'); --prompt-tokens is then the longest prompt kept; loss on answers only."),
+    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=1, help="Reduced draft vocabulary: the "
+                                              "head's own output layer over the N tokens the target says most."),
     lr: float = _e("lr", "Peak learning rate.", min=0.0),
     seed: int = _e("seed", "Random seed."),
     save_every: int = _e("save_every", "Steps between resumable checkpoints.", min=1),
-    eval_every: int = _e("eval_every", "Steps between held-out evaluations (stdlib corpus).", min=1),
+    eval_every: int = _e("eval_every", "Steps between held-out evaluations (stdlib corpus or held-out chat "
+                         "prompts).", min=1),
     max_minutes: Optional[float] = typer.Option(None, min=0.0, help="Stop (and save) after this wall time."),
     max_files: Optional[int] = typer.Option(None, min=1, help="Use only the first N corpus files (tests)."),
     threads: Optional[int] = Threads,
@@ -71,9 +77,9 @@ def eagle_cmd(
     _setup(threads)
     cfg = EagleTrainConfig(target_dir=target_dir, out_dir=str(out_dir), corpus=corpus, steps=steps,
                            batch_size=batch_size, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-                           temperatures=temps, unroll=unroll, reuse=reuse, corpus_fraction=corpus_fraction, intermediate_size=intermediate_size,
-                           lr=lr, seed=seed, save_every=save_every, eval_every=eval_every, max_minutes=max_minutes,
-                           max_files=max_files)
+                           temperatures=temps, unroll=unroll, reuse=reuse, corpus_fraction=corpus_fraction,
+                           intermediate_size=intermediate_size, chat=chat, draft_vocab=draft_vocab, lr=lr, seed=seed,
+                           save_every=save_every, eval_every=eval_every, max_minutes=max_minutes, max_files=max_files)
     with _user_errors([f.name for f in dataclasses.fields(cfg)]), HeadProgress("train eagle") as bar:
         last = train_eagle(cfg, bar)
     _done(out_dir, steps, last)

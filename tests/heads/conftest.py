@@ -1,4 +1,5 @@
-"""Fixtures for head tests: a tiny target (vocabulary 16) with a head trained on it in seconds and a random one."""
+"""Fixtures for head tests: a tiny target (vocabulary 16) with heads trained on it in seconds and random ones,
+over its whole vocabulary and over a reduced draft vocabulary of 6 tokens."""
 from __future__ import annotations
 
 import pytest
@@ -13,5 +14,7 @@ def eagle16(tiny_llama_factory, tmp_path_factory):
     d = tmp_path_factory.mktemp("eagle16")
     corpus = write_word_corpus(d / "corpus.jsonl", 16)
     train_tiny_eagle(target.path, corpus, d / "head")
+    train_tiny_eagle(target.path, corpus, d / "reduced", draft_vocab=6)
     return {"target": target, "head": str(d / "head"), "random": random_head(target, d / "random"),
-            "corpus": corpus}
+            "corpus": corpus, "reduced": str(d / "reduced"),
+            "reduced-random": random_head(target, d / "reduced-random", draft_vocab=6)}

@@ -36,7 +36,7 @@ def shape(request, monkeypatch):
 
 @pytest.mark.parametrize("shape,k", [("chain", 3), ("narrow", 3), ("wide", 10), ("flat", 5), ("wide", 1)],
                          indirect=["shape"])
-@pytest.mark.parametrize("which", ["head", "random"])
+@pytest.mark.parametrize("which", ["head", "random", "reduced", "reduced-random"])
 def test_greedy_equals_none(eagle16, shape, k, which):
     target = eagle16["target"]
     eng = Engine(target, method="eagle", k=k, head=eagle16[which], adaptive_k=False)
@@ -49,7 +49,7 @@ def test_greedy_equals_none(eagle16, shape, k, which):
             drafted += out.stats.draft_tokens
             accepted += out.stats.accepted_tokens
     assert drafted > 0
-    if which == "head":                      # the trained head's drafts are taken, not only proposed
+    if which in ("head", "reduced"):         # the trained heads' drafts are taken, not only proposed
         assert accepted > 0
 
 
@@ -86,17 +86,23 @@ def eagle8(tiny_vocab, tmp_path_factory):
 
     target = tiny_vocab["target"]
     d = tmp_path_factory.mktemp("eagle8")
-    train_tiny_eagle(target.path, write_word_corpus(d / "c.jsonl", 8), d / "head")
-    return {"head": str(d / "head"), "random": random_head(target, d / "random")}
+    corpus = write_word_corpus(d / "c.jsonl", 8)
+    train_tiny_eagle(target.path, corpus, d / "head")
+    train_tiny_eagle(target.path, corpus, d / "reduced", draft_vocab=5)     # q = 0 on 3 of the 8 tokens
+    return {"head": str(d / "head"), "random": random_head(target, d / "random"), "reduced": str(d / "reduced"),
+            "reduced-random": random_head(target, d / "reduced-random", draft_vocab=5)}
 
 
 KINDS = [("eagle", 4), ("none", None), ("draft", 2), ("eagle", 2), ("eagle", 6)]
 
 
-@pytest.mark.parametrize("case", ["processed-trained-tree", "processed-random-tree", "plain-trained-chain"])
+@pytest.mark.parametrize("case", ["processed-trained-tree", "processed-random-tree", "plain-trained-chain",
+                                  "processed-reduced-tree"])
 def test_sampled_rows_follow_the_target(case, tiny_vocab, ref_probs, eagle8, monkeypatch):
+    """reduced: the head drafts over 5 of the 8 tokens; the other 3 are reached only as recovered or bonus
+    tokens, so a verifier that mishandled q = 0 would miss their probability."""
     params = PLAIN if case.startswith("plain") else PROCESSED       # processed: T = 0.8, top-k, top-p, ...
-    head = eagle8["random" if "random" in case else "head"]
+    head = eagle8[{"trained": "head", "random": "random", "reduced": "reduced"}[case.split("-")[1]]]
     monkeypatch.setattr(eagle_mod, "TreeShape", (lambda: TreeShape(4, 3)) if "tree" in case else
                         (lambda: TreeShape(8, 1)))
     exact = exact_positions_2_3(tiny_vocab["target"].path, SamplingParams(**params), ref_probs)
@@ -106,7 +112,8 @@ def test_sampled_rows_follow_the_target(case, tiny_vocab, ref_probs, eagle8, mon
     assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f} ({case})"
 
 
-def test_negative_control(tiny_vocab, ref_probs, eagle8, monkeypatch):
+@pytest.mark.parametrize("which", ["random", "reduced-random"])
+def test_negative_control(which, tiny_vocab, ref_probs, eagle8, monkeypatch):
     """A verifier that accepts every draft (chain and tree) must fail the same test."""
     from leaplm.sampling.positional import race
     from leaplm.verify import VerifyResult
@@ -131,7 +138,7 @@ def test_negative_control(tiny_vocab, ref_probs, eagle8, monkeypatch):
     always_accept.calls = 0
     monkeypatch.setattr(eagle_mod, "TreeShape", lambda: TreeShape(3, 2))
     exact = exact_positions_2_3(tiny_vocab["target"].path, SamplingParams(**PLAIN), ref_probs)
-    eng = Engine(tiny_vocab["target"], draft=tiny_vocab["near"], method="draft", k=4, head=eagle8["random"],
+    eng = Engine(tiny_vocab["target"], draft=tiny_vocab["near"], method="draft", k=4, head=eagle8[which],
                  adaptive_k=False)
     got = sample_in_batches(eng, PLAIN, kinds=[("eagle", 4), ("eagle", 3), ("none", None)])
     tv, bound = tv_and_bound(got, exact, N)

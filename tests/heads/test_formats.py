@@ -34,11 +34,24 @@ def proposals(head, target, steps: int = 6) -> list:
     return out
 
 
+@pytest.mark.parametrize("which", ["head", "reduced"])
 @pytest.mark.parametrize("layout", ["speculators", "eagle"])
-def test_export_then_import_gives_the_same_proposals(eagle16, tmp_path, layout):
+def test_export_then_import_gives_the_same_proposals(eagle16, tmp_path, layout, which):
+    """reduced: the draft vocabulary travels as EAGLE-3 files carry it (d2t offsets, t2d mask, own lm_head)."""
     target = eagle16["target"]
-    d = export_head(eagle16["head"], tmp_path / layout, target, layout)
+    head = eagle16[which]
+    d = export_head(head, tmp_path / layout, target, layout)
     cfg = json.loads((d / "config.json").read_text())
+    if which == "reduced":
+        from safetensors.torch import load_file
+
+        w = load_file(str(d / "model.safetensors")) if layout == "speculators" else torch.load(d / "pytorch_model.bin")
+        V, N = target.model.args.vocab_size, 6
+        assert w["d2t"].dtype == torch.int64 and w["d2t"].shape == (N,)
+        assert w["t2d"].dtype == torch.bool and w["t2d"].shape == (V,) and int(w["t2d"].sum()) == N
+        ids = torch.arange(N) + w["d2t"]                  # target id = draft id + offset (vLLM's reading)
+        assert w["t2d"][ids].all() and w["lm_head.weight"].shape[0] == N
+        assert (cfg.get("draft_vocab_size") or cfg["transformer_layer_config"]["draft_vocab_size"]) == N
     if layout == "speculators":
         assert cfg["speculators_model_type"] == "eagle" and cfg["layernorms"] is False
         assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
@@ -51,12 +64,13 @@ def test_export_then_import_gives_the_same_proposals(eagle16, tmp_path, layout):
         assert "layers.0.input_layernorm.weight" not in keys
     else:
         assert cfg["num_hidden_layers"] == 1 and (d / "pytorch_model.bin").exists()
-    a, b = load_head_for(eagle16["head"], target), load_head_for(str(d), target)
+    a, b = load_head_for(head, target), load_head_for(str(d), target)
+    assert sorted(a.net.state_dict()) == sorted(b.net.state_dict())
     for (k, va), (_, vb) in zip(sorted(a.net.state_dict().items()), sorted(b.net.state_dict().items())):
         assert torch.equal(va, vb), k
     assert proposals(a, target) == proposals(b, target)
     params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
-    ra = Engine(target, method="eagle", k=4, head=eagle16["head"], adaptive_k=False).generate(PROMPT, params)
+    ra = Engine(target, method="eagle", k=4, head=head, adaptive_k=False).generate(PROMPT, params)
     rb = Engine(target, method="eagle", k=4, head=str(d), adaptive_k=False).generate(PROMPT, params)
     assert ra.token_ids == rb.token_ids and ra.stats.accepted_tokens == rb.stats.accepted_tokens
 

@@ -6,6 +6,11 @@ is a Llama decoder layer without its input norm (as EAGLE); its output is the pr
 target's own lm_head turns it into the draft's logits for token t+2. Drafting further feeds predicted features
 back in. The target's embedding and lm_head are reused, not copied (they are not trained here).
 
+Reduced draft vocabulary (EAGLE-3's, draft_vocab_size N): the head then has its own output layer lm_head
+[N, hid] over the N target tokens the target emits most, with the maps Speculators and vLLM store (heads/vocab.py):
+d2t [N] int64 offsets (target id = draft id + d2t[draft id]) and t2d [V] bool (the target ids kept). On a
+49152-token target the full lm_head would cost a fifth of a target forward at every draft depth.
+
 Weights use Hugging Face names (q_proj, gate_proj, ...) and its rotate-half RoPE layout, so the Speculators
 and EAGLE layouts (heads/formats.py) are renamings.
 """
@@ -32,13 +37,15 @@ class EagleConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     fusion_bias: bool = False        # a bias on fc (the original EAGLE checkpoints have one; vLLM's EAGLE-1 not)
+    draft_vocab_size: int | None = None   # N: the head's own lm_head over N target tokens (None: the target's)
 
     @classmethod
-    def for_target(cls, a: LlamaArgs, intermediate_size: int | None = None) -> "EagleConfig":
+    def for_target(cls, a: LlamaArgs, intermediate_size: int | None = None,
+                   draft_vocab_size: int | None = None) -> "EagleConfig":
         """A head shaped like one of the target's layers (hidden size, heads and RoPE must match its features)."""
         return cls(a.hidden_size, intermediate_size or a.intermediate_size, a.num_attention_heads,
                    a.num_key_value_heads, a.head_dim, a.vocab_size, a.rms_norm_eps, a.rope_theta,
-                   a.max_position_embeddings)
+                   a.max_position_embeddings, draft_vocab_size=draft_vocab_size)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,12 +67,23 @@ class EagleNet(nn.Module):
         self.gate_proj = nn.Linear(hid, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(hid, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, hid, bias=False)
+        if c.draft_vocab_size is not None:
+            N = c.draft_vocab_size
+            self.lm_head = nn.Linear(hid, N, bias=False)
+            self.register_buffer("d2t", torch.zeros(N, dtype=torch.long))                 # [N] offsets
+            self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))      # [V]
         args = LlamaArgs(c.vocab_size, hid, c.intermediate_size, 1, H, Hkv, D, c.max_position_embeddings,
                          rope_theta=c.rope_theta)
         inv, scale = rope_inv_freq(args)                                             # [D/2], cos/sin scale
         ang = torch.outer(torch.arange(c.max_position_embeddings, dtype=torch.float32), inv)   # [P, D/2]
         self.register_buffer("cos", scale * torch.cat([ang.cos(), ang.cos()], -1), persistent=False)   # [P, D]
         self.register_buffer("sin", scale * torch.cat([ang.sin(), ang.sin()], -1), persistent=False)
+
+    def draft_ids(self) -> torch.Tensor | None:
+        """[N] the target id of each draft-vocabulary row (None: the head drafts over the whole vocabulary)."""
+        if self.config.draft_vocab_size is None:
+            return None
+        return torch.arange(self.config.draft_vocab_size) + self.d2t
 
     # --- pieces, so training can lay out keys of several unrolled passes --------------------------------------
     def fuse(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,11 @@ Older Speculators files name fc "fusion_fc" and the layer "transformer."; both a
 EAGLE's original repositories: a Llama config.json for the one-layer draft (num_hidden_layers 1) and
 pytorch_model.bin (or model.safetensors) with fc.weight (+ fc.bias), layers.0.* and optionally embed_tokens.
 
+A head with a reduced draft vocabulary (heads/vocab.py) is written as EAGLE-3 files are: its own lm_head.weight
+[N, hid], d2t [N] int64 offsets and t2d [V] bool beside the layer, and draft_vocab_size in the config (top level
+and in transformer_layer_config). vLLM reads d2t in its EAGLE-3 models only; its EAGLE-1 path loads heads over the
+whole vocabulary, so export those (no --draft-vocab) for `"method": "eagle"`.
+
 Neither records the target's weights' hash, so leaplm writes its own identity under "leaplm_target" in
 config.json (other readers ignore unknown keys); on import without it, hidden size and vocabulary are checked,
 and the embedding (when the file carries one) must equal the target's.
@@ -36,7 +41,8 @@ _LAYER = {"q_proj.weight": "self_attn.q_proj.weight", "k_proj.weight": "self_att
 
 def _layer_config(head: dict) -> dict:
     """The one-layer LlamaConfig of the draft, as transformers writes it."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": head["hidden_size"],
+    extra = {"draft_vocab_size": head["draft_vocab_size"]} if head.get("draft_vocab_size") else {}
+    return extra | {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": head["hidden_size"],
             "intermediate_size": head["intermediate_size"], "num_attention_heads": head["num_attention_heads"],
             "num_key_value_heads": head["num_key_value_heads"], "head_dim": head["head_dim"],
             "num_hidden_layers": 1, "vocab_size": head["vocab_size"], "rms_norm_eps": head["rms_norm_eps"],
@@ -44,11 +50,15 @@ def _layer_config(head: dict) -> dict:
             "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32"}
 
 
+_OWN = ("d2t", "t2d", "lm_head.weight")            # a reduced-vocabulary head's own tensors, same names everywhere
+
+
 def _to_layout(hf: HeadFile, target) -> dict[str, torch.Tensor]:
-    out = {("fc." + k[3:] if k.startswith("fc.") else f"layers.0.{_LAYER[k]}"): v for k, v in hf.state.items()}
+    out = {(k if k.startswith("fc.") or k in _OWN else f"layers.0.{_LAYER[k]}"): v for k, v in hf.state.items()}
     m = target.model
     out["embed_tokens.weight"] = m.embed_tokens.weight.detach().float().contiguous()
-    out["lm_head.weight"] = m.lm_head.weight.detach().float().contiguous()
+    if "lm_head.weight" not in out:                  # a full-vocabulary head drafts through the target's
+        out["lm_head.weight"] = m.lm_head.weight.detach().float().contiguous()
     return out
 
 
@@ -71,6 +81,7 @@ def export_head(head_dir: str | Path, out_dir: str | Path, target, layout: str =
                "transformer_layer_architecture": "LlamaDecoderLayer",
                "transformer_layer_config": _layer_config(hf.config), "layernorms": False,
                "fusion_bias": bool(hf.config.get("fusion_bias", False)),
+               **({"draft_vocab_size": hf.config["draft_vocab_size"]} if hf.config.get("draft_vocab_size") else {}),
                "speculators_config": {
                    "algorithm": "eagle", "default_proposal_method": "greedy",
                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
@@ -81,7 +92,8 @@ def export_head(head_dir: str | Path, out_dir: str | Path, target, layout: str =
     else:
         cfg = {**_layer_config(hf.config), "bias": bool(hf.config.get("fusion_bias", False)),
                "leaplm_target": ident}
-        torch.save({k: v for k, v in weights.items() if k != "lm_head.weight"}, out / "pytorch_model.bin")
+        own_head = hf.config.get("draft_vocab_size") is not None     # the target's lm_head is not the head's
+        torch.save({k: v for k, v in weights.items() if k != "lm_head.weight" or own_head}, out / "pytorch_model.bin")
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
 
@@ -129,9 +141,10 @@ def _imported(d: Path, meta: dict, layer: dict, fusion_bias: bool, target) -> He
     w = _load_weights(d)
     state: dict[str, torch.Tensor] = {}
     back = {v: k for k, v in _LAYER.items()}
+    draft = "d2t" in w                                 # a reduced draft vocabulary: its lm_head is the head's own
     for name, t in w.items():
         n = name.replace("fusion_fc.", "fc.").replace("transformer.", "layers.0.")
-        if n.startswith("fc."):
+        if n.startswith("fc.") or (draft and n in _OWN):
             state[n] = t
         elif n.startswith("layers.0."):
             rest = n[len("layers.0."):]
@@ -151,6 +164,14 @@ def _imported(d: Path, meta: dict, layer: dict, fusion_bias: bool, target) -> He
                 "max_position_embeddings": layer.get("max_position_embeddings", 2048), "fusion_bias": fusion_bias}
     except KeyError as e:
         raise ConfigError("head", f"{d}/config.json lacks {e.args[0]!r}") from None
+    if draft:
+        from .vocab import ids_of, maps_of
+
+        if "lm_head.weight" not in state:
+            raise ConfigError("head", f"{d}: d2t without the head's own lm_head.weight")
+        ids = ids_of(state["d2t"], state.get("t2d"), head["vocab_size"], str(d))
+        state["d2t"], state["t2d"] = maps_of(ids, head["vocab_size"])     # t2d is optional in some files
+        head["draft_vocab_size"] = int(ids.numel())
     if "leaplm_target" in meta:
         ident = TargetIdentity(**meta["leaplm_target"])
     else:                                   # only what the file can tell: shapes, and the embedding if present

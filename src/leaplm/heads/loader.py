@@ -78,7 +78,13 @@ def build_runtime(hf, target, where):
             raise ConfigError("head", f"{where}: head config is malformed ({e})") from None
         _load_state(net, hf.state, where)
         m = target.model
-        return EagleHead(net.eval().float(), m.embed_tokens.weight.detach().float(), target_head_weight(m))
+        embed = m.embed_tokens.weight.detach().float()
+        if net.config.draft_vocab_size is None:
+            return EagleHead(net.eval().float(), embed, target_head_weight(m))
+        from .vocab import ids_of
+
+        ids = ids_of(net.d2t, net.t2d, net.config.vocab_size, str(where))
+        return EagleHead(net.eval().float(), embed, net.lm_head.weight.detach(), ids)
     from ..propose.medusa import build_medusa
 
     return build_medusa(hf, target, where)
@@ -94,4 +100,4 @@ def _load_state(net: torch.nn.Module, state: dict[str, torch.Tensor], where) -> 
     bad = [f"{k} {tuple(state[k].shape)} != {tuple(v.shape)}" for k, v in want.items() if state[k].shape != v.shape]
     if bad:
         raise ConfigError("head", f"{where}: weight shapes differ: {'; '.join(bad[:4])}")
-    net.load_state_dict({k: v.float() for k, v in state.items()})
+    net.load_state_dict({k: v if k in ("d2t", "t2d") else v.float() for k, v in state.items()})

@@ -40,7 +40,8 @@ class EagleHead:
     """A trained head with the target tensors it reuses (shared by every request of an engine)."""
     net: EagleNet
     embed: torch.Tensor      # [V, hid] the target's embedding
-    lm_head: torch.Tensor    # [V, hid] the target's output projection
+    lm_head: torch.Tensor    # [V, hid] the target's output projection, or [N, hid] the head's own (draft vocab)
+    vocab_ids: torch.Tensor | None = None   # [N] target id of each lm_head row (reduced draft vocabulary)
 
     @torch.inference_mode()
     def run(self, cache: "HeadCache", start: int, feats: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
@@ -59,7 +60,12 @@ class EagleHead:
         return net.finish(x, q, cache.k[:, :, : start + T], cache.v[:, :, : start + T], mask)[0]
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
-        return F.linear(feats, self.lm_head)                                           # [T, V]
+        """feats [T, hid] -> logits [T, V]; with a draft vocabulary, -inf outside it (q = 0 there)."""
+        small = F.linear(feats, self.lm_head)                                          # [T, N or V]
+        if self.vocab_ids is None:
+            return small
+        full = small.new_full((small.shape[0], self.embed.shape[0]), float("-inf"))   # [T, V]
+        return full.index_copy_(1, self.vocab_ids, small)
 
 
 class HeadCache:

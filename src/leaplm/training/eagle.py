@@ -68,6 +68,11 @@ class EagleTrainConfig:
     max_files: int | None = None
     kind: str = "eagle"               # or "medusa": the same data and loop, Medusa-1 heads (training/medusa.py)
     medusa_heads: int = 4
+    # prompts are user messages through the target's chat template (training/eagle_chat.py); prompt_tokens is
+    # then the longest prompt kept, and the loss covers the answers only
+    chat: bool = False
+    draft_vocab: int | None = None    # N: the head's own lm_head over the N target tokens counted most (heads/vocab.py)
+    vocab_batches: int = 8            # fresh batches whose answers are counted to choose the draft vocabulary
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "prompt_tokens", "new_tokens", "unroll", "save_every", "eval_every"):
@@ -83,6 +88,13 @@ class EagleTrainConfig:
             raise ConfigError("kind", f"must be 'eagle' or 'medusa', got {self.kind!r}")
         if self.medusa_heads < 1:
             raise ConfigError("medusa_heads", f"must be >= 1, got {self.medusa_heads}")
+        if self.draft_vocab is not None and (self.draft_vocab < 1 or self.kind != "eagle"):
+            raise ConfigError("draft_vocab", f"must be >= 1 and is for EAGLE heads only, got {self.draft_vocab} "
+                                             f"({self.kind})")
+        if self.vocab_batches < 1:
+            raise ConfigError("vocab_batches", f"must be >= 1, got {self.vocab_batches}")
+        if self.chat and self.corpus_fraction > 0:
+            raise ConfigError("corpus_fraction", "must be 0 with --chat (corpus windows are not chat-shaped)")
         t = Path(self.target_dir)
         if not (t / "config.json").exists() and not (t.is_file() and t.suffix == ".gguf"):
             raise ConfigError("target_dir", f"{self.target_dir!r} is neither a checkpoint directory nor a .gguf file")
@@ -109,6 +121,9 @@ class EagleStepLog:
 class TargetBatch:
     ids: torch.Tensor                 # [B, S] long: prompt + the target's continuation
     feats: torch.Tensor               # [B, S, hid] the target's features (its logits are lm_head(feats))
+    lse: torch.Tensor | None = None   # [B, S] logsumexp of the target's logits (p over a draft vocabulary)
+    top: torch.Tensor | None = None   # [B, S] long: the target's argmax
+    loss_mask: torch.Tensor | None = None   # [B, S] bool: features trained as targets (None: all; chat: answers)
 
 
 def target_batch(model, prompts: torch.Tensor, new_tokens: int, temperature: float,
@@ -117,7 +132,7 @@ def target_batch(model, prompts: torch.Tensor, new_tokens: int, temperature: flo
     with torch.inference_mode():
         b = _target_batch(model, prompts, new_tokens, temperature, generator)
     # inference tensors cannot enter autograd: copies made outside the mode can
-    return TargetBatch(b.ids.clone(), b.feats.clone())
+    return TargetBatch(b.ids.clone(), b.feats.clone(), b.lse.clone(), b.top.clone())
 
 
 def _target_batch(model, prompts, new_tokens, temperature, generator) -> TargetBatch:
@@ -126,6 +141,7 @@ def _target_batch(model, prompts, new_tokens, temperature, generator) -> TargetB
     out = model.forward_hidden(prompts, cache)
     cache.advance(P)
     feats, ids = [out.hidden], [prompts]
+    lse, top = [torch.logsumexp(out.logits.float(), -1)], [out.logits.argmax(-1)]   # [B, P] each
     for i in range(new_tokens):
         last = out.logits[:, -1].float()                                      # [B, V]
         if temperature > 0:
@@ -138,9 +154,11 @@ def _target_batch(model, prompts, new_tokens, temperature, generator) -> TargetB
         out = model.forward_hidden(nxt, cache)
         cache.advance(1)
         feats.append(out.hidden)
+        lse.append(torch.logsumexp(out.logits.float(), -1))
+        top.append(out.logits.argmax(-1))
     ids = torch.cat(ids, 1)                                                   # [B, S]
     # the last token has no feature: drop it so ids and feats align at [B, S - 1]
-    return TargetBatch(ids[:, :-1], torch.cat(feats, 1).float())
+    return TargetBatch(ids[:, :-1], torch.cat(feats, 1).float(), torch.cat(lse, 1), torch.cat(top, 1))
 
 
 def unroll_mask(L: int, d: int, device=None) -> torch.Tensor:
@@ -162,14 +180,20 @@ class PassStats:
 
 def head_losses(net: EagleNet, embed: torch.Tensor, lm_head: torch.Tensor, b: TargetBatch, unroll: int,
                 feature_weight: float) -> list[PassStats]:
-    """One training-time-test unroll over a batch. embed [V, hid], lm_head [V, hid] (frozen, the target's)."""
+    """One training-time-test unroll over a batch. embed [V, hid], lm_head [V, hid] (frozen, the target's).
+
+    With a draft vocabulary (net.lm_head over N target ids), q lives on those N ids and is scored against p
+    restricted to them (not renormalised: p's mass outside is acceptance the head cannot get):
+    KL_D = sum_D p log(p / q) - m log m with m = p(D), >= 0 and 0 iff q = p / m; acceptance = sum_D min(p, q)."""
     B, S = b.ids.shape
     L = S - 1                                              # input positions t = 0..S-2
     emb = F.embedding(b.ids[:, 1:], embed)                 # [B, L, hid] e_{t+1}
     pos = torch.arange(L).expand(B, L)                     # [B, L]
     want_f = b.feats[:, 1:]                                # [B, L, hid] f_{t+1}
-    with torch.no_grad():
-        want_logp = torch.log_softmax(F.linear(want_f, lm_head), -1)                 # [B, L, V] log p of t+2
+    ids = net.draft_ids()                                  # [N] or None
+    rows = lm_head if ids is None else lm_head[ids]        # [V or N, hid] the target's logits on q's support
+    out_head = lm_head if ids is None else net.lm_head.weight
+    trained = b.loss_mask[:, 1:] if b.loss_mask is not None else torch.ones(B, L, dtype=torch.bool)   # [B, L]
     feat = b.feats[:, :-1]                                 # pass 1 reads the target's features
     keys, vals, out = [], [], []
     for d in range(1, unroll + 1):
@@ -179,13 +203,28 @@ def head_losses(net: EagleNet, embed: torch.Tensor, lm_head: torch.Tensor, b: Ta
         vals.append(v)
         pred = net.finish(x, q, torch.cat(keys, 2), torch.cat(vals, 2), unroll_mask(L, d))   # [B, L, hid]
         lo = d - 1                                         # positions with d - 1 drafted ancestors
-        logq = torch.log_softmax(F.linear(pred[:, lo:], lm_head), -1)                  # [B, L - lo, V]
-        lp = want_logp[:, lo:]
-        kl = (lp.exp() * (lp - logq)).sum(-1).mean()
-        reg = F.smooth_l1_loss(pred[:, lo:], want_f[:, lo:])
+        sel = trained[:, lo:]                              # [B, L - lo]: the vocabulary projections run only here
+        pf, wf = pred[:, lo:][sel], want_f[:, lo:][sel]    # [n, hid] each
+        n = max(1, pf.shape[0])
         with torch.no_grad():
-            agree = (logq.argmax(-1) == lp.argmax(-1)).float().mean().item()
-            accept = torch.minimum(lp.exp(), logq.exp()).sum(-1).mean().item()
+            if ids is None:
+                lp = torch.log_softmax(F.linear(wf, rows), -1)                       # [n, V] log p of t+2
+                want_top = lp.argmax(-1)
+            else:                                          # log p on the N ids: target logits - logsumexp
+                lp = F.linear(wf, rows) - b.lse[:, 1:][:, lo:][sel].unsqueeze(-1)    # [n, N]
+                want_top = b.top[:, 1:][:, lo:][sel]
+            p = lp.exp()
+        logq = torch.log_softmax(F.linear(pf, out_head), -1)                          # [n, V or N]
+        kl_pos = (p * (lp - logq)).sum(-1)                 # [n]
+        if ids is not None:
+            m = p.sum(-1).clamp(min=1e-30)
+            kl_pos = kl_pos - m * m.log()
+        kl = kl_pos.sum() / n
+        reg = F.smooth_l1_loss(pf, wf, reduction="sum") / (n * pf.shape[-1])
+        with torch.no_grad():
+            top_q = logq.argmax(-1) if ids is None else ids[logq.argmax(-1)]
+            agree = (top_q == want_top).float().sum().item() / n
+            accept = torch.minimum(p, logq.exp()).sum().item() / n
         out.append(PassStats(kl + feature_weight * reg, kl.item(), agree, accept))
         # the next pass reads this pass's prediction of f_t at position t (shifted by one)
         feat = torch.cat([b.feats[:, :1], pred[:, :-1]], 1).detach()
@@ -211,23 +250,64 @@ def _load_target(target_dir: str):
 def train_eagle(cfg: EagleTrainConfig, on_step: Callable[[EagleStepLog], None] | None = None) -> EagleStepLog | None:
     """Train (or resume from out_dir/checkpoint) and write the head to cfg.out_dir. Returns the last log."""
     cfg.validate()
-    texts = corpus_texts(cfg.corpus, "train", cfg.max_files)        # refuses a missing or empty corpus first
+    if cfg.chat:
+        from .eagle_chat import chat_messages, chat_prompt_ids, chat_target_batch
+
+        messages = chat_messages(cfg.corpus, cfg.seed, cfg.max_files)   # refuses missing or empty data first
+    else:
+        texts = corpus_texts(cfg.corpus, "train", cfg.max_files)    # refuses a missing or empty corpus first
     loaded = _load_target(cfg.target_dir)
     model = loaded.model
     tok = loaded.tokenizer
     eos = loaded.eos_token_ids[0] if loaded.eos_token_ids else tok.eos_token_id
     eos = 0 if eos is None else eos                                  # documents need some separator
-    train = TokenStream.build(texts, tok, eos)
-    if len(train) <= cfg.prompt_tokens + 1:
-        raise ConfigError("corpus", f"{cfg.corpus!r} has {len(train)} tokens, fewer than prompt_tokens + 2")
-    try:
-        held = TokenStream.build(corpus_texts(cfg.corpus, "heldout"), tok, eos) if cfg.corpus == "stdlib" else None
-    except ValueError:
-        held = None
+    held = pool = train = None
+    if cfg.chat:
+        pool = chat_prompt_ids(messages, tok, loaded.bos_id, cfg.prompt_tokens, loaded.name)
+        if len(pool) < 2 * cfg.batch_size:
+            raise ConfigError("corpus", f"{cfg.corpus!r} gives {len(pool)} chat prompts; --chat needs at least "
+                                        f"2 x batch_size ({2 * cfg.batch_size}): one batch is held out")
+        held_prompts, pool = pool[: cfg.batch_size], pool[cfg.batch_size:]
+        eos_ids = set(loaded.eos_token_ids or [eos])
+    else:
+        train = TokenStream.build(texts, tok, eos)
+        if len(train) <= cfg.prompt_tokens + 1:
+            raise ConfigError("corpus", f"{cfg.corpus!r} has {len(train)} tokens, fewer than prompt_tokens + 2")
+        try:
+            held = TokenStream.build(corpus_texts(cfg.corpus, "heldout"), tok, eos) if cfg.corpus == "stdlib" \
+                else None
+        except ValueError:
+            held = None
     out = Path(cfg.out_dir)
     ck = out / "checkpoint"
     ck.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
+    embed = model.embed_tokens.weight.detach().float()             # [V, hid]
+    lm_head = model.lm_head.weight.detach().float()                # [V, hid]
+    rng = random.Random(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    st = torch.load(ck / "state.pt", weights_only=False) if (ck / "state.pt").exists() else None
+
+    def fresh(temp: float) -> tuple[float, TargetBatch]:
+        """A new batch: the target's answers (chat), its continuations, or (corpus_fraction) a scored window."""
+        if cfg.chat:
+            return temp, chat_target_batch(model, rng.sample(pool, min(cfg.batch_size, len(pool))),
+                                           cfg.new_tokens, temp, gen, eos_ids)
+        if rng.random() < cfg.corpus_fraction:           # teacher-forced corpus text: temperature reported as -1
+            return -1.0, target_batch(model, train.batch(rng, cfg.batch_size, cfg.prompt_tokens + cfg.new_tokens),
+                                      1, 0.0, gen)
+        return temp, target_batch(model, train.batch(rng, cfg.batch_size, cfg.prompt_tokens), cfg.new_tokens,
+                                  temp, gen)
+
+    buffer: list[tuple[float, TargetBatch]] = []          # (temperature, batch), newest last
+    vocab_ids = None
+    if cfg.draft_vocab is not None and cfg.draft_vocab < model.args.vocab_size:
+        if st is not None:
+            vocab_ids = torch.arange(cfg.draft_vocab) + st["net"]["d2t"]
+        else:                                             # count what the target says; the batches train too
+            for i in range(cfg.vocab_batches):
+                buffer.append(fresh(cfg.temperatures[i % len(cfg.temperatures)]))
+            vocab_ids = _choose_vocab(buffer, cfg.draft_vocab, model.args.vocab_size, pool, train)
     if cfg.kind == "medusa":
         from ..heads.medusa_net import MedusaConfig, MedusaNet
         from .medusa import medusa_losses
@@ -236,18 +316,20 @@ def train_eagle(cfg: EagleTrainConfig, on_step: Callable[[EagleStepLog], None] |
         net = MedusaNet(hcfg)
         losses = lambda b: medusa_losses(net, lm_head, b)                        # noqa: E731
     else:
-        hcfg = EagleConfig.for_target(model.args, cfg.intermediate_size)
+        hcfg = EagleConfig.for_target(model.args, cfg.intermediate_size,
+                                      None if vocab_ids is None else len(vocab_ids))
         net = EagleNet(hcfg)
+        if vocab_ids is not None:                        # start from the target's own rows of those tokens
+            from ..heads.vocab import maps_of
+
+            net.d2t, net.t2d = maps_of(vocab_ids, model.args.vocab_size)
+            with torch.no_grad():
+                net.lm_head.weight.copy_(lm_head[vocab_ids])
         losses = lambda b: head_losses(net, embed, lm_head, b, cfg.unroll, cfg.feature_weight)   # noqa: E731
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    embed = model.embed_tokens.weight.detach().float()             # [V, hid]
-    lm_head = model.lm_head.weight.detach().float()                # [V, hid]
     start, tokens_seen, elapsed0 = 0, 0, 0.0
-    rng = random.Random(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed)
     logf = out / "train_log.jsonl"
-    if (ck / "state.pt").exists():
-        st = torch.load(ck / "state.pt", weights_only=False)
+    if st is not None:
         net.load_state_dict(st["net"])
         opt.load_state_dict(st["opt"])
         start, tokens_seen, elapsed0 = st["step"], st["tokens_seen"], st["elapsed_s"]
@@ -258,12 +340,19 @@ def train_eagle(cfg: EagleTrainConfig, on_step: Callable[[EagleStepLog], None] |
         logf.write_text("")
     (out / "train_config.json").write_text(json.dumps({"recipe": cfg.kind, **asdict(cfg)}, indent=2))
     eval_batch = None
-    if held is not None:
+    if cfg.chat:
+        eval_batch = chat_target_batch(model, held_prompts, cfg.new_tokens, 0.0, torch.Generator().manual_seed(1234),
+                                       eos_ids)
+    elif held is not None:
         eval_batch = target_batch(model, held.batch(random.Random(1234), cfg.batch_size, cfg.prompt_tokens),
                                   cfg.new_tokens, 0.0, torch.Generator().manual_seed(1234))
+    extra = {}
+    if vocab_ids is not None and eval_batch is not None:
+        extra["draft_vocab_coverage"] = _coverage(eval_batch, vocab_ids)
+        log.info("draft vocabulary of %d tokens covers %.3f of the held-out answers' tokens", len(vocab_ids),
+                 extra["draft_vocab_coverage"])
     t_run = time.perf_counter()
     last = None
-    buffer: list[tuple[float, TargetBatch]] = []          # (temperature, batch), newest last
 
     def save(step: int) -> None:
         torch.save({"net": net.state_dict(), "opt": opt.state_dict(), "step": step, "tokens_seen": tokens_seen,
@@ -274,7 +363,7 @@ def train_eagle(cfg: EagleTrainConfig, on_step: Callable[[EagleStepLog], None] |
 
     def export(step: int) -> None:
         save_head(out, cfg.kind, hcfg.to_dict(), identity_of(loaded), net.state_dict(),
-                  {"trained_steps": step, "target_name": loaded.name})
+                  {"trained_steps": step, "target_name": loaded.name, **extra})
         from ..heads.card import write_head_card
 
         write_head_card(out)
@@ -282,14 +371,7 @@ def train_eagle(cfg: EagleTrainConfig, on_step: Callable[[EagleStepLog], None] |
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         if step % cfg.reuse == 0 or not buffer:
-            temp = cfg.temperatures[(step // cfg.reuse) % len(cfg.temperatures)]
-            if rng.random() < cfg.corpus_fraction:       # teacher-forced corpus text: temperature reported as -1
-                temp = -1.0
-                b = target_batch(model, train.batch(rng, cfg.batch_size, cfg.prompt_tokens + cfg.new_tokens), 1,
-                                 0.0, gen)
-            else:
-                prompts = train.batch(rng, cfg.batch_size, cfg.prompt_tokens)
-                b = target_batch(model, prompts, cfg.new_tokens, temp, gen)
+            temp, b = fresh(cfg.temperatures[(step // cfg.reuse) % len(cfg.temperatures)])
             buffer.append((temp, b))
             del buffer[:-cfg.replay]
         else:
@@ -304,7 +386,7 @@ def train_eagle(cfg: EagleTrainConfig, on_step: Callable[[EagleStepLog], None] |
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
         opt.step()
-        n_tok = b.ids.numel()
+        n_tok = b.ids.numel() if b.loss_mask is None else int(b.loss_mask.sum())
         tokens_seen += n_tok
         now = time.perf_counter()
         last = EagleStepLog(step + 1, cfg.steps, float(loss.detach()), lr, tokens_seen, n_tok / (now - t0),
@@ -325,3 +407,22 @@ def train_eagle(cfg: EagleTrainConfig, on_step: Callable[[EagleStepLog], None] |
             log.info("stopping at step %d: --max-minutes %.1f reached", step + 1, cfg.max_minutes)
             break
     return last
+
+
+def _answer_tokens(b: TargetBatch) -> torch.Tensor:
+    """The tokens a head drafts in batch b: the answers (chat) or every token."""
+    return b.ids[b.loss_mask] if b.loss_mask is not None else b.ids.flatten()
+
+
+def _choose_vocab(batches: list[tuple[float, TargetBatch]], n: int, V: int, pool, train) -> torch.Tensor:
+    """The n target ids counted most in the batches' answers; the training prompts (or corpus) break ties."""
+    from ..heads.vocab import top_ids
+
+    counts = torch.bincount(torch.cat([_answer_tokens(b) for _, b in batches]), minlength=V)[:V]
+    prior_ids = torch.tensor([t for p in pool for t in p]) if pool is not None else train.ids.long()
+    return top_ids(counts, n, torch.bincount(prior_ids, minlength=V)[:V])
+
+
+def _coverage(b: TargetBatch, ids: torch.Tensor) -> float:
+    toks = _answer_tokens(b)
+    return float(torch.isin(toks, ids).float().mean()) if toks.numel() else 0.0

@@ -19,12 +19,14 @@ def medusa_losses(net: MedusaNet, lm_head: torch.Tensor, b: TargetBatch) -> list
         n = S - 1 - i                                                  # positions t with a label t + 1 + i
         if n < 1:
             break
-        logq = torch.log_softmax(F.linear(preds[i, :, :n], lm_head), -1)        # [B, n, V]
+        # chat batches: only answer positions (right padding and prompts are not what is drafted)
+        sel = b.loss_mask[:, 1 + i:] if b.loss_mask is not None else torch.ones(B, n, dtype=torch.bool)
+        logq = torch.log_softmax(F.linear(preds[i, :, :n][sel], lm_head), -1)   # [m, V]
         with torch.no_grad():
-            lp = torch.log_softmax(F.linear(b.feats[:, 1 + i:], lm_head), -1)  # [B, n, V]
-        kl = (lp.exp() * (lp - logq)).sum(-1).mean()
+            lp = torch.log_softmax(F.linear(b.feats[:, 1 + i:][sel], lm_head), -1)   # [m, V]
+        kl = (lp.exp() * (lp - logq)).sum(-1).sum() / max(1, lp.shape[0])
         with torch.no_grad():
-            agree = (logq.argmax(-1) == lp.argmax(-1)).float().mean().item()
-            accept = torch.minimum(lp.exp(), logq.exp()).sum(-1).mean().item()
+            agree = (logq.argmax(-1) == lp.argmax(-1)).float().sum().item() / max(1, lp.shape[0])
+            accept = torch.minimum(lp.exp(), logq.exp()).sum(-1).sum().item() / max(1, lp.shape[0])
         out.append(PassStats(kl, kl.item(), agree, accept))
     return out
