@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from leaplm import Engine, SamplingParams
-from leaplm.engine.adaptive import AcceptanceEstimate, BatchAdaptiveK, BatchCostModel, RowSpec, expected_tokens
+from leaplm.engine.adaptive import expected_tokens
 from leaplm.engine.scheduler import BatchScheduler, QueueFull, SchedulerClosed, SeqRequest
 from leaplm.verify import VerifyResult
 
@@ -210,66 +210,7 @@ def test_threaded_loop_serves_and_stops(target, reference):
     assert not sched._thread.is_alive()
 
 
-# --- the K policy --------------------------------------------------------------------------------------------------
-def compute_bound_costs(k_max: int = 8, max_n: int = 16) -> BatchCostModel:
-    """A forward costs 0.5 ms of overhead plus 0.2 ms per token in the batch: cheap to widen while the batch is small,
-    proportional to n * T once it is large (what a real model does as it turns compute-bound)."""
-    c = BatchCostModel()
-    for n in (1, 2, 4, 8, 16):
-        for T in range(1, k_max + 2):
-            c.observe(n, T, 5e-4 + 2e-4 * n * T)
-    return c
-
-
-def test_k_shrinks_to_zero_as_the_batch_fills():
-    ctl = BatchAdaptiveK(compute_bound_costs())
-    ks = [ctl.best([RowSpec(8, 0.8, 2e-5)] * n) for n in (1, 2, 4, 8, 16)]
-    assert ks[0] >= 3
-    assert all(a >= b for a, b in zip(ks, ks[1:])), ks
-    assert ks[-1] == 0
-
-
-def test_k_is_zero_when_acceptance_is_low_and_probes_now_and_then():
-    ctl = BatchAdaptiveK(compute_bound_costs(), probe_every=4)
-    rows = [RowSpec(8, 0.05, 1e-4)]
-    picks = [ctl.choose(rows) for _ in range(8)]
-    assert picks.count(0) == 6 and picks.count(1) == 2
-
-
-def test_no_probe_when_even_perfect_acceptance_would_not_pay():
-    costs = BatchCostModel()
-    for T in range(1, 10):
-        costs.observe(16, T, 1e-3 * T)          # fully compute-bound: T tokens cost T times one
-    ctl = BatchAdaptiveK(costs, probe_every=1)
-    assert [ctl.choose([RowSpec(8, 0.05, 1e-4)] * 16) for _ in range(5)] == [0] * 5
-
-
-def test_rate_model_matches_the_formula():
-    costs = compute_bound_costs()
-    ctl = BatchAdaptiveK(costs)
-    rows = [RowSpec(4, 0.7, 1e-4), RowSpec(0, 0.0, 0.0)]
-    K = 3
-    want = (expected_tokens(0.7, 3) + 1.0) / (costs.cost(2, 4) + 3 * 1e-4)
-    assert ctl.rate(rows, K) == pytest.approx(want)
-
-
-def test_catch_up_cost_is_charged_only_to_rows_that_draft():
-    costs = compute_bound_costs()
-    ctl = BatchAdaptiveK(costs)
-    rows = [RowSpec(4, 0.7, 1e-4, catchup_s=2e-3), RowSpec(0, 0.0, 0.0, catchup_s=5.0)]
-    want = (expected_tokens(0.7, 3) + 1.0) / (costs.cost(2, 4) + 3 * 1e-4 + 2e-3)
-    assert ctl.rate(rows, 3) == pytest.approx(want)
-    assert ctl.rate(rows, 0) == pytest.approx(2.0 / costs.cost(2, 1))
-
-
-def test_a_draft_that_must_catch_up_near_the_end_of_a_request_does_not_start():
-    """A row whose draft has seen nothing pays the prefill once; spread over many remaining steps it is worth it,
-    charged to the last few steps of a request it is not."""
-    ctl = BatchAdaptiveK(compute_bound_costs())
-    assert ctl.best([RowSpec(8, 0.8, 2e-5, catchup_s=1e-4)]) >= 3
-    assert ctl.best([RowSpec(8, 0.8, 2e-5, catchup_s=5e-3)]) == 0
-
-
+# --- the K policy with a real draft (the pure policy: test_adaptive.py) -------------------------------------------
 def test_scheduler_spreads_the_draft_catch_up_over_the_remaining_steps(target, loaded):
     sched = BatchScheduler(engine_for(target, loaded, "draft", adaptive=True), max_batch=2)
     assert sched.draft_prefill_s_per_token > 0             # calibrated with the target costs
@@ -284,45 +225,3 @@ def test_scheduler_spreads_the_draft_catch_up_over_the_remaining_steps(target, l
     assert row.proposer.lag(len(row.req.tokens)) == 0 and sched.batch.catchup_s(row) == 0.0
     row.proposer.observe(prop, VerifyResult([prop.tokens.tolist()[0]], 0))   # as a step would: nothing accepted
     sched.run_until_idle()
-
-
-def test_a_batch_drafts_only_for_a_clear_predicted_gain():
-    costs = BatchCostModel()
-    costs.observe(1, 1, 1.0)
-    costs.observe(1, 2, 1.0)
-    row = [RowSpec(1, 0.5, 0.45)]                 # K = 1: 1.5 tokens for 1.45 s, a 3% predicted gain
-    assert BatchAdaptiveK(costs).best(row) == 0
-    assert BatchAdaptiveK(costs, min_gain=0.0).best(row) == 1
-    assert BatchAdaptiveK(costs).best([RowSpec(1, 0.5, 0.3)]) == 1     # 15%: drafts
-
-
-def test_cost_model_interpolates_between_measured_batch_sizes():
-    c = BatchCostModel()
-    c.observe(2, 3, 2.0)
-    c.observe(8, 3, 8.0)
-    assert c.cost(2, 3) == 2.0 and c.cost(5, 3) == pytest.approx(5.0)
-    assert c.cost(16, 3) == pytest.approx(16.0)     # beyond: linear in n
-    assert c.cost(8, 6) == pytest.approx(16.0)      # beyond the measured T: linear in T
-
-
-def test_bursty_acceptance_is_measured_per_position():
-    """An n-gram-like proposer: half the steps find nothing (asked 4, drafted 0), the other half are right all
-    the way. Expected tokens at K = 4 are then 1 + 0.5 * 4 = 3; the per-token formula would say far less, and
-    with a forward that costs 60% more at T = 5 the policy must still choose K = 4."""
-    est = AcceptanceEstimate()
-    for i in range(60):
-        est.observe(4 if i % 2 else 0, 4 if i % 2 else 0, asked=4)
-    by_k = est.tokens_by_k(4)
-    assert by_k[4] == pytest.approx(3.0, abs=0.15) and by_k[1] == pytest.approx(1.5, abs=0.05)   # EMA: order counts a little
-    costs = BatchCostModel()
-    for T in range(1, 6):
-        costs.observe(1, T, 1.0 + 0.15 * (T - 1))
-    row = RowSpec(4, est.rate, 0.0, tokens_by_k=by_k)
-    assert BatchAdaptiveK(costs).best([row]) == 4
-    # a proposer that is always wrong after its first token: K = 1 is worth it, longer is not
-    est = AcceptanceEstimate()
-    for _ in range(60):
-        est.observe(4, 1)
-    by_k = est.tokens_by_k(4)
-    assert by_k[1] == pytest.approx(2.0, abs=0.05) and by_k[4] == pytest.approx(2.0, abs=0.05)
-    assert BatchAdaptiveK(costs).best([RowSpec(4, est.rate, 0.0, tokens_by_k=by_k)]) == 1

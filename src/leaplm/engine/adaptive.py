@@ -1,13 +1,21 @@
 """Adaptive K, the one K policy: choose each step's K from measured costs and measured acceptance, down to 0
 (no speculation) when speculating would be slower than plain decoding. A single request is a batch of one.
 
-Expected tokens per step with per-token acceptance a and K drafted: (1 - a^(K+1)) / (1 - a) (the bonus or
-recovered token included). Target costs per (rows, block length) are measured once per engine (step.calibrate)
-and refreshed from live steps; they live, with proposer costs and per-method acceptance, in `Estimates`.
+Acceptance is estimated per row and conditional on the proposer having a proposal: an n-gram or suffix proposer
+finds a match on some steps and none on others, and a step without one costs a one-token forward and teaches
+nothing about how good its matches are. So a row's expected tokens at K are 1 + match * (G(K)), where match is
+how often it had a proposal and G(K) the expected accepted tokens of a proposal cut at K, measured per draft
+position; the step's cost is the wide forward only when some row has a proposal. Target costs per (rows, block
+length) are engine/costs.py's: a level that follows the load times a shape measured pairwise at start-up.
+Proposer costs and per-method acceptance live in `Estimates`.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
+
+from .costs import BatchCostModel  # noqa: F401  (re-exported: the policy's cost model)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -17,145 +25,196 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 # With n rows verified in one forward of n x (K + 1) tokens, the step's K maximises the batch's token rate
-#   sum_i E[tokens_i](a_i, min(K, cap_i)) / (cost(n, K + 1) + sum_i [min(K, cap_i) * propose_s_i + catchup_i])
-# where cap_i is row i's own K (0 for a row that does not speculate) and catchup_i (only for rows that draft) is a
-# draft model's prefill of unseen tokens spread over the request's remaining steps; K > 0 must beat K = 0 by
-# min_gain. cost(n, T) is the measured time of a
-# batched forward; as n grows the forward turns compute-bound, cost(n, K + 1) outgrows the tokens it buys and
-# K falls to 0: speculation never makes a full batch slower than plain decoding.
+#   sum_i (1 + m_i G_i(k_i)) / (P(some row proposes) cost(n, K + 1) + P(none does) cost(n, 1)
+#                               + sum_i [m_i k_i propose_s_i + catchup_i])
+# where k_i = min(K, cap_i), cap_i is row i's own K (0 for a row that does not speculate), m_i how often row i's
+# proposer has a proposal, G_i its expected accepted tokens given one, and catchup_i (only for rows that draft)
+# a draft model's prefill of unseen tokens spread over the request's remaining steps; K > 0 must beat K = 0 by
+# min_gain. As n grows the forward turns compute-bound, cost(n, K + 1) outgrows the tokens it buys and K falls
+# to 0: speculation never makes a full batch slower than plain decoding.
 
 
 @dataclass
-class BatchCostModel:
-    """Seconds per batched target forward over n rows of T tokens (EMA per measured (n, T), interpolated)."""
-    table: dict[tuple[int, int], float] = field(default_factory=dict)
-    decay: float = 0.9
-
-    def observe(self, n: int, T: int, seconds: float) -> None:
-        old = self.table.get((n, T))
-        self.table[(n, T)] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-
-    def cost(self, n: int, T: int) -> float:
-        if (n, T) in self.table:
-            return self.table[(n, T)]
-        if not self.table:
-            return float(n * T)
-        return self._interp_n(n, T)
-
-    def _at_n(self, n: int, T: int) -> float:
-        """Cost at a measured n: nearest measured T, scaled up linearly in T beyond it."""
-        ts = [t for (m, t) in self.table if m == n]
-        nearest = min(ts, key=lambda t: abs(t - T))
-        c = self.table[(n, nearest)]
-        return c * T / nearest if T > nearest else c
-
-    def _interp_n(self, n: int, T: int) -> float:
-        ns = sorted({m for (m, _) in self.table})
-        lo = max((m for m in ns if m <= n), default=None)
-        hi = min((m for m in ns if m >= n), default=None)
-        if lo is None:
-            return self._at_n(hi, T) * n / hi
-        if hi is None:
-            return self._at_n(lo, T) * n / lo
-        if lo == hi:
-            return self._at_n(lo, T)
-        w = (n - lo) / (hi - lo)
-        return (1 - w) * self._at_n(lo, T) + w * self._at_n(hi, T)
-
-
-@dataclass
-class AcceptanceEstimate:
-    """One request's acceptance, EMA-weighted counts: a per-token rate (prior 0.8) and, per draft position i, how
-    often a step that asked for at least i + 1 tokens had its first i + 1 accepted. The second gives the expected
-    tokens of a step at each K directly, which matters for bursty proposers (an n-gram match is often right all
-    the way or not at all, so per-token acceptance undersells long drafts), and it counts the steps where the
-    proposer found nothing to draft."""
+class Counts:
+    """EMA-weighted acceptance counts of proposal steps: a per-token rate (prior 0.8) and, per draft position i,
+    how often a step that asked for at least i + 1 tokens had its first i + 1 accepted."""
     accepted: float = 4.0
     rejected: float = 1.0
-    decay: float = 0.9
-    asked: list[float] = field(default_factory=list)     # [K] EMA weight of steps that asked for >= i + 1 tokens
+    asked: list[float] = field(default_factory=list)     # [K] EMA weight of proposal steps asking >= i + 1 tokens
     passed: list[float] = field(default_factory=list)    # [K] of those, steps whose first i + 1 were accepted
-    min_weight: float = 2.0                              # below this a position falls back to extrapolation
-
-    @classmethod
-    def seeded(cls, rate: float, strength: float = 5.0) -> "AcceptanceEstimate":
-        """A new request's estimate, starting from what its method has measured on earlier requests (worth
-        `strength` drafts) instead of the fixed prior: a full batch keeps admitting new rows, and an optimistic
-        prior on each would keep buying drafts that the measured acceptance does not pay for."""
-        return cls(accepted=strength * rate, rejected=strength * (1 - rate))
 
     @property
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def observe(self, drafted: int, accepted: int, asked: int | None = None) -> None:
-        """A step asked for `asked` tokens (default: drafted), the proposer drafted `drafted`, `accepted` kept."""
-        asked = drafted if asked is None else asked
-        if asked > 0:
-            grow = asked - len(self.asked)
-            if grow > 0:
-                self.asked += [0.0] * grow
-                self.passed += [0.0] * grow
-            d = self.decay
-            self.asked = [d * w + (1.0 if i < asked else 0.0) for i, w in enumerate(self.asked)]
-            self.passed = [d * w + (1.0 if i < accepted else 0.0) for i, w in enumerate(self.passed)]
-        if drafted == 0:
-            return
-        self.accepted = self.decay * self.accepted + accepted
-        self.rejected = self.decay * self.rejected + (1 if accepted < drafted else 0)
+    def scaled(self, strength: float) -> "Counts":
+        """The same estimate worth at most `strength` steps."""
+        rate = self.rate
+        scale = strength / max(strength, self.asked[0]) if self.asked else 0.0
+        return Counts(strength * rate, strength * (1 - rate), [w * scale for w in self.asked],
+                      [w * scale for w in self.passed])
 
-    def tokens_by_k(self, cap: int) -> list[float]:
-        """Expected tokens of a step asking for k = 0..cap drafts (1 at k = 0): 1 + sum over i < k of P(first
-        i + 1 accepted), measured where enough steps asked that far, else extrapolated from the last measured
-        position with the per-token rate."""
+    def observe(self, drafted: int, accepted: int, asked: int, d: float) -> None:
+        grow = asked - len(self.asked)
+        if grow > 0:
+            self.asked += [0.0] * grow
+            self.passed += [0.0] * grow
+        self.asked = [d * w + (1.0 if i < asked else 0.0) for i, w in enumerate(self.asked)]
+        self.passed = [d * w + (1.0 if i < accepted else 0.0) for i, w in enumerate(self.passed)]
+        self.accepted = d * self.accepted + accepted
+        self.rejected = d * self.rejected + (1 if accepted < drafted else 0)
+
+    def tokens_by_k(self, cap: int, prior_weight: float) -> list[float]:
+        """Expected tokens of a step with a proposal asking for k = 0..cap drafts (1 at k = 0): 1 + sum over i < k
+        of P(first i + 1 accepted). Each position's measured frequency is smoothed towards the previous position's
+        estimate times the per-token rate (prior_weight pseudo-steps), which is all there is where no step asked
+        that far."""
         out, total, prob, a = [1.0], 1.0, 1.0, self.rate
         for i in range(cap):
-            if i < len(self.asked) and self.asked[i] >= self.min_weight:
-                prob = min(prob, self.passed[i] / self.asked[i])
-            else:
-                prob *= a
+            est = prob * a
+            if i < len(self.asked):
+                est = (self.passed[i] + prior_weight * est) / (self.asked[i] + prior_weight)
+            prob = min(prob, est)
             total += prob
             out.append(total)
         return out
 
 
 @dataclass
+class AcceptanceEstimate:
+    """One request's acceptance given that its proposer had a proposal, and apart, how often it had one (`match`).
+    A step where it had none changes only `match`: it cost nothing beyond a one-token forward and says nothing
+    about the proposals it does make.
+
+    Given a proposal, the counts are kept in two states, after a proposal whose first token was accepted and after
+    one whose first token was not, and the current state's are used: an n-gram proposer is bursty (while the
+    output copies earlier text its matches are right for many tokens, elsewhere they are mostly wrong), and the
+    last outcome tells which stretch a row is in. For a proposer whose acceptance does not depend on the last
+    outcome (a draft model) both states measure the same thing."""
+    decay: float = 0.9
+    after_hit: Counts = field(default_factory=Counts)
+    after_miss: Counts = field(default_factory=Counts)
+    hit: bool = True                                     # the last proposal's first token was accepted
+    proposed: float = 1.0                                # EMA weight of steps that asked and got a proposal
+    empty: float = 0.0                                   # ... and of those that got none
+    prior_weight: float = 1.0                            # pseudo-steps behind each position's extrapolated prior
+
+    @classmethod
+    def seeded(cls, seen: "AcceptanceEstimate", strength: float = 5.0) -> "AcceptanceEstimate":
+        """A new request's estimate, starting from what its method has measured on earlier requests (worth at
+        most `strength` steps) instead of the fixed prior: a full batch keeps admitting new rows, and an
+        optimistic prior on each would keep buying drafts that the measured acceptance does not pay for."""
+        match = seen.match
+        return cls(after_hit=seen.after_hit.scaled(strength), after_miss=seen.after_miss.scaled(strength),
+                   hit=seen.hit, proposed=strength * match, empty=strength * (1 - match))
+
+    @property
+    def counts(self) -> Counts:
+        return self.after_hit if self.hit else self.after_miss
+
+    @property
+    def rate(self) -> float:
+        """Per-token acceptance given a proposal, in the current state."""
+        return self.counts.rate
+
+    @property
+    def match(self) -> float:
+        """How often the proposer had a proposal when asked."""
+        return self.proposed / (self.proposed + self.empty)
+
+    def observe(self, drafted: int, accepted: int, asked: int | None = None) -> None:
+        """A step asked for `asked` tokens (default: drafted), the proposer drafted `drafted` (0: it had nothing),
+        `accepted` kept."""
+        asked = drafted if asked is None else asked
+        if asked <= 0:
+            return
+        d = self.decay
+        self.proposed = d * self.proposed + (1.0 if drafted else 0.0)
+        self.empty = d * self.empty + (0.0 if drafted else 1.0)
+        if drafted:
+            self.counts.observe(drafted, accepted, asked, d)
+            self.hit = accepted > 0
+
+    def tokens_by_k(self, cap: int) -> list[float]:
+        """[cap + 1] expected tokens of a step with a proposal at each K, in the current state."""
+        return self.counts.tokens_by_k(cap, self.prior_weight)
+
+    def tokens_by_k_after_hit(self, cap: int) -> list[float]:
+        return self.after_hit.tokens_by_k(cap, self.prior_weight)
+
+
+@dataclass
 class RowSpec:
     """What the batch controller needs to know about one running row."""
     cap: int                       # this row's own K (0: the row does not speculate)
-    acceptance: float              # per-token acceptance estimate
+    acceptance: float              # per-token acceptance estimate, given a proposal
     propose_s_per_token: float     # measured proposer seconds per drafted token
     catchup_s: float = 0.0         # a draft model's prefill of tokens it has not seen, spread over the request's
                                    # remaining steps (paid once, then drafting is cheap): charged when it drafts
     extra_tokens: float = 0.0      # tokens its proposals add to the forward beyond K (lookahead's window)
-    tokens_by_k: list[float] | None = None   # [cap + 1] expected tokens at each K (else the per-token formula)
+    tokens_by_k: list[float] | None = None   # [cap + 1] expected tokens at each K given a proposal (else the
+                                             # per-token formula)
+    match: float = 1.0             # how often the proposer has a proposal when asked
+    tokens_by_k_after_hit: list[float] | None = None   # [cap + 1] the same after a proposal whose first token
+                                                       # was accepted (what a probe that hits leads to)
 
-    def expected(self, k: int) -> float:
+    def given_proposal(self, k: int) -> float:
         if self.tokens_by_k is not None and k < len(self.tokens_by_k):
             return self.tokens_by_k[k]
         return expected_tokens(self.acceptance, k)
 
+    def expected(self, k: int) -> float:
+        """Expected tokens of a step asking this row for k drafts."""
+        return 1.0 + self.match * (self.given_proposal(k) - 1.0) if k else 1.0
+
 
 @dataclass
 class BatchAdaptiveK:
-    """Chooses the K of each batched step from measured forward costs and per-row acceptance (see above)."""
+    """Chooses the K of each batched step from measured forward costs and per-row acceptance (see above).
+
+    At K = 0 chosen for low acceptance (not for cost: when even perfect acceptance would not pay at this batch
+    size, drafting a token would only cost) nothing is learnt, so it re-probes: one step at the K > 0 with the
+    best predicted rate, probe_every * n steps after K fell to 0 (a probe widens every row's block: n times
+    rarer). While that K is predicted within `near` of plain decoding (estimates that noise could have pushed
+    below break-even) it keeps probing at that pace; further below, the wait doubles after each probe, up to
+    max_probe_every * n steps and to what keeps probes within probe_budget of plain decoding's time (a proposer
+    that rarely has a proposal is probed more often: its probes rarely cost). A probe in which no row had a
+    proposal taught nothing and cost nothing: the next step probes again (the Batch reports it through probed())."""
     costs: BatchCostModel
     enabled: bool = True
-    probe_every: int = 8           # at K = 0 chosen for low acceptance, draft 1 token every probe_every * n steps
+    probe_every: int = 8
+    max_probe_every: int = 64
+    near: float = 0.15
+    probe_budget: float = 0.02
+    upside_budget_factor: float = 3.0
     # A batch drafts only when the model predicts at least this gain over K = 0: near the break-even point (a
     # filling batch) the prediction rests on costs measured at other contexts and loads, and a wrong call there
     # makes the server slower than plain decoding; a small margin buys "never slower" for little.
     min_gain: float = 0.05
+    probing: bool = False          # the last choice was a probe
     _since_probe: int = 0
+    _interval: int = 0             # current steps between probes (per row); 0: probe_every
+    _retry: bool = False           # the last probe found no proposal: probe at the next step
 
     def rate(self, rows: list[RowSpec], K: int) -> float:
         """Expected tokens per second of a step with K over these rows."""
+        return sum(r.expected(min(K, r.cap)) for r in rows) / self._step_seconds(rows, K)
+
+    def _step_seconds(self, rows: list[RowSpec], K: int) -> float:
+        """Expected seconds of a step with K over these rows."""
         n = len(rows)
-        tokens = sum(r.expected(min(K, r.cap)) for r in rows)
-        extra = round(max((r.extra_tokens for r in rows if min(K, r.cap)), default=0.0))
-        seconds = self.costs.cost(n, K + 1 + extra) + sum(min(K, r.cap) * r.propose_s_per_token
-                                                  + (r.catchup_s if min(K, r.cap) else 0.0) for r in rows)
-        return tokens / seconds
+        drafting = [(r, min(K, r.cap)) for r in rows if min(K, r.cap)]
+        if not drafting:
+            return self.costs.cost(n, 1)
+        extra = round(max(r.extra_tokens for r, _ in drafting))
+        # the block is as wide as the longest draft of a row that has a proposal (rows independent)
+        forward, p_narrower = 0.0, 1.0          # p_narrower: no row with a longer draft has a proposal
+        for w in sorted({k for _, k in drafting}, reverse=True):
+            p_none = math.prod(1.0 - min(1.0, max(0.0, r.match)) for r, k in drafting if k == w)
+            forward += p_narrower * (1.0 - p_none) * self.costs.cost(n, w + 1 + extra)
+            p_narrower *= p_none
+        forward += p_narrower * self.costs.cost(n, 1)
+        return forward + sum(r.match * k * r.propose_s_per_token + r.catchup_s for r, k in drafting)
 
     def best(self, rows: list[RowSpec]) -> int:
         k_max = max((r.cap for r in rows), default=0)
@@ -168,23 +227,49 @@ class BatchAdaptiveK:
         return best_k
 
     def choose(self, rows: list[RowSpec]) -> int:
+        self.probing = False
         k_max = max((r.cap for r in rows), default=0)
         if k_max == 0:
             return 0
         if not self.enabled:
             return k_max
         K = self.best(rows)
-        if K == 0:
-            # Probe only when acceptance is what keeps K at 0: if even perfect acceptance would not pay at this
-            # batch size, drafting a token would only cost.
-            perfect = [RowSpec(r.cap, 1.0, r.propose_s_per_token, r.catchup_s, r.extra_tokens) for r in rows]
-            # A probe widens every row's block, so with n rows it comes n times less often.
-            if self.best(perfect) > 0:
-                self._since_probe += 1
-                if self._since_probe >= self.probe_every * len(rows):
-                    self._since_probe = 0
-                    return 1
-        return K
+        if K > 0:
+            self._since_probe, self._interval, self._retry = 0, self.probe_every, False
+            return K
+        perfect = [dataclasses.replace(r, acceptance=1.0, tokens_by_k=None, match=1.0) for r in rows]
+        if self.best(perfect) == 0:
+            return 0
+        self._interval = self._interval or self.probe_every
+        self._since_probe += 1
+        if self._since_probe < self._interval * len(rows) and not self._retry:
+            return 0
+        rates = {k: self.rate(rows, k) for k in range(1, k_max + 1)}
+        probe = max(rates, key=rates.get)
+        plain = self.rate(rows, 0)
+        near = rates[probe] >= plain * (1 - self.near)
+        n = len(rows)
+        # a proposer that is good after a hit (bursty: n-gram) earns a bigger budget and a probe at the K that
+        # pays after a hit: a probe that hits finds a stretch where drafting pays, and waiting would miss it
+        hit = [dataclasses.replace(r, tokens_by_k=r.tokens_by_k_after_hit) for r in rows
+               if r.tokens_by_k_after_hit is not None]
+        upside = self.best(hit) if len(hit) == n else 0
+        probe = upside or probe
+        # what a probe is expected to cost, in steps of plain decoding: the longest wait keeps probes within
+        # probe_budget of plain decoding's time (a probe of a proposer that rarely has a proposal rarely costs)
+        cost = self._step_seconds(rows, probe) / self.costs.cost(n, 1) - 1.0
+        budget = self.probe_budget * (self.upside_budget_factor if upside else 1)
+        longest = min(self.max_probe_every, max(self.probe_every, round(cost / budget / n)))
+        self._since_probe, self._retry = 0, False
+        self._interval = self.probe_every if near else min(2 * self._interval, longest)
+        self.probing = True
+        return probe
+
+    def probed(self, any_proposal: bool) -> None:
+        """After a probe's propose: when no row had a proposal, probe again at the next step (no back-off)."""
+        if self.probing and not any_proposal:
+            self._retry = True
+        self.probing = False
 
 
 def rows_bucket(n: int) -> int:
@@ -220,5 +305,6 @@ class Estimates:
         by_rows = self.propose_s_rows.get((method, rows_bucket(rows)))
         return by_rows if by_rows is not None else self.propose_s.get(method, 0.0)
 
-    def observe_acceptance(self, method: str, drafted: int, accepted: int) -> None:
-        self.method_acceptance.setdefault(method, AcceptanceEstimate(decay=0.98)).observe(drafted, accepted)
+    def observe_acceptance(self, method: str, drafted: int, accepted: int, asked: int | None = None) -> None:
+        """A step of a row of `method` (drafted 0: its proposer had nothing to propose)."""
+        self.method_acceptance.setdefault(method, AcceptanceEstimate(decay=0.98)).observe(drafted, accepted, asked)

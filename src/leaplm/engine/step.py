@@ -172,7 +172,7 @@ class Batch:
             raise
         req.stats.prefill_s = time.perf_counter() - t0
         seen = self.estimates.method_acceptance.get(method)
-        acceptance = AcceptanceEstimate.seeded(seen.rate) if seen is not None else AcceptanceEstimate()
+        acceptance = AcceptanceEstimate.seeded(seen) if seen is not None else AcceptanceEstimate()
         row = Row(req, LogitsProcessor(params), proposer, cap, adaptive_k is False, acceptance, tag=tag,
                   prefilled=len(ids) - 1 if whole else 0)
         self.rows.append(row)
@@ -229,6 +229,7 @@ class Batch:
         K = min(K, min(rooms))                             # every row gets 1 + K slots written
         asked = [min(K, spec.cap) for spec in specs]
         proposals, propose_s = self._propose_all(asked)
+        self.policy.probed(any(p is not None for p in proposals))
         tp = time.perf_counter()
 
         # 2. score: one forward over [n, T] for the chains; a tree row's block there is its last token alone
@@ -267,7 +268,7 @@ class Batch:
                     r.proposer.observe(p, result, extra_logits(p, row_logits))
                     self._observe_acceptance(r, d, result.accepted, row_logits.shape[0], asked[i])
                 elif asked[i] and p is None:                 # asked, but the proposer found nothing to draft
-                    r.acceptance.observe(0, 0, asked[i])
+                    self._observe_acceptance(r, 0, 0, 1, asked[i])
                 out.chunk = commit(r.req, result, row_logits, d, self.cache, row=i)
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 log.exception("a request failed in a step")
@@ -346,11 +347,15 @@ class Batch:
         cap = max(0, min(r.cap, room, r.req.remaining - 1)) if r.proposer is not None and not first else 0
         method = r.req.stats.method
         return RowSpec(cap, r.acceptance.rate, self.estimates.propose_cost(method, (drafting or {}).get(method, 1)),
-                       self.catchup_s(r), extra_tokens=r.extra_tokens, tokens_by_k=r.acceptance.tokens_by_k(cap))
+                       self.catchup_s(r), extra_tokens=r.extra_tokens, tokens_by_k=r.acceptance.tokens_by_k(cap),
+                       match=r.acceptance.match, tokens_by_k_after_hit=r.acceptance.tokens_by_k_after_hit(cap))
 
     def _observe_acceptance(self, r: Row, drafted: int, accepted: int, scored: int, asked: int) -> None:
+        """drafted 0: the row was asked for drafts and its proposer had none (counts only towards `match`)."""
         r.acceptance.observe(drafted, accepted, max(asked, drafted))
-        self.estimates.observe_acceptance(r.req.stats.method, drafted, accepted)
+        self.estimates.observe_acceptance(r.req.stats.method, drafted, accepted, max(asked, drafted))
+        if not drafted:
+            return
         extra = max(0, scored - drafted - 1)
         r.extra_tokens = extra if r.extra_tokens == 0 else 0.9 * r.extra_tokens + 0.1 * extra
 
@@ -477,16 +482,17 @@ def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> No
     dev = model.device
     if ns:
         cache = model.new_cache(max(ns), engine.max_model_len)
+        Ts = list(range(1, min(k + 1, engine.max_model_len - ctx) + 1))
         for n in ns:
-            for r in range(n):
-                cache.lengths[r] = ctx
-            for _ in range(repeats):
-                for T in range(1, min(k + 1, engine.max_model_len - ctx) + 1):
-                    t = time.perf_counter()
-                    model(torch.zeros(n, T, dtype=torch.long, device=dev), cache)
-                    est.costs.observe(n, T, time.perf_counter() - t)
-            for r in range(n):
-                cache.lengths[r] = 0
+            cache.lengths[:n] = [ctx] * n
+            forward = lambda T: model(torch.zeros(n, T, dtype=torch.long, device=dev), cache)  # noqa: E731
+            forward(Ts[-1])                              # warm-up: the first forward of a shape is not its cost
+            # rounds of every T back to back, the order reversed every other round (a trend in the machine's
+            # speed within a round cancels); the cost model keeps their paired ratios (shape) and level
+            rounds = [{T: _timed(lambda: forward(T)) for T in (Ts if j % 2 == 0 else Ts[::-1])}
+                      for j in range(max(2, repeats))]
+            est.costs.calibrated(n, rounds)
+            cache.lengths[:n] = [0] * n
         est.calibrated_rows.update(ns)
     if engine.draft is not None and not est.draft_prefill_s_per_token:
         draft = engine.draft.model

@@ -1,0 +1,80 @@
+"""What a batched target forward costs: seconds over n rows of T tokens, as a level per n times a shape per (n, T).
+
+The level is what a forward costs now; it moves with the machine's load (other processes, thermal state), so
+every live forward refreshes its n's level, whatever its T. The shape is what T tokens cost relative to the
+others at the same n (a property of the model and its kernels: on a CPU a forward over a few tokens costs about
+what one costs, or a fixed step more where the matrix kernels switch from vector to matrix code). Kept apart,
+a K > 0 priced from a block cost measured at start-up on a loaded machine is not compared with a K = 0 priced
+from a one-token cost measured later on a quiet one: the comparison rests on the shape, measured pairwise.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BatchCostModel:
+    """Seconds per batched target forward over n rows of T tokens (interpolated between measured n and T)."""
+    level: dict[int, float] = field(default_factory=dict)             # n -> seconds of the reference forward
+    shape: dict[tuple[int, int], float] = field(default_factory=dict)  # (n, T) -> its cost / the level
+    ref: dict[int, int] = field(default_factory=dict)                  # n -> the reference T (shape 1)
+    decay: float = 0.9               # level: follows the load within a few steps
+    shape_decay: float = 0.97        # shape: live steps refine it slowly
+    # The shape of T is refined only while the reference T is measured too (within this many forwards at n): a
+    # stretch of forwards at one T cannot tell a change of load from a change of shape, and the level takes it.
+    ref_window: int = 8
+    _since_ref: dict[int, int] = field(default_factory=dict)
+
+    def observe(self, n: int, T: int, seconds: float) -> None:
+        """A live forward's time: refreshes the level of n, then (slowly) the shape of (n, T)."""
+        if n not in self.level:
+            self.level[n], self.ref[n] = seconds, T
+            self.shape[(n, T)] = 1.0
+            return
+        if (n, T) not in self.shape:
+            self.shape[(n, T)] = seconds / self.level[n]
+            return
+        d = self.decay
+        self.level[n] = d * self.level[n] + (1 - d) * seconds / self.shape[(n, T)]
+        since = 0 if T == self.ref[n] else self._since_ref.get(n, self.ref_window) + 1
+        self._since_ref[n] = since
+        if 0 < since <= self.ref_window:
+            s = self.shape_decay
+            self.shape[(n, T)] = s * self.shape[(n, T)] + (1 - s) * seconds / self.level[n]
+
+    def calibrated(self, n: int, rounds: list[dict[int, float]]) -> None:
+        """Start-up measurements at n rows: rounds of {T: seconds}, each round's T's measured back to back. The
+        shape of T is the median over rounds of its time relative to the round's smallest T (paired, so a load
+        that changes between rounds cancels); the level is the median time of that smallest T."""
+        t0 = min(rounds[0])
+        self.level[n], self.ref[n] = statistics.median(r[t0] for r in rounds), t0
+        for T in rounds[0]:
+            self.shape[(n, T)] = statistics.median(r[T] / r[t0] for r in rounds)
+
+    def cost(self, n: int, T: int) -> float:
+        if (n, T) in self.shape and n in self.level:
+            return self.level[n] * self.shape[(n, T)]
+        if not self.level:
+            return float(n * T)
+        return self._interp_n(n, T)
+
+    def _at_n(self, n: int, T: int) -> float:
+        """Cost at a measured n: nearest measured T, scaled up linearly in T beyond it."""
+        ts = [t for (m, t) in self.shape if m == n]
+        nearest = min(ts, key=lambda t: abs(t - T))
+        c = self.level[n] * self.shape[(n, nearest)]
+        return c * T / nearest if T > nearest else c
+
+    def _interp_n(self, n: int, T: int) -> float:
+        ns = sorted(self.level)
+        lo = max((m for m in ns if m <= n), default=None)
+        hi = min((m for m in ns if m >= n), default=None)
+        if lo is None:
+            return self._at_n(hi, T) * n / hi
+        if hi is None:
+            return self._at_n(lo, T) * n / lo
+        if lo == hi:
+            return self._at_n(lo, T)
+        w = (n - lo) / (hi - lo)
+        return (1 - w) * self._at_n(lo, T) + w * self._at_n(hi, T)
