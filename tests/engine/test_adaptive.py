@@ -111,7 +111,7 @@ def test_a_batch_drafts_only_for_a_clear_predicted_gain():
     costs = BatchCostModel()
     costs.observe(1, 1, 1.0)
     costs.observe(1, 2, 1.0)
-    row = [RowSpec(1, 0.5, 0.45)]                 # K = 1: 1.5 tokens for 1.45 s, a 3% predicted gain
+    row = [RowSpec(1, 0.5, 0.47)]                 # K = 1: 1.5 tokens for 1.47 s, a 2% predicted gain
     assert BatchAdaptiveK(costs).best(row) == 0
     assert BatchAdaptiveK(costs, min_gain=0.0).best(row) == 1
     assert BatchAdaptiveK(costs).best([RowSpec(1, 0.5, 0.3)]) == 1     # 15%: drafts
@@ -122,7 +122,7 @@ def test_the_policy_picks_the_argmax_of_the_expected_rate(shape):
     """Over random rows, best() is the K of the highest predicted rate whenever that beats K = 0 by min_gain, and
     0 otherwise; that rate is the enumerated one (above), so this pins the choice, not just the arithmetic."""
     rng = random.Random(5)
-    ctl = BatchAdaptiveK(costs_from(shape), min_gain=0.05)
+    ctl = BatchAdaptiveK(costs_from(shape))
     for _ in range(200):
         rows = []
         for _ in range(rng.choice([1, 1, 2, 4])):
@@ -132,7 +132,7 @@ def test_the_policy_picks_the_argmax_of_the_expected_rate(shape):
                                 tokens_by_k=[expected_tokens(a, k) for k in range(cap + 1)]))
         rates = {K: ctl.rate(rows, K) for K in range(0, 9)}
         top = max(range(1, 9), key=lambda K: (rates[K], -K))
-        want = top if rates[top] > rates[0] * 1.05 else 0
+        want = top if rates[top] > rates[0] * (1 + ctl.min_gain) else 0
         assert ctl.best(rows) == want
 
 
@@ -147,12 +147,13 @@ def test_steps_without_a_proposal_change_only_the_match_rate():
     assert est.tokens_by_k(4) == pytest.approx([1, 2, 3, 4, 5], abs=0.05)
     assert est.match == pytest.approx(0.1, abs=0.05)
     assert est.rate > 0.95
-    # a proposer that is always wrong after its first token: K = 1 is worth it, longer is not
+    # a proposer that is always wrong after its first token: K = 1 is worth it, longer is not (the estimate is
+    # smoothed towards the per-token rate, 0.5 here, by prior_weight pseudo-steps: a few percent)
     est = AcceptanceEstimate()
-    for _ in range(60):
+    for _ in range(200):
         est.observe(4, 1)
     by_k = est.tokens_by_k(4)
-    assert by_k[1] == pytest.approx(2.0, abs=0.05) and by_k[4] == pytest.approx(2.0, abs=0.05)
+    assert by_k[1] == pytest.approx(2.0, abs=0.1) and by_k[4] - by_k[1] < 0.1
     costs = costs_from(lambda n, T: 1.0 + 0.15 * (T - 1))
     assert BatchAdaptiveK(costs).best([RowSpec(4, est.rate, 0.0, tokens_by_k=by_k)]) == 1
 
@@ -336,17 +337,14 @@ def simulate(truths: list[Truth], shape, noise: list[float], fixed_k: int | None
     return tokens / seconds
 
 
+@pytest.mark.parametrize("seed", [11, 12])
 @pytest.mark.parametrize("shape", [flat, cpu_step, linear])
 @pytest.mark.parametrize("proposer", ["ngram", "draft 0.75", "draft 0.4", "draft 0.1"])
-def test_adaptive_k_is_within_5_percent_of_the_best_fixed_k_and_never_below_k0(proposer, shape):
+def test_adaptive_k_is_within_5_percent_of_the_best_fixed_k_and_never_below_k0(proposer, shape, seed):
     """The issue's goal on simulated proposers and machines: the policy in the loop (its own acceptance and cost
     estimates, noisy forwards, a load change half-way) against every fixed K from 1 to 8 and against K = 0, over
     the same steps (the same truths and noise whatever K)."""
-    if (proposer, shape) == ("draft 0.1", flat):
-        pytest.xfail("known shortfall: fixed K = 1 gains 8% here, close to the policy's 5% min_gain margin, and a "
-                     "per-row estimate of a 10% acceptance is noisy enough to hold K at 0 most of the time "
-                     "(0.94 of the best fixed K, 1.02x K = 0)")
-    rng = random.Random(11)
+    rng = random.Random(seed)
     steps = 3000
     gen = ngram_like if proposer == "ngram" else draft_like(float(proposer.split()[1]))
     truths = gen(rng, steps)

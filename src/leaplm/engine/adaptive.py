@@ -91,13 +91,13 @@ class AcceptanceEstimate:
     output copies earlier text its matches are right for many tokens, elsewhere they are mostly wrong), and the
     last outcome tells which stretch a row is in. For a proposer whose acceptance does not depend on the last
     outcome (a draft model) both states measure the same thing."""
-    decay: float = 0.9
+    decay: float = 0.95
     after_hit: Counts = field(default_factory=Counts)
     after_miss: Counts = field(default_factory=Counts)
     hit: bool = True                                     # the last proposal's first token was accepted
     proposed: float = 1.0                                # EMA weight of steps that asked and got a proposal
     empty: float = 0.0                                   # ... and of those that got none
-    prior_weight: float = 1.0                            # pseudo-steps behind each position's extrapolated prior
+    prior_weight: float = 3.0                            # pseudo-steps behind each position's extrapolated prior
 
     @classmethod
     def seeded(cls, seen: "AcceptanceEstimate", strength: float = 5.0) -> "AcceptanceEstimate":
@@ -190,7 +190,7 @@ class BatchAdaptiveK:
     # A batch drafts only when the model predicts at least this gain over K = 0: near the break-even point (a
     # filling batch) the prediction rests on costs measured at other contexts and loads, and a wrong call there
     # makes the server slower than plain decoding; a small margin buys "never slower" for little.
-    min_gain: float = 0.05
+    min_gain: float = 0.03
     probing: bool = False          # the last choice was a probe
     _since_probe: int = 0
     _interval: int = 0             # current steps between probes (per row); 0: probe_every
