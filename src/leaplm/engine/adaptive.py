@@ -25,7 +25,7 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 # With n rows verified in one forward of n x (K + 1) tokens, the step's K maximises the batch's token rate
-#   sum_i (1 + m_i G_i(k_i)) / (P(some row proposes) cost(n, K + 1) + P(none does) cost(n, 1)
+#   sum_i (1 + m_i G_i(k_i)) / (E[cost(n, 1 + the longest k_i among rows that have a proposal)]
 #                               + sum_i [m_i k_i propose_s_i + catchup_i])
 # where k_i = min(K, cap_i), cap_i is row i's own K (0 for a row that does not speculate), m_i how often row i's
 # proposer has a proposal, G_i its expected accepted tokens given one, and catchup_i (only for rows that draft)
