@@ -256,6 +256,16 @@ def test_calibration_keeps_paired_ratios_when_the_load_changes_between_rounds():
     assert c.cost(1, 5) / c.cost(1, 1) == pytest.approx(1.2)
 
 
+def test_a_shape_that_says_more_tokens_cost_less_is_pooled():
+    """A noisy start-up measured T = 3 dearer than T = 4 and 5: the three are pooled (their mean), T <= 2 kept."""
+    c = BatchCostModel()
+    c.calibrated(1, [{1: 1.0, 2: 1.5, 3: 2.2, 4: 1.6, 5: 1.8}])
+    assert [c.cost(1, T) for T in range(1, 6)] == pytest.approx([1.0, 1.5, 5.6 / 3, 5.6 / 3, 5.6 / 3])
+    c = BatchCostModel()
+    c.calibrated(1, [{1: 1.0, 2: 1.2, 3: 1.3}])
+    assert [c.cost(1, T) for T in (1, 2, 3)] == [1.0, 1.2, 1.3]
+
+
 def test_a_live_one_token_forward_moves_the_level_of_every_block_length():
     """Calibrated on a loaded machine, then run at K = 0 on a quiet one: the wide block's price follows the level
     measured on one-token forwards, so K > 0 is not priced off by a stale start-up figure."""

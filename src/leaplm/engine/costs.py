@@ -19,15 +19,18 @@ class BatchCostModel:
     level: dict[int, float] = field(default_factory=dict)             # n -> seconds of the reference forward
     shape: dict[tuple[int, int], float] = field(default_factory=dict)  # (n, T) -> its cost / the level
     ref: dict[int, int] = field(default_factory=dict)                  # n -> the reference T (shape 1)
+    weight: dict[tuple[int, int], float] = field(default_factory=dict)  # (n, T) -> 1 + live refinements (<= 100)
     decay: float = 0.9               # level: follows the load within a few steps
     shape_decay: float = 0.97        # shape: live steps refine it slowly
     # The shape of T is refined only while the reference T is measured too (within this many forwards at n): a
     # stretch of forwards at one T cannot tell a change of load from a change of shape, and the level takes it.
     ref_window: int = 8
     _since_ref: dict[int, int] = field(default_factory=dict)
+    _mono: dict[int, dict[int, float]] = field(default_factory=dict)   # n -> _monotone(n), until n changes
 
     def observe(self, n: int, T: int, seconds: float) -> None:
         """A live forward's time: refreshes the level of n, then (slowly) the shape of (n, T)."""
+        self._mono.pop(n, None)
         if n not in self.level:
             self.level[n], self.ref[n] = seconds, T
             self.shape[(n, T)] = 1.0
@@ -42,28 +45,50 @@ class BatchCostModel:
         if 0 < since <= self.ref_window:
             s = self.shape_decay
             self.shape[(n, T)] = s * self.shape[(n, T)] + (1 - s) * seconds / self.level[n]
+            self.weight[(n, T)] = min(100.0, self.weight.get((n, T), 1.0) + 1.0)
 
     def calibrated(self, n: int, rounds: list[dict[int, float]]) -> None:
         """Start-up measurements at n rows: rounds of {T: seconds}, each round's T's measured back to back. The
         shape of T is the median over rounds of its time relative to the round's smallest T (paired, so a load
         that changes between rounds cancels); the level is the median time of that smallest T."""
+        self._mono.pop(n, None)
         t0 = min(rounds[0])
         self.level[n], self.ref[n] = statistics.median(r[t0] for r in rounds), t0
         for T in rounds[0]:
             self.shape[(n, T)] = statistics.median(r[T] / r[t0] for r in rounds)
+            self.weight[(n, T)] = 1.0
 
     def cost(self, n: int, T: int) -> float:
         if (n, T) in self.shape and n in self.level:
-            return self.level[n] * self.shape[(n, T)]
+            return self.level[n] * self._monotone(n)[T]
         if not self.level:
             return float(n * T)
         return self._interp_n(n, T)
+
+    def _monotone(self, n: int) -> dict[int, float]:
+        """The shape at n made non-decreasing in T (pool-adjacent-violators, each T weighted by how often live
+        forwards refined it): a forward over more tokens does not cost less, and a measurement that says so (a
+        noisy start-up on a loaded machine) would otherwise make one K look cheaper than its neighbours."""
+        if n in self._mono:
+            return self._mono[n]
+        ts = sorted(t for (m, t) in self.shape if m == n)
+        blocks: list[list] = []                          # [weighted sum, weight, T's] of pooled neighbours
+        for t in ts:
+            w = self.weight.get((n, t), 1.0)
+            blocks.append([self.shape[(n, t)] * w, w, [t]])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                tot, w, members = blocks.pop()
+                blocks[-1][0] += tot
+                blocks[-1][1] += w
+                blocks[-1][2] += members
+        self._mono[n] = {t: tot / w for tot, w, members in blocks for t in members}
+        return self._mono[n]
 
     def _at_n(self, n: int, T: int) -> float:
         """Cost at a measured n: nearest measured T, scaled up linearly in T beyond it."""
         ts = [t for (m, t) in self.shape if m == n]
         nearest = min(ts, key=lambda t: abs(t - T))
-        c = self.level[n] * self.shape[(n, nearest)]
+        c = self.level[n] * self._monotone(n)[nearest]
         return c * T / nearest if T > nearest else c
 
     def _interp_n(self, n: int, T: int) -> float:
