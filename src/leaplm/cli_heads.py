@@ -143,6 +143,33 @@ def export_cmd(
     out.print(f"wrote {layout} layout to {out_dir}")
 
 
+@train_app.command("ship-head")
+def ship_cmd(
+    head: Path = typer.Option(..., "--head", help="A trained head directory (from `leaplm train eagle/medusa`)."),
+    out_dir: Path = typer.Option(..., "--out", help="Directory to write (src/leaplm/embedded/NAME to ship it)."),
+    acceptance: Optional[Path] = typer.Option(None, exists=True, dir_okay=False, help="JSON rows for the card's "
+                                              "acceptance table (`leaplm eval acceptance --method eagle --json`)."),
+    command: Optional[str] = typer.Option(None, help="The training command, for the card."),
+) -> None:
+    """Store a trained head in bfloat16 with its log, config and card (loss and acceptance curves, acceptance
+    table): what ships in the package."""
+    import json
+
+    from .heads.ship import ship_head
+
+    rows = None
+    if acceptance is not None:
+        try:
+            rows = json.loads(acceptance.read_text())
+        except json.JSONDecodeError as e:
+            raise typer.BadParameter(f"not valid JSON: {e}", param_hint="--acceptance") from None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise typer.BadParameter("must be a JSON list of objects", param_hint="--acceptance")
+    with _user_errors(["head"]):
+        ship_head(head, out_dir, rows, command)
+    out.print(f"shipped {head} to {out_dir}")
+
+
 def _temps(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(t) for t in text.split(","))

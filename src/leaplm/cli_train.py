@@ -373,6 +373,10 @@ def perplexity_cmd(
 def acceptance_cmd(
     target: Optional[str] = typer.Option(None, "--target", help="Target checkpoint (default: the embedded target)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Draft checkpoint (default: the embedded draft)."),
+    method: str = typer.Option("draft", "--method", help="draft | eagle | medusa (heads: K is the tree's node "
+                                                         "budget)."),
+    head: Optional[str] = typer.Option(None, "--head", help="eagle/medusa: head directory (default: the head "
+                                                            "shipped for the target)."),
     ks: str = typer.Option("1,2,3,4,5,6,7,8", "--k", help="Comma list of K."),
     temperatures: str = typer.Option("0,0.8", "--temperatures", help="Comma list of temperatures (0 = greedy)."),
     prompts: int = typer.Option(8, min=1, help="Held-out prompts of --workload (never trained on)."),
@@ -398,17 +402,22 @@ def acceptance_cmd(
         raise typer.BadParameter("each K must be >= 1", param_hint="--k")
     if not temps or min(temps) < 0:
         raise typer.BadParameter("temperatures must be >= 0", param_hint="--temperatures")
-    with _user_errors(["model", "draft", "workload"]):
+    if method not in ("draft", "eagle", "medusa"):
+        raise typer.BadParameter(f"must be draft, eagle or medusa, got {method!r}", param_hint="--method")
+    with _user_errors(["model", "draft", "workload", "head"]):
         tgt = load_model(target or embedded.default_target(), field="model")
         # no --draft: the embedded default draft, or the one shipped for this target (matched by tokenizer)
-        drf = load_model(draft or (embedded.draft_for(tgt.tokenizer) if target else embedded.default_draft()) or "",
-                         field="draft")
+        drf = None if method != "draft" else load_model(
+            draft or (embedded.draft_for(tgt.tokenizer) if target else embedded.default_draft()) or "", field="draft")
         w = as_chat(get_workload(workload, prompts), tgt.tokenizer, tgt.name)
     w = fit_to_context(w, tgt.tokenizer, min(tgt.model.max_len, 4096) - max_new_tokens - max(k_list) - 2)
-    t = Table("temperature", "K", "acceptance rate", "mean accepted length", "drafted", title=f"{drf.name} -> {tgt.name}")
-    rows = eval_acceptance(tgt, drf, w.prompts, k_list, temps, max_new_tokens, seed,
-                           on_row=lambda r: err.print(f"[dim]T={r.temperature} K={r.k}: "
-                                                      f"acceptance {r.acceptance_rate:.3f}[/]"))
+    name = drf.name if drf is not None else f"{method} head {head or '(shipped)'}"
+    t = Table("temperature", "K", "acceptance rate", "mean accepted length", "drafted", title=f"{name} -> {tgt.name}")
+    with _user_errors(["head"]):
+        rows = eval_acceptance(tgt, drf, w.prompts, k_list, temps, max_new_tokens, seed,
+                               on_row=lambda r: err.print(f"[dim]T={r.temperature} K={r.k}: "
+                                                          f"acceptance {r.acceptance_rate:.3f}[/]"),
+                               method=method, head=head)
     for r in rows:
         t.add_row(f"{r.temperature:g}", str(r.k), f"{r.acceptance_rate:.3f}", f"{r.mean_accepted_length:.2f}",
                   str(r.draft_tokens))

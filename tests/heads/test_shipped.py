@@ -36,3 +36,27 @@ def test_shipped_head_loads_and_drafts_for_the_embedded_target():
     out = Engine(target, method="eagle", k=3, adaptive_k=False).generate(ids, params)
     assert out.token_ids == Engine(target, method="none").generate(ids, params).token_ids
     assert out.stats.draft_tokens > 0
+
+
+def test_ship_head_stores_bf16_keeps_the_maps_and_writes_the_card(eagle16, tmp_path):
+    """`train ship-head`: floats in bfloat16, the draft vocabulary's maps unchanged, the card with the
+    acceptance table and command; the shipped head still loads and decodes losslessly."""
+    import torch
+    from safetensors.torch import load_file
+
+    from leaplm import Engine, SamplingParams
+
+    rows = tmp_path / "acc.json"
+    rows.write_text(json.dumps([{"temperature": 0.0, "K": 4, "acceptance rate": 0.5}]))
+    r = CliRunner().invoke(app, ["train", "ship-head", "--head", eagle16["reduced"], "--out", str(tmp_path / "s"),
+                                 "--acceptance", str(rows), "--command", "leaplm train eagle --chat"])
+    assert r.exit_code == 0, r.output
+    src, got = load_file(f"{eagle16['reduced']}/model.safetensors"), load_file(str(tmp_path / "s/model.safetensors"))
+    assert got["fc.weight"].dtype == torch.bfloat16 and torch.equal(got["fc.weight"], src["fc.weight"].bfloat16())
+    assert torch.equal(got["d2t"], src["d2t"]) and torch.equal(got["t2d"], src["t2d"])
+    card = (tmp_path / "s" / "README.md").read_text()
+    assert "leaplm train eagle --chat" in card and "0.5" in card and "draft vocabulary" in card
+    target = eagle16["target"]
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    out = Engine(target, method="eagle", k=4, head=str(tmp_path / "s")).generate([1, 2, 3], params)
+    assert out.token_ids == Engine(target, method="none").generate([1, 2, 3], params).token_ids

@@ -57,3 +57,14 @@ def test_cli_refuses_a_missing_target(tmp_path):
 
     r = CliRunner().invoke(app, ["train", "eagle", "--target", str(tmp_path / "x"), "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "--target" in r.output
+
+
+def test_eval_acceptance_measures_a_head(eagle16):
+    """`leaplm eval acceptance --method eagle`: the same rows as for drafts, K being the tree's node budget."""
+    from leaplm.training.acceptance import eval_acceptance
+
+    rows = eval_acceptance(eagle16["target"], None, [[1, 2, 3], [4, 5]], ks=(1, 4), temperatures=(0.0, 0.8),
+                           max_new_tokens=16, method="eagle", head=eagle16["head"])
+    assert [(r.temperature, r.k) for r in rows] == [(0.0, 1), (0.0, 4), (0.8, 1), (0.8, 4)]
+    assert all(r.draft_tokens > 0 and 0 <= r.acceptance_rate <= 1 and r.mean_accepted_length >= 1 for r in rows)
+    assert rows[0].acceptance_rate > 0                  # the trained head's greedy drafts are taken

@@ -57,8 +57,12 @@ def write_head_card(head_dir: str | Path, acceptance: list[dict] | None = None, 
              ("steps", f"{last.get('step')} of {rec.config.get('steps')}"),
              ("tokens trained on (replays counted)", f"{last.get('tokens_seen', 0):,}"),
              ("wall time", _hms(last.get("elapsed_s", 0.0))),
-             ("data", f"corpus {rec.config.get('corpus')} prompts continued by the target at temperatures "
-                      f"{rec.config.get('temperatures')}; corpus windows {rec.config.get('corpus_fraction')}"),
+             ("data", f"chat prompts of {rec.config.get('corpus')} through the target's chat template, answered "
+                      f"by the target at temperatures {rec.config.get('temperatures')} (loss on the answers)"
+              if rec.config.get("chat") else
+              f"corpus {rec.config.get('corpus')} prompts continued by the target at temperatures "
+              f"{rec.config.get('temperatures')}; corpus windows {rec.config.get('corpus_fraction')}"),
+             ("draft vocabulary", _vocab_fact(meta)),
              ("final held-out acceptance 1 - TV by position",
               ", ".join(f"{a:.3f}" for a in ev[-1]["eval_accept"]) if ev else None),
              ("command", f"`{command}`" if command else None)]
@@ -69,3 +73,12 @@ def write_head_card(head_dir: str | Path, acceptance: list[dict] | None = None, 
     out += ["", "## Curves", "", f"![loss and acceptance]({PLOT})", ""]
     (d / "README.md").write_text("\n".join(out))
     return d / "README.md"
+
+
+def _vocab_fact(meta: dict) -> str | None:
+    n = meta["head"].get("draft_vocab_size")
+    if not n:
+        return None
+    cov = meta.get("draft_vocab_coverage")
+    return (f"{n} of {meta['head']['vocab_size']} target tokens, the head's own output layer"
+            + (f"; covers {cov:.3f} of the held-out answers' tokens" if cov is not None else ""))
