@@ -178,7 +178,9 @@ def generate(
             "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
             "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_length": round(s.mean_accepted_length, 4),
             "decode_s": round(s.decode_s, 4), "tokens_per_s": round(s.tokens_per_s, 2),
-            "prefill_s": round(s.prefill_s, 4), "acceptance_by_position": [round(a, 4) for a in
+            "prefill_s": round(s.prefill_s, 4),
+            **{f: round(getattr(s, f), 6) for f in ("propose_s", "score_s", "verify_s", "commit_s")},
+            "acceptance_by_position": [round(a, 4) for a in
                                                                             s.acceptance_by_position],
             "max_model_len": engine.max_model_len, "kv_cache_peak_bytes": engine.kv_cache_peak_bytes}}))
     else:

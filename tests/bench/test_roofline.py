@@ -39,7 +39,7 @@ def test_roofline_cli_report_is_consistent(checkpoint, tmp_path):
     assert [f["tokens"] for f in r["forwards"]] == [1, 2, 4, 8, 12, 16]
     assert [m["config"] for m in r["methods"]] == ["none", "ngram k=4"]
     for m in r["methods"]:
-        parts = m["propose_ms"] + m["score_ms"] + m["rest_ms"]
+        parts = m["propose_ms"] + m["score_ms"] + m["verify_ms"] + m["commit_ms"] + m["rest_ms"]
         assert parts == pytest.approx(m["ms_per_token"], abs=2e-3)     # the split adds up (rounding only)
     assert "roofline" in res.output and "floor" in res.output
 

@@ -41,6 +41,9 @@ def test_json_contract(target, draft):
         assert key in st
     assert st["method"] == "draft" and st["k"] == 3 and st["new_tokens"] == 12
     assert st["mean_accepted_length"] == pytest.approx(12 / st["target_forwards"], abs=1e-3)
+    # the step's time split into its four stages, each measured, together within the decode time
+    parts = [st[k] for k in ("propose_s", "score_s", "verify_s", "commit_s")]
+    assert all(p > 0 for p in parts) and sum(parts) <= st["decode_s"] + 1e-4   # rounding
 
 
 @pytest.mark.parametrize("k", ["1", "4"])

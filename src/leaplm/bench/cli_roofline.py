@@ -78,10 +78,10 @@ def print_roofline(r) -> None:
     for f in r.forwards:
         t.add_row(str(f.tokens), f"{f.ms:.2f}", f"{f.vs_one:.2f}x", f"{f.ms / r.floor_ms:.2f}x")
     console.print(t)
-    t = Table(title="decode time per generated token (medians over requests; rest = verify, commit, host work)")
-    for col in ("config", "ms/token", "propose", "score", "rest", "mean acc. len", "vs floor"):
+    t = Table(title="decode time per generated token (medians over requests; rest = host work between the stages)")
+    for col in ("config", "ms/token", "propose", "score", "verify", "commit", "rest", "mean acc. len", "vs floor"):
         t.add_column(col, justify="left" if col == "config" else "right")
     for mc in r.methods:
         t.add_row(mc.config, f"{mc.ms_per_token:.2f}", f"{mc.propose_ms:.2f}", f"{mc.score_ms:.2f}",
-                  f"{mc.rest_ms:.2f}", f"{mc.mean_accepted_length:.2f}", f"{mc.vs_floor:.2f}x")
+                  f"{mc.verify_ms:.2f}", f"{mc.commit_ms:.2f}", f"{mc.rest_ms:.2f}", f"{mc.mean_accepted_length:.2f}", f"{mc.vs_floor:.2f}x")
     console.print(t)

@@ -31,7 +31,9 @@ class MethodCost:
     ms_per_token: float         # median decode ms per generated token
     propose_ms: float           # per generated token
     score_ms: float
-    rest_ms: float              # verify + commit + host work between forwards
+    verify_ms: float
+    commit_ms: float
+    rest_ms: float              # host work between the stages (K choice, block building, stats)
     mean_accepted_length: float
     vs_floor: float             # ms_per_token / floor_ms
 
@@ -109,9 +111,11 @@ def method_costs(engines: dict, prompts: list[str], max_new_tokens: int, rounds:
         tok = lambda f: statistics.median(f(s) / max(1, s.new_tokens) * 1e3 for s in stats)
         ms = tok(lambda s: s.decode_s)
         prop, score = tok(lambda s: s.propose_s), tok(lambda s: s.score_s)
+        ver, com = tok(lambda s: s.verify_s), tok(lambda s: s.commit_s)
         tau = sum(s.new_tokens for s in stats) / max(1, sum(s.target_forwards for s in stats))
-        out.append(MethodCost(name, round(ms, 3), round(prop, 3), round(score, 3),
-                              round(max(0.0, ms - prop - score), 3), round(tau, 3), round(ms / floor_ms, 3)))
+        out.append(MethodCost(name, round(ms, 3), round(prop, 3), round(score, 3), round(ver, 3), round(com, 3),
+                              round(max(0.0, ms - prop - score - ver - com), 3), round(tau, 3),
+                              round(ms / floor_ms, 3)))
     return out
 
 

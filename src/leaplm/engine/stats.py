@@ -20,6 +20,8 @@ class GenerationStats:
     decode_s: float = 0.0
     propose_s: float = 0.0                  # decode time spent in the proposer
     score_s: float = 0.0                    # decode time spent in target forwards
+    verify_s: float = 0.0                   # decode time spent verifying drafts against the scored logits
+    commit_s: float = 0.0                   # decode time spent committing (tokens, stops, cache, proposer updates)
 
     @property
     def acceptance_rate(self) -> float:
@@ -57,7 +59,8 @@ class GenerationStats:
     def merge(self, other: "GenerationStats") -> None:
         """Accumulate another request's figures (for -n samples and benchmark totals)."""
         for f in ("prompt_tokens", "new_tokens", "target_forwards", "draft_tokens", "accepted_tokens",
-                  "steps_with_draft", "prefill_s", "decode_s", "propose_s", "score_s"):
+                  "steps_with_draft", "prefill_s", "decode_s", "propose_s", "score_s",
+                  "verify_s", "commit_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         n = max(len(self.drafted_by_position), len(other.drafted_by_position))
         for name in ("drafted_by_position", "accepted_by_position"):

@@ -60,7 +60,9 @@ class StepReport:
     accepted: list[int]             # per row
     emitted: list[int]              # per row
     propose_s: float
-    score_s: float
+    score_s: float                  # target forwards: the batched one and any tree row's own
+    verify_s: float
+    commit_s: float
     step_s: float
 
 
@@ -250,17 +252,21 @@ class Batch:
 
         # 3. verify + 4. commit, row by row (tree rows: scored and verified here, one forward each)
         drafted, accepted, emitted, outputs = [], [], [], []
+        tree_score_s = verify_s = commit_s = 0.0
         for i, (r, p) in enumerate(zip(rows, proposals)):
             d = p.k if p is not None else 0
             out = RowOutput(r)
+            t0 = time.perf_counter()
+            row_score_s = 0.0
             try:
                 if p is not None and p.parents is not None:
-                    result, row_logits, row_hidden = self._score_verify_tree(i, r, p)  # [T_tree, V]
+                    result, row_logits, row_hidden, row_score_s = self._score_verify_tree(i, r, p)  # [T_tree, V]
                     rows_kept = [0] + [j + 1 for j in result.path]
                 else:
                     row_logits = logits[i, : 1 + d]                                   # [1 + k_i, V]
                     result = verify_chain(r.req, p, r.proc, row_logits)
                     row_hidden, rows_kept = (hidden[i] if hidden is not None else None), None
+                t1 = time.perf_counter()
                 if reads_hidden(r.proposer):    # the target's features of the committed block tokens
                     kept = rows_kept or list(range(1 + result.accepted))
                     r.proposer.observe_hidden(len(r.req.tokens) - 1, row_hidden[kept])
@@ -270,6 +276,14 @@ class Batch:
                 elif asked[i] and p is None:                 # asked, but the proposer found nothing to draft
                     self._observe_acceptance(r, 0, 0, 1, asked[i])
                 out.chunk = commit(r.req, result, row_logits, d, self.cache, row=i)
+                t2 = time.perf_counter()
+                st = r.req.stats
+                st.score_s += row_score_s
+                st.verify_s += t1 - t0 - row_score_s
+                st.commit_s += t2 - t1
+                tree_score_s += row_score_s
+                verify_s += t1 - t0 - row_score_s
+                commit_s += t2 - t1
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 log.exception("a request failed in a step")
                 out.error = f"engine error: {type(e).__name__}: {e}"
@@ -290,7 +304,8 @@ class Batch:
                 finish_chunk(out.row.req, out.chunk)
             if out.finished:
                 self.remove(i)
-        report = StepReport(n, K, T, drafted, accepted, emitted, propose_s, tv - tp, te - ts)
+        report = StepReport(n, K, T, drafted, accepted, emitted, propose_s, tv - tp + tree_score_s, verify_s, commit_s,
+                            te - ts)
         return StepOutcome(failed + outputs, report, te)
 
     def _prefill(self) -> list[RowOutput]:
@@ -438,15 +453,16 @@ class Batch:
 
     def _score_verify_tree(self, i: int, r: Row, p: Proposal):
         """A tree proposal of row i: its own forward with the tree mask (after the batched one, whose slots for this
-        row it overwrites), then the tree verifier. Returns (result, logits [T_tree, V])."""
+        row it overwrites), then the tree verifier. Returns (result, logits [T_tree, V], hidden or None, forward seconds)."""
         tb = tree_block(r.req, p)
         t = time.perf_counter()
         feats = reads_hidden(r.proposer)
         out = self._forward(tb.ids.unsqueeze(0), self._row_cache(i), feats, tree_mask=tb.layout.mask,
                             position_offsets=tb.layout.depths)
         logits, hidden = (out.logits[0], out.hidden[0]) if feats else (out[0], None)   # [T_tree, V | hid]
-        self.estimates.costs.observe(1, tb.ids.numel(), time.perf_counter() - t)
-        return verify_tree(r.req, p, r.proc, logits, tb.layout), logits, hidden
+        dt = time.perf_counter() - t
+        self.estimates.costs.observe(1, tb.ids.numel(), dt)
+        return verify_tree(r.req, p, r.proc, logits, tb.layout), logits, hidden, dt
 
     def _forward(self, ids: torch.Tensor, cache, feats: bool, **kw):
         """The target's logits, or (with feats, for proposers reading the target's features) a Scored with the
