@@ -60,3 +60,19 @@ def test_ship_head_stores_bf16_keeps_the_maps_and_writes_the_card(eagle16, tmp_p
     params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
     out = Engine(target, method="eagle", k=4, head=str(tmp_path / "s")).generate([1, 2, 3], params)
     assert out.token_ids == Engine(target, method="none").generate([1, 2, 3], params).token_ids
+
+
+def test_shipped_smollm2_head_is_well_formed():
+    """The SmolLM2 head (its target, a 93 MB GGUF, is only in the slow tests): its weights fit its config, its
+    draft vocabulary's maps are valid, and it is matched to SmolLM2's file by hash like any shipped head."""
+    from leaplm.heads.checkpoint import read_head
+    from leaplm.heads.eagle_net import EagleConfig, EagleNet
+    from leaplm.heads.loader import _load_state
+    from leaplm.heads.vocab import ids_of
+
+    d = shipped_heads("eagle")["eagle-smollm2"]
+    hf = read_head(d)
+    assert (hf.target.hidden_size, hf.target.vocab_size, hf.target.num_hidden_layers) == (576, 49152, 30)
+    net = EagleNet(EagleConfig(**hf.config))
+    _load_state(net, hf.state, d)
+    assert ids_of(net.d2t, net.t2d, 49152, str(d)).numel() == hf.config["draft_vocab_size"] == 4096

@@ -76,3 +76,17 @@ def test_shipped_draft_is_picked_and_lossless(smollm2):
     with_draft = cli_generate(smollm2, "--method", "draft")  # no --draft: the matched shipped draft
     assert with_draft["stats"]["method"] == "draft" and with_draft["stats"]["draft_tokens"] > 0
     assert _ids(with_draft) == _ids(cli_generate(smollm2, "--method", "none"))
+
+
+def test_shipped_eagle_head_is_picked_and_lossless(smollm2):
+    """`--method eagle` without --head picks the head shipped for this very file (by its hash) and keeps the
+    greedy tokens; --fixed-k so a busy machine's cost model cannot price drafting out of the test."""
+    from leaplm.heads.loader import default_head_dir
+    from leaplm.models import load_model
+
+    assert default_head_dir(load_model(smollm2), "eagle") is not None, "no EAGLE head ships for SmolLM2"
+    for k in ("4", "10"):                               # a short chain-like budget and a tree
+        eagle = cli_generate(smollm2, "--method", "eagle", "--fixed-k", "-k", k)
+        assert eagle["stats"]["method"] == "eagle" and eagle["stats"]["draft_tokens"] > 0
+        assert eagle["stats"]["accepted_tokens"] > 0
+        assert _ids(eagle) == _ids(cli_generate(smollm2, "--method", "none"))
