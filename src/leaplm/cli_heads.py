@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .cli_train import Threads, StepProgress, _setup, _user_errors, out, train_app
+from .cli_train import Threads, StepProgress, _acceptance_rows, _setup, _user_errors, out, train_app
 from .training.eagle import EagleTrainConfig
 
 
@@ -153,20 +153,10 @@ def ship_cmd(
 ) -> None:
     """Store a trained head in bfloat16 with its log, config and card (loss and acceptance curves, acceptance
     table): what ships in the package."""
-    import json
-
     from .heads.ship import ship_head
 
-    rows = None
-    if acceptance is not None:
-        try:
-            rows = json.loads(acceptance.read_text())
-        except json.JSONDecodeError as e:
-            raise typer.BadParameter(f"not valid JSON: {e}", param_hint="--acceptance") from None
-        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise typer.BadParameter("must be a JSON list of objects", param_hint="--acceptance")
     with _user_errors(["head"]):
-        ship_head(head, out_dir, rows, command)
+        ship_head(head, out_dir, _acceptance_rows(acceptance), command)
     out.print(f"shipped {head} to {out_dir}")
 
 

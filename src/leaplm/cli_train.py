@@ -65,6 +65,19 @@ def _option_name(field: str) -> str:
                    "draft_init": "draft-init"}.get(field, field).replace("_", "-")
 
 
+def _acceptance_rows(path: Path | None) -> list[dict] | None:
+    """The --acceptance file of a model card: `eval acceptance --json` rows."""
+    if path is None:
+        return None
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise typer.BadParameter(f"not valid JSON: {e}", param_hint="--acceptance") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise typer.BadParameter("must be a JSON list of objects", param_hint="--acceptance")
+    return rows
+
+
 @contextmanager
 def _user_errors(fields: list[str]):
     """Bad input raised by the library becomes a usage error naming the option (exit 2), not a traceback.
@@ -310,14 +323,7 @@ def card_cmd(
     from .training.perplexity import perplexity
 
     _setup(threads)
-    rows = None
-    if acceptance is not None:
-        try:
-            rows = json.loads(acceptance.read_text())
-        except json.JSONDecodeError as e:
-            raise typer.BadParameter(f"not valid JSON: {e}", param_hint="--acceptance") from None
-        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise typer.BadParameter("must be a JSON list of objects", param_hint="--acceptance")
+    rows = _acceptance_rows(acceptance)
     with _user_errors(["model_dir"]):
         record = read_train_record(model_dir)
         ppl = None
