@@ -27,6 +27,15 @@ def test_summarize_pairs_by_round_and_prompt():
     assert by["x"].identical is False and by["none"].identical is None
 
 
+def test_identity_stops_at_the_baselines_first_stop_token():
+    # none emits EOS (id 9) and goes on; a contender that may not emit it parts there and is still identical
+    s = [Sample("none", "w", 0, 0, 5, 1.0, [1, 2, 9, 4, 5]), Sample("hf", "w", 0, 0, 5, 1.0, [1, 2, 7, 8, 3]),
+         Sample("bad", "w", 0, 0, 5, 1.0, [1, 3, 9, 4, 5])]
+    by = {r.config: r for r in summarize(s, "none", frozenset({9}))}
+    assert by["hf"].identical is True and by["bad"].identical is False
+    assert {r.config: r.identical for r in summarize(s, "none")}["hf"] is False    # without stop ids: all tokens
+
+
 def test_bench_cli_with_hf_baselines(checkpoint, tmp_path):
     out = tmp_path / "bench.json"
     res = CliRunner().invoke(app, [

@@ -194,7 +194,7 @@ def bench(
             if not isinstance(e, LlamaCppOutputError):
                 raise
             _fail(f"--baselines llamacpp: {e}")
-    summaries = summarize(samples, "none")
+    summaries = summarize(samples, "none", frozenset(target.eos_token_ids))
     reference = None
     if llama_setup is not None:
         from .cli_llamacpp import finish_llamacpp

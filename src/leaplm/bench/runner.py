@@ -214,7 +214,10 @@ def run_bench(contenders: list[Contender], workloads: list[Workload], max_new_to
     return samples
 
 
-def summarize(samples: list[Sample], baseline: str) -> list[ConfigSummary]:
+def summarize(samples: list[Sample], baseline: str, stop_ids: frozenset[int] = frozenset()) -> list[ConfigSummary]:
+    """Per (workload, config): medians and paired speedups against `baseline`. Greedy identity compares the
+    tokens before the baseline's first id in stop_ids: runs ignore EOS, and a contender that cannot emit it (HF
+    with min_new_tokens) must part from one that emits it and goes on."""
     out = []
     keyed = {(s.config, s.workload, s.prompt, s.round): s for s in samples}
     configs = list(dict.fromkeys(s.config for s in samples))
@@ -230,6 +233,7 @@ def summarize(samples: list[Sample], baseline: str) -> list[ConfigSummary]:
                 if b is not None:
                     ratios.append(s.tokens_per_s / b.tokens_per_s)
                     n = min(len(b.token_ids), len(s.token_ids))
+                    n = next((i for i, t in enumerate(b.token_ids[:n]) if t in stop_ids), n)
                     same &= b.token_ids[:n] == s.token_ids[:n]
             drafted = sum(s.draft_tokens for s in mine)
             forwards = sum(s.target_forwards for s in mine)
