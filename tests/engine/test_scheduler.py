@@ -225,3 +225,37 @@ def test_scheduler_spreads_the_draft_catch_up_over_the_remaining_steps(target, l
     assert row.proposer.lag(len(row.req.tokens)) == 0 and sched.batch.catchup_s(row) == 0.0
     row.proposer.observe(prop, VerifyResult([prop.tokens.tolist()[0]], 0))   # as a step would: nothing accepted
     sched.run_until_idle()
+
+
+def test_the_draft_cost_per_token_leaves_out_its_catching_up(target, loaded, monkeypatch):
+    """After steps at K = 0 the draft has tokens to catch up on before it drafts; that prefill is priced apart
+    (catchup_s), so the cost per drafted token must not include it, or every probe after a stretch at K = 0 would
+    price drafting dearer and keep K at 0. A clock that ticks once per draft forward: a catch-up of 40 tokens
+    (one forward, alone) and 2 drafted tokens (two forwards) cost 1 per drafted token, not 1.5."""
+    import time
+    sched = BatchScheduler(engine_for(target, loaded, "draft", adaptive=True), max_batch=1, calibrate=False)
+    sched.submit([SeqRequest(list(range(1, 41)), SamplingParams(max_new_tokens=30, temperature=0), lambda o: None)])
+    sched.step()                                           # the first step never drafts: 41 tokens unseen
+    row = sched._running[0]
+    group = row.proposer.group
+    clock = [0.0]
+
+    class Ticking:                                         # the draft model, one clock tick per forward
+        def __init__(self, model):
+            self.model = model
+
+        def __call__(self, *a, **kw):
+            clock[0] += 1.0
+            return self.model(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+    monkeypatch.setattr(group, "model", Ticking(group.model))
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    est = sched.engine.estimates
+    est.propose_s.clear()
+    est.propose_s_rows.clear()
+    props, _ = sched.batch._propose_all([2])
+    assert props[0].k == 2 and props[0].catchup_s == 1.0
+    assert est.propose_cost("draft", 1) == 1.0

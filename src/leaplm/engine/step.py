@@ -31,6 +31,7 @@ Costs and acceptance are the engine's (adaptive.Estimates): one calibration, sha
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -428,13 +429,16 @@ class Batch:
                 r.req.stats.propose_s += dt * p.k / max(1, drafted)    # the group's time shared by drafted tokens
                 proposals[i] = self._trim(p, asked[i])
             if drafted:
-                self.estimates.observe_propose(self.rows[idx[0]].req.stats.method, dt / drafted, rows=len(idx))
+                # per drafted token, without the catching up on unseen tokens (priced apart: catchup_s): counted
+                # here, every step after a stretch at K = 0 would price drafting dearer and keep K at 0
+                drafting = max(0.0, dt - sum(p.catchup_s for p in props))
+                self.estimates.observe_propose(self.rows[idx[0]].req.stats.method, drafting / drafted, rows=len(idx))
         return proposals, total
 
     @staticmethod
     def _trim(prop: Proposal, k: int) -> Proposal | None:
         if prop.parents is None and prop.k > k:
-            prop = Proposal(prop.tokens[:k], prop.q[:k] if prop.q is not None else None)
+            prop = dataclasses.replace(prop, tokens=prop.tokens[:k], q=prop.q[:k] if prop.q is not None else None)
         return prop if prop.k > 0 else None
 
     def _propose(self, i: int, r: Row, k: int) -> tuple[Proposal | None, float]:
@@ -447,8 +451,8 @@ class Batch:
         r.req.stats.propose_s += dt
         if prop is None:
             return None, dt
-        # seconds per drafted token, per method, the draft's catching up on unseen tokens included
-        self.estimates.observe_propose(r.req.stats.method, dt / prop.k)
+        # seconds per drafted token, per method, without catching up on unseen tokens (priced apart: catchup_s)
+        self.estimates.observe_propose(r.req.stats.method, max(0.0, dt - prop.catchup_s) / prop.k)
         return prop, dt
 
     def _score_verify_tree(self, i: int, r: Row, p: Proposal):

@@ -51,6 +51,9 @@ class Proposal:
     q: torch.Tensor | None = None      # [K, V] draft distribution each token was sampled from; None = deterministic
     parents: list[int] | None = None   # tree only: parent node index per node, -1 = the last committed token
     extra: ExtraTokens | None = None   # tree only: scored beside the tree, see ExtraTokens
+    # seconds of this proposal spent feeding committed tokens the proposer had not seen (a draft model after steps
+    # that did not draft), not drafting: the K policy prices that apart (catch-up), not per drafted token
+    catchup_s: float = 0.0
 
     @property
     def k(self) -> int:

@@ -21,6 +21,7 @@ and the returned proposal all live where the verifier runs; only the token ids f
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -90,16 +91,18 @@ class DraftRows:
 
     def _propose_rows(self, proposers: list["DraftModelProposer"], ctxs: list[ProposeContext]) -> list[Proposal]:
         cache, dev = self.cache, self.model.device
-        feeds, ks = [], []
+        feeds, ks, catchup = [], [], []
         for p, ctx in zip(proposers, ctxs):
             toks = ctx.tokens
             cached = min(p.cached, len(toks) - 1)           # the last token is always fed: its logits draft
             cache.lengths[p.slot] = cached
+            t = time.perf_counter()
             if len(toks) - cached > CATCHUP_IN_BATCH:       # a long catch-up: prefill it alone, keep the last few
                 upto = len(toks) - CATCHUP_IN_BATCH
                 view = self._view(p.slot)
                 self.model(torch.tensor([toks[cached:upto]], device=dev), view, last_only=True)
                 cache.lengths[p.slot] = cached = upto
+            catchup.append(time.perf_counter() - t)
             feeds.append(toks[cached:])
             ks.append(max(1, min(ctx.k, self.max_len - len(toks) - 1)))
         # one forward over slots [0, hi): the drafting slots in place, the others fed padding past their length
@@ -132,7 +135,7 @@ class DraftRows:
             p.cached = p.n_ctx                     # every committed token seen (observe adds accepted drafts)
             cache.lengths[p.slot] = p.n_ctx + ks[j] - 1
             q = torch.stack(qs[j]) if qs[j] else None                                       # [K, V]
-            out.append(Proposal(torch.tensor(drafts[j], device=self.out_device), q))
+            out.append(Proposal(torch.tensor(drafts[j], device=self.out_device), q, catchup_s=catchup[j]))
         return out
 
     def _forward(self, slots: list[int], feeds: list[list[int]], hi: int | None) -> torch.Tensor:
