@@ -50,14 +50,18 @@ def test_damaged_maps_are_refused(eagle16, tmp_path, damage, match):
 
 
 def test_q_is_zero_outside_the_draft_vocabulary(eagle16):
+    """The head scores its 6 rows only; over the 16 tokens its logits are -inf (q = 0) outside them."""
     head = load_head_for(eagle16["reduced"], eagle16["target"])
     ids = head.vocab_ids
     assert ids.numel() == 6
-    logits = head.logits(torch.randn(5, head.embed.shape[1]))                 # [5, 16]
+    rows = head.logits(torch.randn(5, head.embed.shape[1]))                    # [5, 6]
+    assert rows.shape == (5, 6) and torch.isfinite(rows).all()
+    logits = head.to_vocab(rows, float("-inf"))                                 # [5, 16]
     outside = torch.ones(16, dtype=torch.bool)
     outside[ids] = False
-    assert torch.isneginf(logits[:, outside]).all() and torch.isfinite(logits[:, ids]).all()
+    assert torch.isneginf(logits[:, outside]).all() and torch.equal(logits[:, ids], rows)
     assert torch.softmax(logits, -1)[:, outside].sum() == 0
+    assert head.token_ids(torch.arange(6)).tolist() == ids.tolist()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,10 @@ log q (a child never outranks its parent, so the kept set is a tree). A tree tha
 as a chain (scored in the batched forward). Greedy requests rank candidates by the head's top tokens; sampled
 requests by the exponential race of their seed (ProposeContext.sample), so the first candidate at each node is
 the one coupled with the target's own sample. Verification is the engine's (exact either way).
+
+Cost: with a reduced draft vocabulary (N of the target's V tokens) each level scores, normalises and ranks the
+N rows only (greedy chains take an argmax, greedy trees a log-softmax); a [K, V] q is built only for a sampled
+chain's Proposal. Levels whose nodes can no longer enter the K kept are not expanded (_useful).
 """
 from __future__ import annotations
 
@@ -60,12 +64,21 @@ class EagleHead:
         return net.finish(x, q, cache.k[:, :, : start + T], cache.v[:, :, : start + T], mask)[0]
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
-        """feats [T, hid] -> logits [T, V]; with a draft vocabulary, -inf outside it (q = 0 there)."""
-        small = F.linear(feats, self.lm_head)                                          # [T, N or V]
+        """feats [T, hid] -> logits [T, N] over the head's rows (N = V without a draft vocabulary; row j is
+        target token vocab_ids[j]). Drafting ranks and normalises over these N rows alone: q is 0 outside them,
+        so a full [T, V] row is built only where a caller needs q over V (to_vocab)."""
+        return F.linear(feats, self.lm_head)
+
+    def to_vocab(self, rows: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """rows [T, N] over the head's rows -> [T, V], `fill` outside the draft vocabulary."""
         if self.vocab_ids is None:
-            return small
-        full = small.new_full((small.shape[0], self.embed.shape[0]), float("-inf"))   # [T, V]
-        return full.index_copy_(1, self.vocab_ids, small)
+            return rows
+        full = rows.new_full((rows.shape[0], self.embed.shape[0]), fill)                # [T, V]
+        return full.index_copy_(1, self.vocab_ids, rows)
+
+    def token_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """Head row indices [n] -> target token ids [n]."""
+        return rows if self.vocab_ids is None else self.vocab_ids[rows]
 
 
 class HeadCache:
@@ -133,82 +146,107 @@ class EagleProposer:
         self.n_cached = L - 1
         return out[-1]
 
-    def _dist(self, ctx: ProposeContext, logits: torch.Tensor) -> torch.Tensor:
-        """The request's processed q [n, V] from head logits [n, V] (greedy requests: softmax of the raw
-        logits, used for ranking only)."""
-        if ctx.generator is None:
-            return torch.softmax(logits.float(), -1)
-        pres = ctx.presence.unsqueeze(0).expand(logits.shape[0], -1) if ctx.presence is not None else None
-        return ctx.processor.probs(logits, pres)
+    # q over the head's N rows (the draft vocabulary, or all V): ranked, normalised and sampled there
+    def _presence(self, ctx: ProposeContext, T: int) -> torch.Tensor | None:
+        """[T, N] bool: the request's seen tokens restricted to the head's rows (repetition penalty), else None."""
+        if ctx.presence is None:
+            return None
+        pres = ctx.presence if self.head.vocab_ids is None else ctx.presence[self.head.vocab_ids]
+        return pres.unsqueeze(0).expand(T, -1)
 
-    def _candidates(self, ctx: ProposeContext, q: torch.Tensor, offset: int, n: int) -> list[int]:
-        """n distinct candidates for the token at block offset `offset` from q [V], best first."""
+    def _weights(self, ctx: ProposeContext, logits: torch.Tensor) -> torch.Tensor:
+        """logits [T, N] -> what ranks each node's candidates, [T, N]: greedy requests log q (a log-softmax of the
+        raw logits, for ranking only); sampled requests the processed q (what the draft tokens are sampled from)."""
         if ctx.generator is None:
-            return q.topk(min(n, q.numel())).indices.tolist()
-        if ctx.seed is not None:
-            return ranked(q, ctx.seed, len(ctx.tokens) + offset, n)
-        return [ctx.sample(q, offset, j) for j in range(n)]
+            return torch.log_softmax(logits.float(), -1)
+        return ctx.processor.probs(logits, self._presence(ctx, logits.shape[0]))
+
+    def _candidates(self, ctx: ProposeContext, w: torch.Tensor, offset: int, n: int) -> tuple[list[int], list[float]]:
+        """n distinct candidates for the token at block offset `offset` from one node's w [N] (see _weights),
+        best first: (target ids, log q of each)."""
+        if ctx.generator is None:
+            top = w.topk(min(n, w.numel()))
+            rows, logq = top.indices, top.values
+        else:
+            if ctx.seed is not None:
+                rows = torch.tensor(ranked(w, ctx.seed, len(ctx.tokens) + offset, n, self.head.vocab_ids))
+            else:                                                 # unseeded (direct callers): independent draws
+                rows = torch.tensor([ctx.sample(w, offset, j) for j in range(n)])
+            logq = w[rows].log()
+        return self.head.token_ids(rows).tolist(), logq.tolist()
 
     def _chain(self, ctx: ProposeContext, feat: torch.Tensor, k: int) -> Proposal:
         L = len(ctx.tokens)
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(k):
-            logits = self.head.logits(feat.unsqueeze(0))                           # [1, V]
-            if ctx.generator is None:
-                t = int(ctx.processor.greedy(logits, ctx.presence.unsqueeze(0) if ctx.presence is not None else None))
+            logits = self.head.logits(feat.unsqueeze(0))                           # [1, N]
+            if ctx.generator is None:                                              # argmax: no softmax at all
+                row = ctx.processor.greedy(logits, self._presence(ctx, 1))         # [1]
+                drafts.append(int(self.head.token_ids(row)))
             else:
-                q = self._dist(ctx, logits)                                        # [1, V]
-                t = ctx.sample(q, i)
-                qs.append(q[0])
-            drafts.append(t)
+                q = self._weights(ctx, logits)[0]                                  # [N]
+                drafts.append(self._candidates(ctx, q, i, 1)[0][0])
+                qs.append(q)
             if i + 1 < k:
                 pos = L - 1 + i
-                feat = self.head.run(self.cache, pos, feat.unsqueeze(0), torch.tensor([t]), torch.tensor([pos]),
-                                     None)[0]
-        return Proposal(torch.tensor(drafts), torch.stack(qs) if qs else None)
+                feat = self.head.run(self.cache, pos, feat.unsqueeze(0), torch.tensor([drafts[-1]]),
+                                     torch.tensor([pos]), None)[0]
+        q = self.head.to_vocab(torch.stack(qs)) if qs else None                   # [k, V]: Proposal.q is over V
+        return Proposal(torch.tensor(drafts), q)
 
     def _tree(self, ctx: ProposeContext, root: torch.Tensor, k: int) -> Proposal:
+        """Levels are expanded only while a node could still enter the k kept: a child scores at most its
+        parent and sorts after every node already in the pool on a tie (it is deeper), so a frontier node whose
+        score is <= the k-th best score so far has no descendant among the kept, and expanding it is skipped
+        (what is kept is the same as expanding every level)."""
         L = len(ctx.tokens)
         b = self.shape.branch
         pool: list[_Node] = []
-        slot_of: dict[int, int] = {}             # node index -> its head cache slot (expanded nodes)
-        q = self._dist(ctx, self.head.logits(root.unsqueeze(0)))[0]                # [V]
-        for t in self._candidates(ctx, q, 0, b):
-            pool.append(_Node(t, -1, float(torch.log(q[t])), 1))
-        frontier = list(range(len(pool)))
+        slots: dict[int, list[int]] = {-1: []}   # expanded node -> head cache slots of it and its drafted ancestors
         feats_of = {-1: root}
+        w = self._weights(ctx, self.head.logits(root.unsqueeze(0)))                # [1, N]
+        for t, lq in zip(*self._candidates(ctx, w[0], 0, b)):
+            pool.append(_Node(t, -1, lq, 1))
+        frontier = _useful(pool, list(range(len(pool))), k)
         depth = 1
         base = self.n_cached                      # draft entries live in slots [base, ...)
+        n0 = base
         while depth < min(self.shape.depth, k) and frontier:
             # one head forward over the frontier: node i's entry is (its parent's predicted feature, its token)
-            n0 = base + len(slot_of)
             T = len(frontier)
             feats = torch.stack([feats_of[pool[i].parent] for i in frontier])      # [T, hid]
-            toks = torch.tensor([pool[i].token for i in frontier])
+            toks = torch.tensor([pool[i].token for i in frontier])                 # [T]
             pos = torch.full((T,), L - 2 + depth)
-            mask = torch.zeros(T, n0 + T, dtype=torch.bool)
+            mask = torch.zeros(T, n0 + T, dtype=torch.bool)                        # [T, n0 + T]
             mask[:, :base] = True
+            rows, cols = [], []
             for r, i in enumerate(frontier):
-                a = pool[i].parent
-                while a >= 0:                     # drafted ancestors' entries
-                    mask[r, slot_of[a]] = True
-                    a = pool[a].parent
-                mask[r, n0 + r] = True
+                own = slots[pool[i].parent] + [n0 + r]      # drafted ancestors' entries and its own
+                slots[i] = own
+                rows += [r] * len(own)
+                cols += own
+            mask[rows, cols] = True
             out = self.head.run(self.cache, n0, feats, toks, pos, mask)           # [T, hid]
-            for r, i in enumerate(frontier):
-                slot_of[i] = n0 + r
-                feats_of[i] = out[r]
-            qs = self._dist(ctx, self.head.logits(out))                            # [T, V]
-            logq = torch.log(qs)
+            w = self._weights(ctx, self.head.logits(out))                          # [T, N]
             new: list[int] = []
             for r, i in enumerate(frontier):
-                for t in self._candidates(ctx, qs[r], depth, b):
-                    pool.append(_Node(t, i, pool[i].score + float(logq[r, t]), depth + 1))
+                feats_of[i] = out[r]
+                for t, lq in zip(*self._candidates(ctx, w[r], depth, b)):
+                    pool.append(_Node(t, i, pool[i].score + lq, depth + 1))
                     new.append(len(pool) - 1)
-            frontier = sorted(new, key=lambda j: -pool[j].score)[:b]
+            frontier = _useful(pool, sorted(new, key=lambda j: -pool[j].score)[:b], k)
+            n0 += T
             depth += 1
         return _select(pool, k)
+
+
+def _useful(pool: list[_Node], frontier: list[int], k: int) -> list[int]:
+    """The frontier nodes whose descendants could still be among the k kept (see EagleProposer._tree)."""
+    if len(pool) < k:
+        return frontier
+    kth = sorted(n.score for n in pool)[-k]
+    return [i for i in frontier if pool[i].score > kth]
 
 
 def _select(pool: list[_Node], k: int) -> Proposal:

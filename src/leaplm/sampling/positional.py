@@ -62,10 +62,13 @@ def position_key(seed: int, position: int) -> int:
     return _mix64((_mix64((seed & MASK64) ^ _GOLDEN) + position * _POS) & MASK64)
 
 
-def exponentials(seed: int, positions: list[int], vocab: int, device=None) -> torch.Tensor:
-    """E [len(positions), vocab] float64: iid Exp(1) per (position, token), fixed by the seed."""
+def exponentials(seed: int, positions: list[int], vocab: int, device=None,
+                 ids: torch.Tensor | None = None) -> torch.Tensor:
+    """E [len(positions), vocab] float64: iid Exp(1) per (position, token), fixed by the seed. ids [N] long: only
+    those tokens' columns -> [len(positions), N] (the same values, for drafts over a reduced vocabulary)."""
     keys = torch.tensor([_signed(position_key(seed, t)) for t in positions], dtype=torch.int64, device=device)
-    ids = torch.arange(vocab, dtype=torch.int64, device=device) * _signed(_GOLDEN)
+    tok = torch.arange(vocab, dtype=torch.int64, device=device) if ids is None else ids.to(device, torch.int64)
+    ids = tok * _signed(_GOLDEN)
     h = _mix64_t(keys.view(-1, 1) + ids.view(1, -1))                                  # [N, V] int64
     u = (_srl(h, 11).double() + 0.5) * (1.0 / (1 << 53))                              # [N, V] in (0, 1)
     return -torch.log(u)
@@ -81,10 +84,13 @@ def race(probs: torch.Tensor, seed: int, positions: list[int]) -> torch.Tensor:
     return score.argmax(-1)
 
 
-def ranked(probs: torch.Tensor, seed: int, position: int, n: int) -> list[int]:
+def ranked(probs: torch.Tensor, seed: int, position: int, n: int, ids: torch.Tensor | None = None) -> list[int]:
     """The n best tokens of probs [V] at `position` by p / E: the first is race's sample; the others are
-    distinct further candidates (for tree proposers), tokens of probability 0 excluded."""
-    score = probs.double().reshape(-1) / exponentials(seed, [position], probs.numel(), probs.device)[0]
+    distinct further candidates (for tree proposers), tokens of probability 0 excluded. With ids [N], probs [N]
+    holds the probabilities of tokens ids (0 elsewhere) and the indices returned are into ids: the same tokens
+    as ranking the full row, without building it."""
+    e = exponentials(seed, [position], probs.numel(), probs.device, ids)[0]                # [V] or [N]
+    score = probs.double().reshape(-1) / e
     n = min(n, int((probs > 0).sum()))
     return score.topk(n).indices.tolist()
 
