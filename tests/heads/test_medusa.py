@@ -56,3 +56,49 @@ def test_sampled_rows_follow_the_target(tiny_vocab, ref_probs, tmp_path):
     got = sample_in_batches(eng, PROCESSED, kinds=[("medusa", 4), ("none", None), ("medusa", 2), ("draft", 2)])
     tv, bound = tv_and_bound(got, exact, N)
     assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f}"
+
+
+def test_a_shipped_medusa_head_is_picked_for_its_target_and_listed(medusa16, eagle16, tmp_path, monkeypatch):
+    """`train ship-head` stores a Medusa head like an EAGLE one; with no --head, --method medusa takes the shipped
+    medusa head whose target hash matches (not the eagle head for the same target, not a head for another
+    target), and `leaplm models` lists it."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from leaplm.cli import app
+    from leaplm.config import ConfigError
+    from leaplm.heads import loader
+    from leaplm.models import embedded
+
+    shelf = tmp_path / "embedded"
+    run = CliRunner()
+    for name, src in (("medusa-tiny", medusa16["head"]), ("eagle-tiny", eagle16["head"]),
+                      ("aaa-medusa-other", medusa16["head"])):
+        r = run.invoke(app, ["train", "ship-head", "--head", src, "--out", str(shelf / name)])
+        assert r.exit_code == 0, r.output
+    other = shelf / "aaa-medusa-other" / "config.json"          # sorts first; trained for another target
+    meta = json.loads(other.read_text())
+    meta["target"]["weights_sha256"] = "0" * 64
+    other.write_text(json.dumps(meta))
+    got = load_file(str(shelf / "medusa-tiny" / "model.safetensors"))
+    assert all(v.dtype == torch.bfloat16 for v in got.values())
+    assert (shelf / "medusa-tiny" / "README.md").read_text().startswith("# leaplm medusa head")
+    monkeypatch.setattr(loader, "EMBEDDED_DIR", shelf)
+    monkeypatch.setattr(embedded, "EMBEDDED_DIR", shelf)
+
+    target = medusa16["target"]
+    assert loader.default_head_dir(target, "medusa") == shelf / "medusa-tiny"
+    assert loader.default_head_dir(target, "eagle") == shelf / "eagle-tiny"
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    out = Engine(target, method="medusa", k=3, adaptive_k=False).generate([1, 2, 3], params)
+    assert out.token_ids == Engine(target, method="none").generate([1, 2, 3], params).token_ids
+    assert out.stats.draft_tokens > 0
+    r = run.invoke(app, ["models"], env={"COLUMNS": "400"})
+    assert r.exit_code == 0, r.output
+    assert "medusa-tiny" in r.output and "medusa head" in r.output and "eagle-tiny" in r.output
+    (shelf / "medusa-tiny" / "config.json").unlink()            # no medusa head for this target any more
+    with pytest.raises(ConfigError, match="no medusa head ships"):
+        Engine(target, method="medusa", k=3)

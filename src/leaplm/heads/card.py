@@ -63,7 +63,7 @@ def write_head_card(head_dir: str | Path, acceptance: list[dict] | None = None, 
               f"corpus {rec.config.get('corpus')} prompts continued by the target at temperatures "
               f"{rec.config.get('temperatures')}; corpus windows {rec.config.get('corpus_fraction')}"),
              ("draft vocabulary", _vocab_fact(meta)),
-             ("final held-out acceptance 1 - TV by position",
+             (f"final held-out acceptance 1 - TV by {'head' if kind == 'medusa' else 'position'}",
               ", ".join(f"{a:.3f}" for a in ev[-1]["eval_accept"]) if ev else None),
              ("command", f"`{command}`" if command else None)]
     out = [f"# leaplm {kind} head", "", f"Trained with `leaplm train {kind}` on a CPU against the frozen target.",

@@ -31,6 +31,6 @@ class MedusaNet(nn.Module):
             nn.init.zeros_(h.weight)
             nn.init.zeros_(h.bias)
 
-    def forward(self, feat: torch.Tensor) -> torch.Tensor:
-        """feat [..., hid] -> per-head features [num_heads, ..., hid]."""
-        return torch.stack([feat + F.silu(h(feat)) for h in self.heads])
+    def forward(self, feat: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """feat [..., hid] -> per-head features [n, ..., hid] of the first n heads (default: all)."""
+        return torch.stack([feat + F.silu(h(feat)) for h in self.heads[:n]])

@@ -30,9 +30,9 @@ class MedusaHeads:
     lm_head: torch.Tensor    # [V, hid] the target's
 
     @torch.inference_mode()
-    def logits(self, feat: torch.Tensor) -> torch.Tensor:
-        """feat [hid] -> [num_heads, V]."""
-        return F.linear(self.net(feat), self.lm_head)
+    def logits(self, feat: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """feat [hid] -> [n, V] of the first n heads (default: all); the heads a step does not use cost nothing."""
+        return F.linear(self.net(feat, n), self.lm_head)
 
 
 class MedusaProposer:
@@ -58,21 +58,24 @@ class MedusaProposer:
         depth = min(ctx.k, self.heads.net.config.num_heads)
         if self.last is None or self.last_pos != L - 2 or depth < 1:
             return Proposal(torch.empty(0, dtype=torch.long))
-        logits = self.heads.logits(self.last)[:depth]                                   # [D, V]
-        if ctx.generator is None:
-            q = torch.softmax(logits.float(), -1)
+        logits = self.heads.logits(self.last, depth)                                    # [D, V]
+        if ctx.generator is None:                    # ranking only: log q, no softmax
+            w = torch.log_softmax(logits.float(), -1)
         else:
             pres = ctx.presence.unsqueeze(0).expand(depth, -1) if ctx.presence is not None else None
-            q = ctx.processor.probs(logits, pres)                                       # [D, V]
+            w = ctx.processor.probs(logits, pres)                                       # [D, V] q
         cands = []
         for d in range(depth):
             if ctx.generator is None:
-                c = q[d].topk(self.branch).indices.tolist()
-            elif ctx.seed is not None:
-                c = ranked(q[d], ctx.seed, L + d, self.branch)
+                top = w[d].topk(self.branch)
+                c, lq = top.indices, top.values
             else:
-                c = [ctx.sample(q[d], d, j) for j in range(self.branch)]
-            cands.append([(t, float(torch.log(q[d, t]))) for t in c])
+                if ctx.seed is not None:
+                    c = torch.tensor(ranked(w[d], ctx.seed, L + d, self.branch))
+                else:
+                    c = torch.tensor([ctx.sample(w[d], d, j) for j in range(self.branch)])
+                lq = w[d, c].log()
+            cands.append(list(zip(c.tolist(), lq.tolist())))
         pool: list[_Node] = []
         frontier = [-1]
         for d in range(depth):                       # expand the best `branch` paths one level deeper
