@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from leaplm.engine.adaptive import AcceptanceEstimate, BatchAdaptiveK, RowSpec, expected_tokens
+from leaplm.engine.adaptive import AcceptanceEstimate, BatchAdaptiveK, Counts, RowSpec, expected_tokens, with_proposal
 from leaplm.engine.costs import BatchCostModel
 
 
@@ -290,9 +290,12 @@ def test_alternating_block_lengths_refine_the_shape():
 @dataclass
 class Truth:
     """One step's truth, the same whatever K a policy asks for: whether the proposer has a proposal, and how many
-    of its tokens the target agrees with (a run: its first `right` tokens)."""
+    of its tokens the target agrees with (a run: its first `right` tokens); for proposals known before K is chosen
+    (cheap proposers), its context match length and how many tokens it has."""
     has: bool
     right: int
+    match: int = 1
+    length: int = 16
 
 
 def ngram_like(rng: random.Random, steps: int) -> list[Truth]:
@@ -310,6 +313,24 @@ def ngram_like(rng: random.Random, steps: int) -> list[Truth]:
     return out
 
 
+def copy_like(rng: random.Random, steps: int) -> list[Truth]:
+    """n-gram or suffix proposals on code: fresh text first (a short match 60% of the time, mostly wrong, of 2 to 16
+    tokens), then stretches that copy earlier text now and then, where the context match grows with the copy
+    and the proposal is right for many tokens (one in ten diverges at once)."""
+    out, copying, run = [], False, 0
+    for j in range(steps):
+        if j >= 30 and rng.random() < 0.06:
+            copying, run = not copying, 0
+        if copying:
+            run += 1
+            right = 0 if rng.random() < 0.1 else min(16, int(rng.expovariate(1 / 10)))
+            out.append(Truth(rng.random() < 0.95, right, min(32, 1 + 3 * run), 16))
+        else:
+            right = 0 if rng.random() < 0.75 else rng.randint(1, 3)
+            out.append(Truth(rng.random() < 0.6, right, rng.choice([1, 1, 2, 2, 3]), rng.choice([2, 4, 8, 16])))
+    return out
+
+
 def draft_like(a: float):
     def gen(rng: random.Random, steps: int) -> list[Truth]:
         out = []
@@ -322,26 +343,35 @@ def draft_like(a: float):
     return gen
 
 
-def simulate(truths: list[Truth], shape, noise: list[float], fixed_k: int | None, cap: int = 8) -> float:
+def simulate(truths: list[Truth], shape, noise: list[float], fixed_k: int | None, cap: int = 8,
+             in_hand: bool = False, match: bool = True) -> float:
     """Tokens per second of one row over these steps, with K fixed or chosen by the policy from what it observes.
-    The machine is 1.5x slower in the second half (another process starts) and every forward is noisy."""
+    The machine is 1.5x slower in the second half (another process starts) and every forward is noisy.
+    in_hand: the proposal (its length, and with `match` its context match length) is known before K is chosen,
+    as the step does for cheap proposers; a proposal drafts at most its length."""
     costs = BatchCostModel()
     costs.calibrated(1, [{T: shape(1, T) * f for T in range(1, cap + 2)} for f in (1.3, 1.0, 1.1)])
     ctl = BatchAdaptiveK(costs)
     est = AcceptanceEstimate()
     tokens = seconds = 0.0
     for j, t in enumerate(truths):
+        length = (t.length if in_hand else cap) if t.has else 0
+        m = t.match if match else None
         if fixed_k is None:
-            K = ctl.choose([RowSpec(cap, est.rate, 0.0, tokens_by_k=est.tokens_by_k(cap), match=est.match,
-                                    tokens_by_k_after_hit=est.tokens_by_k_after_hit(cap))])
+            spec = RowSpec(cap, est.rate, 0.0, tokens_by_k=est.tokens_by_k(cap), match=est.match,
+                           tokens_by_k_after_hit=est.tokens_by_k_after_hit(cap))
+            if in_hand:
+                est.observe_match(t.has)
+                spec = with_proposal(spec, est, length, m)
+            K = ctl.choose([spec])
         else:
             K = fixed_k
-        drafted = K if t.has else 0
+        drafted = min(K, length)
         ctl.probed(drafted > 0)
         accepted = min(drafted, t.right)
         s = shape(1, 1 + drafted) * noise[j] * (1.0 if j < len(truths) // 2 else 1.5)
         costs.observe(1, 1 + drafted, s)
-        est.observe(drafted, accepted, K)
+        est.observe(drafted, accepted, drafted if in_hand else K, m, known=in_hand)
         tokens += 1 + accepted
         seconds += s
     return tokens / seconds
@@ -364,3 +394,60 @@ def test_adaptive_k_is_within_5_percent_of_the_best_fixed_k_and_never_below_k0(p
     best_k = max(range(1, 9), key=lambda K: fixed[K])
     assert adaptive >= 0.95 * fixed[best_k], (adaptive / fixed[best_k], best_k, adaptive / fixed[0])
     assert adaptive >= 0.98 * fixed[0], (adaptive / fixed[0], adaptive / fixed[best_k])
+
+
+def short_runs(shape, **kw) -> list[tuple[float, float]]:
+    """(adaptive / best fixed K, adaptive / K = 0) over 20 requests of 300 steps of copy_like proposals."""
+    out = []
+    for seed in range(20, 40):
+        rng = random.Random(seed)
+        truths = copy_like(rng, 300)
+        noise = [rng.uniform(0.85, 1.2) for _ in range(300)]
+        fixed = {K: simulate(truths, shape, noise, K, in_hand=True) for K in range(0, 9)}
+        adaptive = simulate(truths, shape, noise, None, **kw)
+        out.append((adaptive / max(fixed[K] for K in range(1, 9)), adaptive / fixed[0]))
+    return out
+
+
+@pytest.mark.parametrize("shape", [flat, cpu_step, linear])
+def test_with_the_proposal_in_hand_short_requests_reach_the_best_fixed_k(shape):
+    """Cheap proposers propose before K is chosen (the step's _propose_early): the policy sees whether there is a
+    proposal, its length and its context match length. On code-like requests that start with fresh text and copy
+    later it finds the copying stretches at once: each of 20 short requests per machine shape is within 5% of the
+    best fixed K and at least 0.98x K = 0. Negative controls: the policy deciding K before the proposal (as
+    before) falls below 0.95 of the best fixed K on some of them, and so does the proposal in hand without its
+    match length."""
+    runs = short_runs(shape, in_hand=True)
+    assert min(best for best, _ in runs) >= 0.95, runs
+    assert min(k0 for _, k0 in runs) >= 0.98, runs
+    if shape is cpu_step:
+        assert min(best for best, _ in short_runs(shape)) < 0.95
+        assert min(best for best, _ in short_runs(shape, in_hand=True, match=False)) < 0.95
+
+
+def test_a_long_match_bucket_priced_out_by_a_few_misses_is_pooled_with_shorter_ones():
+    """Acceptance given the match length is assumed non-decreasing in it: a long-match bucket whose few proposals
+    all missed is pooled with the shorter buckets that did better (weighted by their proposals), so it is not
+    priced out for good; buckets in order are left alone."""
+    est = AcceptanceEstimate()
+    for _ in range(20):
+        est.observe(4, 4, match=6, known=True)           # 5-8 tokens matched: right all the way
+    for _ in range(3):
+        est.observe(4, 0, match=20, known=True)          # 17+: three misses
+    long, mid = est.tokens_by_k(4, match=20), est.tokens_by_k(4, match=6)
+    assert long == pytest.approx(mid)
+    assert est.by_match[5].tokens_by_k(4, est.prior_weight)[4] < 1.5 < long[4]
+    assert long[4] > 4.0                                 # the 20 good ones outweigh the 3 misses
+    short = est.tokens_by_k(4, match=1)                  # an unseen, shorter bucket: its prior, below the pool
+    assert short == pytest.approx(Counts().tokens_by_k(4, est.prior_weight))
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+@pytest.mark.parametrize("shape", [flat, cpu_step, linear])
+def test_with_the_proposal_in_hand_long_runs_are_within_5_percent_of_the_best_fixed_k(shape, seed):
+    rng = random.Random(seed)
+    truths = copy_like(rng, 3000)
+    noise = [rng.uniform(0.85, 1.2) for _ in range(3000)]
+    fixed = {K: simulate(truths, shape, noise, K, in_hand=True) for K in range(0, 9)}
+    adaptive = simulate(truths, shape, noise, None, in_hand=True)
+    assert adaptive >= 0.95 * max(fixed[K] for K in range(1, 9)) and adaptive >= 0.98 * fixed[0]

@@ -259,3 +259,30 @@ def test_the_draft_cost_per_token_leaves_out_its_catching_up(target, loaded, mon
     props, _ = sched.batch._propose_all([2])
     assert props[0].k == 2 and props[0].catchup_s == 1.0
     assert est.propose_cost("draft", 1) == 1.0
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_cheap_proposers_propose_before_k_is_chosen(target, loaded, reference, method, monkeypatch):
+    """n-gram and suffix proposals cost next to nothing: the step asks for one at the row's cap before choosing K,
+    so the policy sees each row certain to have a proposal (or none: cap 0), K at most its length, priced by its
+    match length, its cost already spent; the proposal is then trimmed to K (a tree to its first K nodes).
+    Output stays plain decoding's."""
+    from leaplm.engine import adaptive
+    seen = []
+    choose = adaptive.BatchAdaptiveK.choose
+
+    def spy(self, rows):
+        k = choose(self, rows)
+        seen.append((rows, k))
+        return k
+
+    monkeypatch.setattr(adaptive.BatchAdaptiveK, "choose", spy)
+    prompt = "abc abc abc abc abc abc abc abc"
+    params = SamplingParams(max_new_tokens=40, temperature=0)
+    eng = engine_for(target, loaded, method, k=6, adaptive=True)
+    got = eng.generate(prompt, params)
+    assert got.token_ids == reference.generate(prompt, params).token_ids
+    drafting = [(rows[0], k) for rows, k in seen if rows and rows[0].cap]
+    assert drafting, "the proposer never had a proposal"
+    assert all(r.match == 1.0 and r.propose_s_per_token == 0.0 and r.cap <= 6 for r, _ in drafting)
+    assert got.stats.draft_tokens > 0

@@ -7,7 +7,8 @@ steps). A step over the n running rows:
   1. propose  each row's own proposer drafts k_i = min(K, its cap, its room) tokens; K is chosen per step by the
               one K policy (adaptive.BatchAdaptiveK) from measured costs and each row's measured acceptance.
               Proposers that share a group (the draft model) draft for all their rows in one call, one batched
-              draft forward per draft position; the others row by row
+              draft forward per draft position; the others row by row. Cheap proposers (n-gram, suffix) propose
+              at their row's cap before K is chosen, so the policy knows what they have; then trimmed to K
   2. score    ONE target forward over [n, 1 + max k_i] for the chain rows: row i is [its last token, its drafts,
               padding]; a tree row (Proposal.parents set) is scored by its own forward with the tree mask over a
               batch-1 view of its cache row (when every row is a tree row the batched forward is skipped)
@@ -41,7 +42,8 @@ import torch
 from ..config import SamplingParams
 from ..propose.base import Proposal, ProposeContext, Proposer
 from ..sampling import LogitsProcessor
-from .adaptive import AcceptanceEstimate, BatchAdaptiveK, Estimates, RowSpec, expected_tokens, rows_bucket
+from .adaptive import (AcceptanceEstimate, BatchAdaptiveK, Estimates, RowSpec, expected_tokens, rows_bucket,
+                       with_proposal)
 from .commit import commit, finish_chunk, new_request, verify_chain
 from .request import Request, StreamChunk, TokenLogprob
 from .tree_step import extra_logits, tree_block, verify_tree
@@ -224,14 +226,20 @@ class Batch:
 
         # 1. propose: one K for the step, each row drafts up to min(K, its own cap). A sampled row's tokens are
         # fixed by its seed and their positions (sampling/positional.py): K never changes what a seed produces.
+        # Cheap proposers (n-gram, suffix) propose first, at their row's cap: the policy then knows which rows
+        # have a proposal, how long, and of what match length (adaptive.with_proposal).
         rooms = [max(0, self.max_len - len(r.req.tokens) - 1) for r in rows]
         drafting = self._drafting_rows(rows)
         specs = [self._row_spec(r, drafting) for r in rows]
+        early, early_s = self._propose_early(rows, specs)
         K = self.policy.choose([sp for sp, r in zip(specs, rows) if not r.fixed_k])
         K = max([K] + [sp.cap for sp, r in zip(specs, rows) if r.fixed_k])   # a fixed-K row drafts its K
         K = min(K, min(rooms))                             # every row gets 1 + K slots written
         asked = [min(K, spec.cap) for spec in specs]
-        proposals, propose_s = self._propose_all(asked)
+        proposals, propose_s = self._propose_all([0 if i in early else k for i, k in enumerate(asked)])
+        for i, p in early.items():
+            proposals[i] = self._trim(p, asked[i]) if p is not None and asked[i] else None
+        propose_s += early_s
         self.policy.probed(any(p is not None for p in proposals))
         tp = time.perf_counter()
 
@@ -273,7 +281,8 @@ class Batch:
                     r.proposer.observe_hidden(len(r.req.tokens) - 1, row_hidden[kept])
                 if p is not None:
                     r.proposer.observe(p, result, extra_logits(p, row_logits))
-                    self._observe_acceptance(r, d, result.accepted, row_logits.shape[0], asked[i])
+                    self._observe_acceptance(r, d, result.accepted, row_logits.shape[0], asked[i],
+                                             p.match, known=i in early)
                 elif asked[i] and p is None:                 # asked, but the proposer found nothing to draft
                     self._observe_acceptance(r, 0, 0, 1, asked[i])
                 out.chunk = commit(r.req, result, row_logits, d, self.cache, row=i)
@@ -366,10 +375,29 @@ class Batch:
                        self.catchup_s(r), extra_tokens=r.extra_tokens, tokens_by_k=r.acceptance.tokens_by_k(cap),
                        match=r.acceptance.match, tokens_by_k_after_hit=r.acceptance.tokens_by_k_after_hit(cap))
 
-    def _observe_acceptance(self, r: Row, drafted: int, accepted: int, scored: int, asked: int) -> None:
-        """drafted 0: the row was asked for drafts and its proposer had none (counts only towards `match`)."""
-        r.acceptance.observe(drafted, accepted, max(asked, drafted))
-        self.estimates.observe_acceptance(r.req.stats.method, drafted, accepted, max(asked, drafted))
+    def _propose_early(self, rows: list[Row], specs: list[RowSpec]) -> tuple[dict[int, Proposal | None], float]:
+        """Rows whose proposer is cheap propose at their cap before K is chosen; their specs (in place) then say
+        what they have. Returns row -> its proposal (None: it had nothing), and the seconds it took."""
+        early: dict[int, Proposal | None] = {}
+        total = 0.0
+        for i, (r, sp) in enumerate(zip(rows, specs)):
+            if sp.cap <= 0 or not getattr(r.proposer, "cheap", False):
+                continue
+            p, dt = self._propose(i, r, sp.cap)
+            total += dt
+            early[i] = p
+            r.acceptance.observe_match(p is not None)
+            self.estimates.acceptance(r.req.stats.method).observe_match(p is not None)
+            specs[i] = with_proposal(sp, r.acceptance, p.k if p is not None else 0,
+                                     p.match if p is not None else None)
+        return early, total
+
+    def _observe_acceptance(self, r: Row, drafted: int, accepted: int, scored: int, asked: int,
+                            match: int | None = None, known: bool = False) -> None:
+        """drafted 0: the row was asked for drafts and its proposer had none (counts only towards `match`).
+        known: the proposal was made before K was chosen, of context match length `match`."""
+        r.acceptance.observe(drafted, accepted, max(asked, drafted), match, known)
+        self.estimates.observe_acceptance(r.req.stats.method, drafted, accepted, max(asked, drafted), match, known)
         if not drafted:
             return
         extra = max(0, scored - drafted - 1)
@@ -437,8 +465,12 @@ class Batch:
 
     @staticmethod
     def _trim(prop: Proposal, k: int) -> Proposal | None:
-        if prop.parents is None and prop.k > k:
-            prop = dataclasses.replace(prop, tokens=prop.tokens[:k], q=prop.q[:k] if prop.q is not None else None)
+        """At most k tokens of prop: a chain's first k, a tree's first k nodes (parents come first, so they are a
+        tree; a tree with extra tokens is kept whole)."""
+        if prop.k > k and prop.extra is None:
+            parents = prop.parents[:k] if prop.parents is not None else None
+            prop = dataclasses.replace(prop, tokens=prop.tokens[:k], q=prop.q[:k] if prop.q is not None else None,
+                                       parents=parents)
         return prop if prop.k > 0 else None
 
     def _propose(self, i: int, r: Row, k: int) -> tuple[Proposal | None, float]:

@@ -54,6 +54,9 @@ class Proposal:
     # seconds of this proposal spent feeding committed tokens the proposer had not seen (a draft model after steps
     # that did not draft), not drafting: the K policy prices that apart (catch-up), not per drafted token
     catchup_s: float = 0.0
+    # cheap proposers: how many context tokens agree with the text the proposal was copied from (its n-gram
+    # included; a long match is a copying stretch): the K policy keeps acceptance per match length
+    match: int | None = None
 
     @property
     def k(self) -> int:
@@ -63,6 +66,8 @@ class Proposal:
 class Proposer(Protocol):
     name: str
     samples: bool   # True when it samples from q at temperature > 0 (then q is returned)
+    # optional `cheap = True`: proposing costs next to nothing (n-gram, suffix), so the step asks for a proposal at
+    # the row's cap before choosing K and trims it (a tree: its first K nodes, parents come first)
 
     def propose(self, ctx: ProposeContext) -> Proposal: ...
 

@@ -11,9 +11,13 @@ from .ngram_index import NgramIndex
 from .registry import register
 
 
+MAX_MATCH = 32      # how far back a match's context agreement is measured (Proposal.match)
+
+
 class NgramProposer:
     name = "ngram"
     samples = False
+    cheap = True
 
     def __init__(self, n_min: int, n_max: int, device: torch.device):
         self.index = NgramIndex(n_min, n_max, keep=1)      # only the most recent match is used
@@ -29,7 +33,8 @@ class NgramProposer:
             hits = self.index.lookup(tuple(toks[-n:]))
             if hits:
                 draft = self.index.continuation(hits[-1], ctx.k, live=True)
-                return Proposal(torch.tensor(draft, dtype=torch.long, device=self.device))
+                match = self.index.context_match(hits[-1], toks, n, MAX_MATCH)
+                return Proposal(torch.tensor(draft, dtype=torch.long, device=self.device), match=match)
         return Proposal(torch.empty(0, dtype=torch.long, device=self.device))
 
     def observe(self, proposal: Proposal, result: VerifyResult, extra_logits=None) -> None:

@@ -100,6 +100,7 @@ class SuffixStore:
 class SuffixProposer:
     name = "suffix"
     samples = False
+    cheap = True
 
     def __init__(self, store: SuffixStore, device: torch.device):
         self.corpus = store.corpus
@@ -120,7 +121,8 @@ class SuffixProposer:
         conts = [index.continuation(occ, budget, live=index is self.history and index.doc_of(occ) == self.doc)
                  for index, occ in found]
         tree = frequency_tree(conts, [float(m) for m in matches], budget)
-        return Proposal(torch.tensor(tree.tokens, dtype=torch.long, device=self.device), parents=tree.parents)
+        return Proposal(torch.tensor(tree.tokens, dtype=torch.long, device=self.device), parents=tree.parents,
+                        match=max(matches))
 
     def _longest_match(self, toks: list[int]) -> tuple[int, list[tuple[NgramIndex, int]]]:
         """(n, occurrences as (index, occurrence)) for the longest n-gram ending the context seen anywhere."""
