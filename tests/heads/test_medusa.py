@@ -102,3 +102,37 @@ def test_a_shipped_medusa_head_is_picked_for_its_target_and_listed(medusa16, eag
     (shelf / "medusa-tiny" / "config.json").unlink()            # no medusa head for this target any more
     with pytest.raises(ConfigError, match="no medusa head ships"):
         Engine(target, method="medusa", k=3)
+
+
+def test_k_shrinks_the_proposal_to_one_head_or_nothing(medusa16):
+    """The K policy's K bounds the work: K = 0 proposes nothing and runs no head, K = 1 a single token from head
+    0 alone (a chain), and a step runs only the first min(K, heads) heads."""
+    import torch
+
+    from leaplm.heads.loader import load_head_for
+    from leaplm.propose.base import ProposeContext
+    from leaplm.propose.medusa import MedusaProposer
+    from leaplm.sampling import LogitsProcessor
+
+    target = medusa16["target"]
+    heads = load_head_for(medusa16["head"], target, kind="medusa")
+    calls = [0] * len(heads.net.heads)
+    for j, h in enumerate(heads.net.heads):
+        h.register_forward_hook(lambda *a, _j=j: calls.__setitem__(_j, calls[_j] + 1))
+    prop = MedusaProposer(heads, 64)
+    tokens = [1, 2, 3, 4]
+    prop.observe_hidden(0, torch.randn(3, target.model.args.hidden_size))            # features of tokens 0..2
+    params = SamplingParams(temperature=0)
+
+    def propose(k):
+        calls[:] = [0] * len(calls)
+        return prop.propose(ProposeContext(tokens, k, params, LogitsProcessor(params), None, None))
+
+    assert propose(0).k == 0 and calls == [0, 0, 0]
+    one = propose(1)
+    assert one.k == 1 and one.parents is None and calls == [1, 0, 0]
+    want = int(torch.nn.functional.linear(heads.net(prop.last)[0], heads.lm_head).argmax())
+    assert one.tokens.tolist() == [want]
+    two = propose(2)
+    assert two.k == 2 and calls == [1, 1, 0]
+    assert propose(8).k == 8 and calls == [1, 1, 1]
