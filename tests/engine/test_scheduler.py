@@ -286,3 +286,40 @@ def test_cheap_proposers_propose_before_k_is_chosen(target, loaded, reference, m
     assert drafting, "the proposer never had a proposal"
     assert all(r.match == 1.0 and r.propose_s_per_token == 0.0 and r.cap <= 6 for r, _ in drafting)
     assert got.stats.draft_tokens > 0
+
+
+def test_a_row_near_its_context_end_caps_only_its_own_drafts(target):
+    """The batched forward writes 1 + K slots to every row; with slots (and positions) past max_model_len for the
+    padding, a row with 2 tokens of room drafts at most 2 while the other row still drafts its K = 4 (every
+    draft of the target drafting for itself is accepted). Output stays the rows' plain decoding."""
+    from leaplm.engine.step import Batch
+    eng = Engine(target, draft=target, method="draft", k=4, adaptive_k=False, max_model_len=48)
+    ref = Engine(target, method="none", max_model_len=48)
+    batch = Batch(eng, max_rows=2)
+    params = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
+    near, far = list(range(1, 46)), [3, 1, 4, 1, 5]           # room after the first token: 48 - 45 - 1 = 2
+    batch.join(near, params)
+    batch.join(far, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
+    outcome = batch.step()
+    assert outcome.report.drafted == [2, 4]
+    tokens = {0: [], 1: []}
+    for out in outcome.outputs:
+        tokens[0 if out.row.req.prompt_ids == near else 1] += out.chunk.token_ids
+    while batch.rows:
+        for out in batch.step().outputs:
+            tokens[0 if out.row.req.prompt_ids == near else 1] += out.chunk.token_ids
+    assert tokens[0] == ref.generate(near, params).token_ids
+    assert tokens[1] == ref.generate(far, SamplingParams(max_new_tokens=20, temperature=0,
+                                                         ignore_eos=True)).token_ids
+
+
+def test_without_positions_past_the_context_a_row_near_its_end_caps_the_step(target):
+    """At the model's own context limit (256 positions here) there is no slot for padding past it: the step's K
+    is what the fullest row's cache can take (256 - 253 = 3 slots after its last token)."""
+    from leaplm.engine.step import Batch
+    eng = Engine(target, draft=target, method="draft", k=4, adaptive_k=False)
+    assert eng.max_model_len == target.model.max_len == 256
+    batch = Batch(eng, max_rows=2)
+    batch.join(list(range(1, 254)), SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
+    batch.join([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
+    assert batch.step().report.drafted == [2, 3]

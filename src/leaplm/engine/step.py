@@ -51,6 +51,7 @@ from .tree_step import extra_logits, tree_block, verify_tree
 log = logging.getLogger(__name__)
 
 MIN_CHUNK = 32     # prompt tokens a step prefills at least, however many the decoding rows take of the budget
+PAD_SLACK = 64     # cache slots (and positions) past max_len for the padding of a row near its end: the largest K
 
 
 @dataclass
@@ -115,7 +116,8 @@ class Batch:
         self.model = engine.model
         self.max_rows = max_rows
         self.max_len = engine.max_model_len
-        self.cache = self.model.new_cache(max_rows, self.max_len)
+        # slots past max_len for padding (positions too, where the model has them): see the step's K
+        self.cache = self.model.new_cache(max_rows, min(self.max_len + PAD_SLACK, self.model.max_len))
         self.estimates: Estimates = engine.estimates
         self.policy = BatchAdaptiveK(self.estimates.costs, enabled=engine.spec.adaptive_k)
         self.rows: list[Row] = []                        # row i of the cache <-> rows[i]
@@ -228,13 +230,15 @@ class Batch:
         # fixed by its seed and their positions (sampling/positional.py): K never changes what a seed produces.
         # Cheap proposers (n-gram, suffix) propose first, at their row's cap: the policy then knows which rows
         # have a proposal, how long, and of what match length (adaptive.with_proposal).
-        rooms = [max(0, self.max_len - len(r.req.tokens) - 1) for r in rows]
         drafting = self._drafting_rows(rows)
         specs = [self._row_spec(r, drafting) for r in rows]
         early, early_s = self._propose_early(rows, specs)
         K = self.policy.choose([sp for sp, r in zip(specs, rows) if not r.fixed_k])
         K = max([K] + [sp.cap for sp, r in zip(specs, rows) if r.fixed_k])   # a fixed-K row drafts its K
-        K = min(K, min(rooms))                             # every row gets 1 + K slots written
+        # Every row gets 1 + K slots written, padding included: K must fit the fullest row's cache. Each row's
+        # drafts are capped by its own room (its spec), so with PAD_SLACK slots past max_len a row near its end
+        # caps only itself; only where the model has no positions left for the padding does it cap the step.
+        K = min(K, self.cache.max_len - 1 - max(len(r.req.tokens) - 1 for r in rows))
         asked = [min(K, spec.cap) for spec in specs]
         proposals, propose_s = self._propose_all([0 if i in early else k for i, k in enumerate(asked)])
         for i, p in early.items():
