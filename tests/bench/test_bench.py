@@ -84,3 +84,14 @@ def test_hf_baselines_sample_seeded_at_a_temperature(checkpoint):
     assert a["hf"] != other["hf"]                   # by the seed
     assert a["hf"] != greedy["hf"] and a["hf-assisted k=2"] != greedy["hf-assisted k=2"]   # sampled, not argmax
     assert greedy["hf"] == greedy["hf-assisted k=2"]                                       # greedy is exact
+
+
+def test_bench_runs_do_not_learn_from_each_other(tiny_llama):
+    # suffix remembers earlier requests; a bench repeating a prompt must not let it copy its last answer
+    from leaplm import Engine, SamplingParams
+    from leaplm.bench.runner import leaplm_contender
+
+    eng = Engine(tiny_llama, method="suffix", k=8, adaptive_k=False)
+    run = leaplm_contender("suffix", eng, SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)).run
+    (ids1, st1), (ids2, st2) = run("t7 t2 t9 t4", 40), run("t7 t2 t9 t4", 40)
+    assert ids1 == ids2 and st1.accepted_tokens == st2.accepted_tokens and st1.draft_tokens == st2.draft_tokens

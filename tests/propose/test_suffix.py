@@ -85,3 +85,25 @@ def test_a_corpus_that_holds_the_continuation_is_accepted_and_lossless(tmp_path,
     out = eng.generate(prompt, params)
     assert out.token_ids == want
     assert out.stats.mean_accepted_length > 3          # the corpus predicted the output
+
+
+def test_forget_history_drops_earlier_answers_and_keeps_the_corpus(tmp_path, tiny_llama):
+    # a repeated prompt copies the engine's own earlier answer unless the history is forgotten (what bench does)
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    prompt = [7, 2, 9, 4]
+    eng = Engine(tiny_llama, method="suffix", k=8, adaptive_k=False)
+    first = eng.generate(prompt, params)
+    again = eng.generate(prompt, params)
+    assert again.token_ids == first.token_ids
+    assert again.stats.accepted_tokens > first.stats.accepted_tokens          # it copied the first answer
+    eng.forget_history()
+    fresh = eng.generate(prompt, params)
+    assert fresh.token_ids == first.token_ids
+    assert (fresh.stats.draft_tokens, fresh.stats.accepted_tokens) == (first.stats.draft_tokens,
+                                                                        first.stats.accepted_tokens)
+    store = SuffixStore(1, 3, [[5, 6, 7, 8]])
+    SuffixProposer(store, torch.device("cpu")).propose(ctx([1, 2, 3, 4, 10, 11], 2))
+    store.forget()
+    later = SuffixProposer(store, torch.device("cpu"))
+    assert later.propose(ctx([0, 3, 4], 2)).tokens.tolist() == []             # the earlier request is gone
+    assert later.propose(ctx([0, 3, 4, 0, 6], 2)).tokens.tolist() == [7, 8]   # the corpus stays

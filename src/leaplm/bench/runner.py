@@ -101,6 +101,7 @@ class Contender:
 def leaplm_contender(name: str, engine, params: SamplingParams) -> Contender:
     def run(prompt: str, max_new: int):
         sp = SamplingParams(**{**params.__dict__, "max_new_tokens": max_new})
+        engine.forget_history()          # every run is a new request: no copying of the same prompt's last answer
         o = engine.generate(prompt, sp)
         return o.token_ids, o.stats
     return Contender(name, run)

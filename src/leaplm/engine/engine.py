@@ -157,6 +157,15 @@ class Engine:
             self._factories[method] = factory
             return factory
 
+    def forget_history(self) -> None:
+        """Drop what proposers remember across requests (the suffix method's history of earlier outputs). A
+        benchmark that repeats a prompt calls this before each run: otherwise suffix copies its own earlier
+        answer to the same prompt and measures a speedup no new request would see."""
+        with self._factories_lock:
+            for factory in self._factories.values():
+                if hasattr(factory, "forget"):
+                    factory.forget()
+
     def _run(self, ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
         self._last_prompt_ids = ids
         batch = self._acquire_batch()

@@ -89,6 +89,10 @@ class SuffixStore:
                 self.corpus.extend(self.corpus.new_doc(), d)
         self.history = NgramIndex(n_min, n_max, MAX_OCCURRENCES)
 
+    def forget(self) -> None:
+        """Start the history afresh (running requests keep the index they hold)."""
+        self.history = NgramIndex(self.n_min, self.n_max, MAX_OCCURRENCES)
+
     def history_for_new_request(self) -> NgramIndex:
         """The index a new request reads and writes; a full history is replaced (requests still running keep
         the old one until they finish)."""
@@ -163,6 +167,17 @@ def _build(spec: SpecConfig, target, draft):
         raise ConfigError("method", "suffix proposes trees, which this model's adapter cannot verify; "
                                     "use a native model family or --method ngram")
     docs = load_corpus(spec.corpus, target.tokenizer) if spec.corpus else []
-    store = SuffixStore(spec.ngram_min, spec.ngram_max, docs)
-    device = target.model.device
-    return lambda max_len: SuffixProposer(store, device)
+    return SuffixFactory(SuffixStore(spec.ngram_min, spec.ngram_max, docs), target.model.device)
+
+
+@dataclass
+class SuffixFactory:
+    """One proposer per request over the engine's store; forget() drops what earlier requests taught it."""
+    store: SuffixStore
+    device: torch.device
+
+    def __call__(self, max_len: int) -> SuffixProposer:
+        return SuffixProposer(self.store, self.device)
+
+    def forget(self) -> None:
+        self.store.forget()

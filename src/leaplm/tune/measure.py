@@ -125,6 +125,7 @@ class Measurer:
     def run_group(self, c: Candidate, level: int, group: list[int], max_new: int, seed: int) -> GroupRun:
         if level == 1:
             eng = self._engine(c)
+            eng.forget_history()         # rounds repeat prompts: suffix must not copy its own earlier answer
             t = time.perf_counter()
             out = eng.generate(self.prompts[group[0]], self._params(max_new, seed))
             run = GroupRun(out.token_ids, len(out.token_ids), time.perf_counter() - t)
@@ -137,6 +138,7 @@ class Measurer:
 
         sched = self._scheduler(c, level)
         eng = sched.engine
+        eng.forget_history()             # (as in run_group)
         outs: dict[str, list] = {}
         errors: list[str] = []
 
