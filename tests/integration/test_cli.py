@@ -29,8 +29,10 @@ def draft(checkpoint):
 
 
 def test_json_contract(target, draft):
+    # fixed K: every step drafts, so each stage of the time split has work on any machine (adaptive K may
+    # price a draft out on a slow or loaded one and leave propose and verify at 0)
     out = run_json(PROMPT, "--model", target, "--draft", draft, "--method", "draft", "--k", "3",
-                   "--max-new-tokens", "12", "--ignore-eos")
+                   "--max-new-tokens", "12", "--ignore-eos", "--fixed-k")
     assert set(out) == {"samples", "stats"}
     (s,) = out["samples"]
     assert set(s) == {"text", "token_ids", "finish_reason"} and s["finish_reason"] == "length"
