@@ -72,6 +72,12 @@ def test_logits_match_transformers(name, checkpoint, loaded):
     # last_only returns the last row of the same computation
     cache = lm.model.new_cache(1, 256)
     torch.testing.assert_close(lm.model(ids, cache, last_only=True)[0, 0], ref[-1], atol=ATOL, rtol=0)
+    # hidden_all (a prefill feeding an EAGLE head): every position's hidden state, the last position's logits
+    whole = lm.model.forward_hidden(ids, lm.model.new_cache(1, 256))
+    part = lm.model.forward_hidden(ids, lm.model.new_cache(1, 256), last_only=True, hidden_all=True)
+    assert part.logits.shape == (1, 1, ref.shape[-1]) and part.hidden.shape == whole.hidden.shape
+    torch.testing.assert_close(part.hidden, whole.hidden, atol=0, rtol=0)
+    torch.testing.assert_close(part.logits[0, 0], ref[-1], atol=ATOL, rtol=0)
 
 
 def test_sliding_window_and_rope_scaling_change_the_logits(checkpoint):

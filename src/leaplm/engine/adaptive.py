@@ -243,7 +243,16 @@ class BatchAdaptiveK:
     below break-even) it keeps probing at that pace; further below, the wait doubles after each probe, up to
     max_probe_every * n steps and to what keeps probes within probe_budget of plain decoding's time (a proposer
     that rarely has a proposal is probed more often: its probes rarely cost). A probe in which no row had a
-    proposal taught nothing and cost nothing: the next step probes again (the Batch reports it through probed())."""
+    proposal taught nothing and cost nothing: the next step probes again (the Batch reports it through probed()).
+
+    Every step is measured too (observe_step, from the Batch). The prediction prices chain forwards and a
+    proposal per drafted token; a tree proposal (several head levels whatever K, the seed's race over the
+    vocabulary at each node), its tree-masked forward, or a head catching up on the context it skipped at K = 0
+    cost more, and with K ~ 0 on the embedded target the head methods ran at 0.87-0.97x plain decoding. So:
+    drafting is priced at its predicted seconds times the measured overrun (measured / predicted seconds of steps
+    that drafted, over the same of plain steps, at least 1); and a probe's measured loss (its seconds in plain
+    steps less the tokens it yielded per row) sets the shortest wait before the next, in the near range and past
+    max_probe_every too, so that probes stay within their budget whatever the prediction says."""
     costs: BatchCostModel
     enabled: bool = True
     probe_every: int = 8
@@ -255,17 +264,31 @@ class BatchAdaptiveK:
     # filling batch) the prediction rests on costs measured at other contexts and loads, and a wrong call there
     # makes the server slower than plain decoding; a small margin buys "never slower" for little.
     min_gain: float = 0.03
+    probe_decay: float = 0.7       # EMA of the measured probe loss (probes are few, their cost varies with K)
     probing: bool = False          # the last choice was a probe
     _since_probe: int = 0
     _interval: int = 0             # current steps between probes (per row); 0: probe_every
     _retry: bool = False           # the last probe found no proposal: probe at the next step
+    _measure: bool = False         # the step now running is a probe with a proposal: observe_step measures it
+    _upside: bool = False          # ... probed at the K that pays after a hit (bigger budget)
+    plain_s: dict[int, float] = field(default_factory=dict)    # n -> EMA of a K = 0 step's seconds over n rows
+    probe_loss: float | None = None  # EMA of a probe's measured loss, in plain steps: its seconds / plain - its
+                                     # tokens per row (None: no probe measured yet)
+    # EMAs of measured / predicted seconds of steps that drafted and of plain steps: their ratio (the overrun, at
+    # least 1) scales the predicted seconds of drafting, which the model prices from chain forwards and a cost
+    # per drafted token
+    _over_draft: float | None = None
+    _over_plain: float | None = None
+    _predicted: float = 0.0        # the predicted seconds of the step now running (its chosen K, proposals made)
+    _chosen: int = 0               # ... and its K
 
     def rate(self, rows: list[RowSpec], K: int) -> float:
         """Expected tokens per second of a step with K over these rows."""
         return sum(r.expected(min(K, r.cap)) for r in rows) / self._step_seconds(rows, K)
 
-    def _step_seconds(self, rows: list[RowSpec], K: int) -> float:
-        """Expected seconds of a step with K over these rows."""
+    def _step_seconds(self, rows: list[RowSpec], K: int, measured: bool = True, catchup: bool = True) -> float:
+        """Expected seconds of a step with K over these rows (measured: scaled by the measured overrun; catchup:
+        with a draft model's catching up, spread over the request)."""
         n = len(rows)
         drafting = [(r, min(K, r.cap)) for r in rows if min(K, r.cap)]
         if not drafting:
@@ -278,7 +301,17 @@ class BatchAdaptiveK:
             forward += p_narrower * (1.0 - p_none) * self.costs.cost(n, w + 1 + extra)
             p_narrower *= p_none
         forward += p_narrower * self.costs.cost(n, 1)
-        return forward + sum(r.match * k * r.propose_s_per_token + r.catchup_s for r, k in drafting)
+        predicted = forward + sum(r.match * k * r.propose_s_per_token + (r.catchup_s if catchup else 0.0)
+                                for r, k in drafting)
+        return predicted * (self.overrun if measured else 1.0)
+
+    @property
+    def overrun(self) -> float:
+        """How much longer than predicted steps that draft take, relative to plain steps (at least 1): a tree
+        proposal costs several head levels whatever K, its tree-masked forward more than a chain's."""
+        if self._over_draft is None:
+            return 1.0
+        return max(1.0, self._over_draft / (self._over_plain or 1.0))
 
     def best(self, rows: list[RowSpec]) -> int:
         k_max = max((r.cap for r in rows), default=0)
@@ -291,6 +324,15 @@ class BatchAdaptiveK:
         return best_k
 
     def choose(self, rows: list[RowSpec]) -> int:
+        K = self._choose(rows)
+        # what the step will cost if every asked row has a proposal (compared only with steps that drafted), without
+        # the catching up that the prediction spreads over the request and the step pays at once (measured apart)
+        sure = [dataclasses.replace(r, match=1.0) for r in rows] if K else rows
+        self._predicted = self._step_seconds(sure, K, measured=False, catchup=False) if rows else 0.0
+        self._chosen = K
+        return K
+
+    def _choose(self, rows: list[RowSpec]) -> int:
         self.probing = False
         k_max = max((r.cap for r in rows), default=0)
         if k_max == 0:
@@ -299,7 +341,8 @@ class BatchAdaptiveK:
             return k_max
         K = self.best(rows)
         if K > 0:
-            self._since_probe, self._interval, self._retry = 0, self.probe_every, False
+            self._since_probe, self._retry = 0, False
+            self._interval = max(self.probe_every, self._measured_wait(len(rows)))
             return K
         perfect = [dataclasses.replace(r, acceptance=1.0, tokens_by_k=None, match=1.0) for r in rows]
         if self.best(perfect) == 0:
@@ -325,15 +368,56 @@ class BatchAdaptiveK:
         budget = self.probe_budget * (self.upside_budget_factor if upside else 1)
         longest = min(self.max_probe_every, max(self.probe_every, round(cost / budget / n)))
         self._since_probe, self._retry = 0, False
-        self._interval = self.probe_every if near else min(2 * self._interval, longest)
+        self._upside = bool(upside)
+        self._interval = max(self.probe_every if near else min(2 * self._interval, longest), self._measured_wait(n))
         self.probing = True
         return probe
+
+    def _measured_wait(self, n: int) -> int:
+        """Steps between probes (per row) that keep the measured probe loss within the budget (0: none measured
+        or probes do not lose)."""
+        if self.probe_loss is None or self.probe_loss <= 0:
+            return 0
+        budget = self.probe_budget * (self.upside_budget_factor if self._upside else 1)
+        return math.ceil(self.probe_loss / budget / n)
 
     def probed(self, any_proposal: bool) -> None:
         """After a probe's propose: when no row had a proposal, probe again at the next step (no back-off)."""
         if self.probing and not any_proposal:
             self._retry = True
+        self._measure = self.probing and any_proposal
         self.probing = False
+
+    def observe_step(self, n: int, drafted: int, seconds: float, tokens: int, chosen: bool = True,
+                     catchup_s: float = 0.0) -> None:
+        """A step over n rows that drafted `drafted` tokens (all rows) took `seconds` (catchup_s of them a draft
+        model catching up) and yielded `tokens`: a plain step is the reference; a probe's loss against it sets the
+        shortest wait before the next one. chosen: the step ran the K this policy chose (not one forced by fixed-K
+        rows), so its prediction is comparable."""
+        if chosen and self._predicted > 0 and (drafted > 0) == (self._chosen > 0):   # a K > 0 without proposals:
+            over = max(0.0, seconds - catchup_s) / self._predicted                       # neither
+            if drafted:
+                self._over_draft = _ema(self._over_draft, over)
+            else:
+                self._over_plain = _ema(self._over_plain, over)
+        if not drafted:
+            old = self.plain_s.get(n)
+            self.plain_s[n] = seconds if old is None else 0.9 * old + 0.1 * seconds
+        elif self._measure:
+            plain = self.plain_s.get(n) or self.costs.cost(n, 1)
+            loss = seconds / plain - tokens / n
+            d = self.probe_decay
+            self.probe_loss = loss if self.probe_loss is None else d * self.probe_loss + (1 - d) * loss
+            if self._interval:           # the wait already running follows what this probe cost
+                self._interval = max(self._interval, self._measured_wait(n))
+        self._measure = False
+
+
+def _ema(old: float | None, x: float, d: float = 0.9) -> float:
+    """An EMA of measured / predicted ratios; a sample counts at most twice the estimate (a step slowed by another
+    process once must not price drafting out: with no drafting step, nothing would bring it back)."""
+    x = min(x, 2.0 * (old or 1.0))
+    return x if old is None else d * old + (1 - d) * x
 
 
 def rows_bucket(n: int) -> int:

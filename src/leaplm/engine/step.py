@@ -162,7 +162,7 @@ class Batch:
                 want = prompt_logprobs is not None
                 feats = reads_hidden(proposer)
                 out = self._forward(torch.tensor([ids[:-1]], device=self.model.device), self._row_cache(i),
-                                    feats, last_only=not (want or feats))
+                                    feats, last_only=not want)
                 logits = out.logits if feats else out
                 if feats:
                     proposer.observe_hidden(0, out.hidden[0])
@@ -225,6 +225,7 @@ class Batch:
         n = len(rows)
         if not n:
             return StepOutcome(failed, None, time.perf_counter())
+        td = time.perf_counter()                 # decoding starts (the policy measures steps from here)
 
         # 1. propose: one K for the step, each row drafts up to min(K, its own cap). A sampled row's tokens are
         # fixed by its seed and their positions (sampling/positional.py): K never changes what a seed produces.
@@ -233,8 +234,8 @@ class Batch:
         drafting = self._drafting_rows(rows)
         specs = [self._row_spec(r, drafting) for r in rows]
         early, early_s = self._propose_early(rows, specs)
-        K = self.policy.choose([sp for sp, r in zip(specs, rows) if not r.fixed_k])
-        K = max([K] + [sp.cap for sp, r in zip(specs, rows) if r.fixed_k])   # a fixed-K row drafts its K
+        chosen = self.policy.choose([sp for sp, r in zip(specs, rows) if not r.fixed_k])
+        K = max([chosen] + [sp.cap for sp, r in zip(specs, rows) if r.fixed_k])   # a fixed-K row drafts its K
         # Every row gets 1 + K slots written, padding included: K must fit the fullest row's cache. Each row's
         # drafts are capped by its own room (its spec), so with PAD_SLACK slots past max_len a row near its end
         # caps only itself; only where the model has no positions left for the padding does it cap the step.
@@ -312,6 +313,8 @@ class Batch:
             r.req.stats.decode_s += te - ts
         self.current_k = K
         self.steps += 1
+        self.policy.observe_step(n, sum(drafted), te - td, n + sum(accepted), chosen=K == chosen,
+                                 catchup_s=sum(p.catchup_s for p in proposals if p is not None))
         for i in reversed(range(n)):
             out = outputs[i]
             if out.chunk is not None:
@@ -344,7 +347,7 @@ class Batch:
                 try:
                     feats = reads_hidden(r.proposer)
                     out = self._forward(torch.tensor([ids[r.prefilled: r.prefilled + n]], device=self.model.device),
-                                        self._row_cache(i), feats, last_only=not feats)
+                                        self._row_cache(i), feats, last_only=True)
                     if feats:
                         r.proposer.observe_hidden(r.prefilled, out.hidden[0])
                 except Exception as e:  # noqa: BLE001 - one request's failure is its own
@@ -506,8 +509,11 @@ class Batch:
 
     def _forward(self, ids: torch.Tensor, cache, feats: bool, **kw):
         """The target's logits, or (with feats, for proposers reading the target's features) a Scored with the
-        last hidden state too."""
-        return self.model.forward_hidden(ids, cache, **kw) if feats else self.model(ids, cache, **kw)
+        last hidden state too, of every position even where last_only keeps the logits of the last one (a
+        prefill feeds every feature to the head; the [T, V] logits it would not read cost as much as a layer)."""
+        if feats:
+            return self.model.forward_hidden(ids, cache, hidden_all=True, **kw)
+        return self.model(ids, cache, **kw)
 
 
 def reads_hidden(proposer) -> bool:

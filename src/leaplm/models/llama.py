@@ -303,12 +303,14 @@ class LlamaForCausalLM(nn.Module):
 
     def forward_hidden(self, input_ids: torch.Tensor, cache: KVCache, *, tree_mask: torch.Tensor | None = None,
                        position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
-                       last_only: bool = False) -> "Scored":
-        """forward(), also returning the last hidden state after the final norm (what EAGLE heads read)."""
+                       last_only: bool = False, hidden_all: bool = False) -> "Scored":
+        """forward(), also returning the last hidden state after the final norm (what EAGLE heads read).
+        hidden_all: with last_only, the hidden state of every position [B, T, hid] (logits still [B, 1, V])."""
         if not torch.is_inference_mode_enabled():   # entering the mode costs more than a small layer
             with torch.inference_mode():
                 return self.forward_hidden(input_ids, cache, tree_mask=tree_mask,
-                                           position_offsets=position_offsets, layers=layers, last_only=last_only)
+                                           position_offsets=position_offsets, layers=layers, last_only=last_only,
+                                           hidden_all=hidden_all)
         B, T = input_ids.shape
         cache.check_room(T, B)
         lens = cache.lengths[:B]
@@ -358,11 +360,11 @@ class LlamaForCausalLM(nn.Module):
             h = norm(x, w.ln2)
             gu = _linear(h, w.gate_up, w.gate_up_bias)             # [B, T, 2 inter]
             x = x + _linear(act(gu.narrow(-1, 0, inter)) * gu.narrow(-1, inter, inter), w.down, w.down_bias)
-        if last_only:
+        if last_only and not hidden_all:
             x = x[:, -1:]
         h = norm(x, self.norm.weight)                              # [B, T, hid]
         head = self.quantized.get("lm_head.weight", self.lm_head.weight)
-        return Scored(_linear(h, head), h)                         # logits [B, T, V]
+        return Scored(_linear(h[:, -1:].contiguous() if last_only else h, head), h)   # logits [B, T | 1, V]
 
     def _mask(self, lens, T, kv_len, tree_mask, pos, offs, device, sw: int | None):
         """Boolean attention mask [B, 1, T, S] (True = attend) for a layer with sliding window sw (None: full),
