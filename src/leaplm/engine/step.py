@@ -313,7 +313,8 @@ class Batch:
             r.req.stats.decode_s += te - ts
         self.current_k = K
         self.steps += 1
-        self.policy.observe_step(n, sum(drafted), te - td, n + sum(accepted), chosen=K == chosen,
+        # the step's time without its commits (paid per token, drafted or not: they do not make drafting dearer)
+        self.policy.observe_step(n, sum(drafted), te - td - commit_s, n + sum(accepted), chosen=K == chosen,
                                  catchup_s=sum(p.catchup_s for p in proposals if p is not None))
         for i in reversed(range(n)):
             out = outputs[i]
@@ -510,7 +511,8 @@ class Batch:
     def _forward(self, ids: torch.Tensor, cache, feats: bool, **kw):
         """The target's logits, or (with feats, for proposers reading the target's features) a Scored with the
         last hidden state too, of every position even where last_only keeps the logits of the last one (a
-        prefill feeds every feature to the head; the [T, V] logits it would not read cost as much as a layer)."""
+        prefill feeds every feature to the head; the [T, V] logits it would not read cost more than a layer of
+        the embedded target)."""
         if feats:
             return self.model.forward_hidden(ids, cache, hidden_all=True, **kw)
         return self.model(ids, cache, **kw)
