@@ -344,12 +344,13 @@ class BatchAdaptiveK:
             self._since_probe, self._retry = 0, False
             self._interval = max(self.probe_every, self._measured_wait(len(rows)))
             return K
-        perfect = [dataclasses.replace(r, acceptance=1.0, tokens_by_k=None, match=1.0) for r in rows]
-        if self.best(perfect) == 0:
-            return 0
         self._interval = self._interval or self.probe_every
         self._since_probe += 1
         if self._since_probe < self._interval * len(rows) and not self._retry:
+            return 0
+        # checked only when a probe is due (a step at K = 0 should cost next to nothing)
+        perfect = [dataclasses.replace(r, acceptance=1.0, tokens_by_k=None, match=1.0) for r in rows]
+        if self.best(perfect) == 0:
             return 0
         rates = {k: self.rate(rows, k) for k in range(1, k_max + 1)}
         probe = max(rates, key=rates.get)
