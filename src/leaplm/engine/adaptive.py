@@ -274,11 +274,14 @@ class BatchAdaptiveK:
     plain_s: dict[int, float] = field(default_factory=dict)    # n -> EMA of a K = 0 step's seconds over n rows
     probe_loss: float | None = None  # EMA of a probe's measured loss, in plain steps: its seconds / plain - its
                                      # tokens per row (None: no probe measured yet)
-    # EMAs of measured / predicted seconds of steps that drafted and of plain steps: their ratio (the overrun, at
-    # least 1) scales the predicted seconds of drafting, which the model prices from chain forwards and a cost
-    # per drafted token
+    # EMAs of measured / predicted seconds of steps that drafted and of plain steps; their ratio, the overrun (at
+    # least 1, once 3 drafting steps are measured), scales the predicted seconds of drafting, which the model
+    # prices from chain forwards and a cost per drafted token
+    overrun_slack: float = 0.05    # what the ratio of the two noisy EMAs shows of noise alone: not charged
     _over_draft: float | None = None
     _over_plain: float | None = None
+    _drafting_steps: int = 0
+    overrun: float = 1.0
     _predicted: float = 0.0        # the predicted seconds of the step now running (its chosen K, proposals made)
     _chosen: int = 0               # ... and its K
 
@@ -304,14 +307,6 @@ class BatchAdaptiveK:
         predicted = forward + sum(r.match * k * r.propose_s_per_token + (r.catchup_s if catchup else 0.0)
                                 for r, k in drafting)
         return predicted * (self.overrun if measured else 1.0)
-
-    @property
-    def overrun(self) -> float:
-        """How much longer than predicted steps that draft take, relative to plain steps (at least 1): a tree
-        proposal costs several head levels whatever K, its tree-masked forward more than a chain's."""
-        if self._over_draft is None:
-            return 1.0
-        return max(1.0, self._over_draft / (self._over_plain or 1.0))
 
     def best(self, rows: list[RowSpec]) -> int:
         k_max = max((r.cap for r in rows), default=0)
@@ -399,12 +394,15 @@ class BatchAdaptiveK:
             over = max(0.0, seconds - catchup_s) / self._predicted                       # neither
             if drafted:
                 self._over_draft = _ema(self._over_draft, over)
+                self._drafting_steps += 1
             else:
                 self._over_plain = _ema(self._over_plain, over)
+            if self._drafting_steps >= 3:
+                self.overrun = max(1.0, self._over_draft / (self._over_plain or 1.0) - self.overrun_slack)
         if not drafted:
             old = self.plain_s.get(n)
             self.plain_s[n] = seconds if old is None else 0.9 * old + 0.1 * seconds
-        elif self._measure:
+        elif self._measure and chosen:
             plain = self.plain_s.get(n) or self.costs.cost(n, 1)
             loss = seconds / plain - tokens / n
             d = self.probe_decay
@@ -415,8 +413,8 @@ class BatchAdaptiveK:
 
 
 def _ema(old: float | None, x: float, d: float = 0.9) -> float:
-    """An EMA of measured / predicted ratios; a sample counts at most twice the estimate (a step slowed by another
-    process once must not price drafting out: with no drafting step, nothing would bring it back)."""
+    """An EMA of measured / predicted seconds; a sample counts at most twice the estimate (one step slowed by
+    another process must not price drafting out: at K = 0 only rare probes would bring it back)."""
     x = min(x, 2.0 * (old or 1.0))
     return x if old is None else d * old + (1 - d) * x
 
