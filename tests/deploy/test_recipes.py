@@ -1,6 +1,8 @@
-"""The deployment recipes are checked, not just written: the Dockerfile runs the README's commands with leaplm's
-real flags, and the Kubernetes manifest validates against the Kubernetes schema (kubernetes-validate, strict:
-a misspelt field fails) with probes on real routes and a grace period that covers the drain."""
+"""The recipes are checked, not just written: every command in a `bash` block of the README or docs/ is one that
+runs (a `leaplm` command parses with leaplm's own parser: the subcommand exists, every flag exists and every value
+has its type; a `make` target exists; a file it names exists), the Dockerfile runs the README's commands with
+leaplm's real flags, and the Kubernetes manifest validates against the Kubernetes schema (kubernetes-validate,
+strict: a misspelt field fails) with probes on real routes and a grace period that covers the drain."""
 from __future__ import annotations
 
 import re
@@ -40,10 +42,132 @@ def makefile_targets() -> dict[str, list[str]]:
     return targets
 
 
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def bash_commands(path: Path) -> list[tuple[int, str]]:
+    """(line number, command) for every command in the file's ```bash blocks: continuation lines joined, comments
+    and blank lines dropped."""
+    out = []
+    lines = path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() != "```bash":
+            i += 1
+            continue
+        i += 1
+        pending, start = "", 0
+        while i < len(lines) and lines[i].strip() != "```":
+            line = lines[i]
+            if not pending:
+                start = i + 1
+            pending += line.rstrip()
+            if pending.endswith("\\"):
+                pending = pending[:-1] + " "
+            else:
+                words = shlex.split(pending, comments=True)
+                if words:
+                    out.append((start, shlex.join(words)))
+                pending = ""
+            i += 1
+        i += 1
+    return out
+
+
 def readme_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-    return [ln.split("#")[0].strip() for b in blocks for ln in b.splitlines() if ln.strip()]
+    return [c for _, c in bash_commands(ROOT / "README.md")]
+
+
+def parse_leaplm(argv: list[str]):
+    """argv = ['leaplm', ...]: walk the command groups to the subcommand and let its parser read the rest (it raises
+    on an unknown command or flag, a missing value or a value of the wrong type; parameter callbacks, which check
+    that named files exist, are not run). Returns the command's context."""
+    from leaplm.cli import app
+
+    assert argv[0] == "leaplm", argv
+    cmd, args, path = typer.main.get_command(app), argv[1:], ["leaplm"]
+    while hasattr(cmd, "commands") and args and args[0] in cmd.commands:
+        path.append(args[0])
+        cmd, args = cmd.commands[args[0]], args[1:]
+    # Parameter callbacks check that files exist (a recipe names the files its earlier steps write): types only here.
+    callbacks = [(p, p.callback) for p in cmd.params]
+    try:
+        for p, _ in callbacks:
+            p.callback = None
+        ctx = cmd.make_context(" ".join(path), list(args))
+    finally:
+        for p, callback in callbacks:
+            p.callback = callback
+    leftover = list(getattr(ctx, "_protected_args", None) or getattr(ctx, "protected_args", [])) + list(ctx.args)
+    assert not leftover, f"{' '.join(path)}: no subcommand {leftover[0]!r}"
+    return ctx
+
+
+def _doc_commands() -> list[tuple[str, str]]:
+    return [(f"{p.relative_to(ROOT)}:{n}", c) for p in DOCS for n, c in bash_commands(p)]
+
+
+def _words(command: str) -> list[str]:
+    """The command's words without leading VAR=value assignments."""
+    words = shlex.split(command)
+    while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+        words = words[1:]
+    return words
+
+
+@pytest.mark.parametrize("where,command", [pytest.param(w, c, id=w) for w, c in _doc_commands()
+                                           if _words(c)[:1] == ["leaplm"]])
+def test_doc_leaplm_commands_parse(where, command):
+    try:
+        parse_leaplm(_words(command))
+    except Exception as e:     # click's usage errors, or the assertion above
+        message = getattr(e, "message", None) or str(e)
+        missing = re.search(r"'([^']+)' does not exist", message)
+        file, line = where.rsplit(":", 1)
+        earlier = [c for n, c in bash_commands(ROOT / file) if n < int(line)]
+        if missing and any(missing.group(1) in _words(c) for c in earlier):
+            return              # a file an earlier step of the same recipe writes
+        pytest.fail(f"{where}: `{command}` does not parse: {message}")
+
+
+def test_doc_commands_name_real_make_targets_and_files():
+    targets = makefile_targets()
+    problems = []
+    for where, command in _doc_commands():
+        words = _words(command)
+        if not words:
+            continue
+        if words[0] == "make":
+            problems += [f"{where}: make {t}: no such target" for t in words[1:] if "=" not in t and t not in targets]
+        named = [w for w in words[1:] if re.match(r"^(tests|examples|deploy|src)/", w)]
+        if words[0] in ("python", "pytest", "kubectl", "docker", "leaplm") or words[:3] == ["python", "-m", "pytest"]:
+            for w in named:
+                rel = w.split("::")[0]
+                if not (ROOT / rel).exists() and not rel.startswith("src/leaplm/embedded/") and "runs/" not in rel:
+                    problems.append(f"{where}: {rel} does not exist")
+    assert not problems, "\n".join(problems)
+
+
+def test_doc_command_checks_catch_bad_commands():
+    """Negative control: a misspelt flag, a wrong type, an unknown subcommand and a stray argument all fail."""
+    parse_leaplm(["leaplm", "bench", "--methods", "none,draft", "--k", "4"])
+    parse_leaplm(["leaplm", "models"])
+    for bad in (["leaplm", "bench", "--method", "none"], ["leaplm", "generate", "--k", "four"],
+                ["leaplm", "train", "no-such-recipe"], ["leaplm", "eval", "acceptance", "stray"]):
+        with pytest.raises(Exception):
+            parse_leaplm(bad)
+    assert bash_commands_from("```bash\nleaplm bench \\\n  --k 4   # four\n```\n") == ["leaplm bench --k 4"]
+
+
+def bash_commands_from(text: str) -> list[str]:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".md", delete=False) as f:
+        f.write(text)
+    try:
+        return [c for _, c in bash_commands(Path(f.name))]
+    finally:
+        Path(f.name).unlink()
 
 
 # --- Dockerfile --------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ with batch-invariant kernels; it runs the target in fp32, where the difference i
 a greedy token can only differ where the target's top two logits are closer than that. This test states the bound
 and checks it: 16 greedy requests batched together against each alone; wherever a batched request's tokens first
 part from its lone run, the lone run's top-2 margin there must be below the bound (after it the two contexts
-differ, so nothing more is compared). docs/engine.md quotes the counts."""
+differ, so nothing more is compared). docs/how-it-works.md states the bound."""
 from __future__ import annotations
 
 import torch

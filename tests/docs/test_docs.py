@@ -1,0 +1,139 @@
+"""The documentation describes the software as it is: docs/cli.md lists exactly the commands and options the
+command line has, every relative link (and #anchor) resolves, and the prose carries no work history (session
+numbers, issue numbers, commit ids, "fixed after this table"): what changed for users goes in CHANGELOG.md by
+date, and the rest is in git."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import typer
+
+ROOT = Path(__file__).resolve().parents[2]
+PROSE = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md")),
+         *sorted((ROOT / "deploy").rglob("*.md"))]
+
+# Work-history patterns, case-insensitive. A commit id is a 7-40 character hex word with a letter and a digit.
+HISTORY = [
+    (r"\bsessions?\s*#?\d+", "a work session's number"),
+    (r"\b(this|that|previous|next|last|earlier|later) session\b", "a work session"),
+    (r"\bissues?\s*#?\d+", "an issue number"),
+    (r"\b(PR|pull request)\s*#?\d+", "a pull request number"),
+    (r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", "a commit id"),
+    (r"\b(fixed|changed) after (this|the) table\b", "a fix narrated after a figure"),
+    (r"\bnot fixed yet\b", "a fix narrated as pending"),
+    (r"\bwork periods?\b", "a work period"),
+]
+
+
+def history_findings(text: str) -> list[str]:
+    found = []
+    for n, line in enumerate(text.splitlines(), 1):
+        for pattern, what in HISTORY:
+            m = re.search(pattern, line, flags=re.I)
+            if m:
+                found.append(f"{n}: {what}: {m.group(0)!r}")
+    return found
+
+
+@pytest.mark.parametrize("path", PROSE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_work_history_in_the_prose(path):
+    found = history_findings(path.read_text())
+    assert not found, f"{path.relative_to(ROOT)} narrates the work, not the software:\n" + "\n".join(found)
+
+
+def test_history_check_catches_history_and_passes_reference_text():
+    """Negative control: each pattern fires on the kind of sentence it is for, and not on reference prose."""
+    for bad in ("Measured in session 19 on the VM", "re-measured this session", "the goal of issue 15",
+                "until commit 33642fb the bench", "both were fixed after this table", "better, but not fixed yet",
+                "numbered work periods", "see PR #12"):
+        assert history_findings(bad), bad
+    for good in ("a 4096-token vocabulary, 131072 positions", "decoded at 48.4 tokens/s on 2026-11-23",
+                 "aiohttp.ClientSession and the HTTP session", "the issue is the draft's cost", "deadbeef",
+                 "`d2t` [N] int64 offsets", "SHA-256 of the weights"):
+        assert not history_findings(good), good
+
+
+# --- docs/cli.md against the command line ------------------------------------------------------------------------
+def cli_tree() -> dict[str, set[str]]:
+    """'leaplm bench serve' -> its option spellings (without --help), for every command and group."""
+    from leaplm.cli import app
+
+    out: dict[str, set[str]] = {}
+
+    def walk(cmd, path):
+        opts = set()
+        for p in cmd.params:
+            if type(p).__name__.endswith("Option") and p.name != "help":
+                opts.update(p.opts + p.secondary_opts)
+        out[" ".join(path)] = opts
+        for name, sub in sorted(getattr(cmd, "commands", {}).items()):
+            walk(sub, path + [name])
+
+    walk(typer.main.get_command(app), ["leaplm"])
+    return out
+
+
+def cli_md_sections() -> dict[str, set[str]]:
+    """'### `leaplm X`' sections of docs/cli.md -> the options named in the first column of their tables."""
+    sections: dict[str, set[str]] = {}
+    current = None
+    for line in (ROOT / "docs" / "cli.md").read_text().splitlines():
+        m = re.match(r"^### `(leaplm[^`]*)`\s*$", line)
+        if m:
+            current = m.group(1)
+            sections[current] = set()
+        elif current and line.startswith("| `-"):
+            first = line.split(" | ")[0]
+            sections[current].update(re.findall(r"`(-[^`]+)`", first))
+    return sections
+
+
+def test_cli_md_lists_every_command_and_option():
+    real, documented = cli_tree(), cli_md_sections()
+    assert sorted(documented) == sorted(real), (
+        f"commands missing from docs/cli.md: {sorted(set(real) - set(documented))}; "
+        f"documented but not in the CLI: {sorted(set(documented) - set(real))}")
+    problems = []
+    for command, opts in real.items():
+        if opts - documented[command]:
+            problems.append(f"{command}: undocumented {sorted(opts - documented[command])}")
+        if documented[command] - opts:
+            problems.append(f"{command}: documented but not an option {sorted(documented[command] - opts)}")
+    assert not problems, "docs/cli.md is out of date (regenerate its tables from `leaplm ... --help`):\n" + \
+        "\n".join(problems)
+
+
+# --- links -------------------------------------------------------------------------------------------------------
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation other than '-' and '_' dropped, spaces to '-'."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+def test_slug_matches_githubs_rule():
+    assert slug("Comparing with llama.cpp (`--baselines llamacpp`)") == "comparing-with-llamacpp---baselines-llamacpp"
+    assert slug("Server: concurrency 1, 4, 16, 64") == "server-concurrency-1-4-16-64"
+    assert slug("6. Clients and the latency table") == "6-clients-and-the-latency-table"
+
+
+@pytest.mark.parametrize("path", PROSE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path):
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading with that anchor")
+    assert not broken, f"{path.relative_to(ROOT)}:\n" + "\n".join(broken)
