@@ -101,8 +101,54 @@ def test_cli_md_lists_every_command_and_option():
             problems.append(f"{command}: undocumented {sorted(opts - documented[command])}")
         if documented[command] - opts:
             problems.append(f"{command}: documented but not an option {sorted(documented[command] - opts)}")
-    assert not problems, "docs/cli.md is out of date (regenerate its tables from `leaplm ... --help`):\n" + \
-        "\n".join(problems)
+    assert not problems, "docs/cli.md is out of date (`python tests/docs/test_docs.py --write-cli-md` regenerates " \
+        "its reference section from the command line):\n" + "\n".join(problems)
+
+
+CLI_MD_MARKER = "## Every command and option"
+
+
+def render_cli_reference() -> str:
+    """docs/cli.md's reference section: one '### `leaplm ...`' heading per command, its help's first paragraph,
+    its arguments and a table of its options (spellings, default, help), as `leaplm ... --help` prints them."""
+    import os
+
+    from leaplm.cli import app
+
+    home = os.path.expanduser("~")
+    out = []
+
+    def walk(cmd, path):
+        out.append(f"### `{' '.join(path)}`\n")
+        first = (cmd.help or "").strip().split("\n\n")[0].replace("\n", " ")
+        if first:
+            out.append(first + "\n")
+        args = [p for p in cmd.params if type(p).__name__.endswith("Argument")]
+        opts = [p for p in cmd.params if type(p).__name__.endswith("Option") and p.name != "help"]
+        if args:
+            out.append("Arguments: " + ", ".join(f"`{a.metavar or a.name.upper()}`" for a in args) + "\n")
+        if opts:
+            out.append("| option | default | meaning |\n|---|---|---|")
+            for o in opts:
+                names = ", ".join(f"`{n}`" for n in o.opts + o.secondary_opts)
+                d = o.default
+                shown = "" if d is None or d == () or d is False or callable(d) else f"`{d}`".replace(home, "~")
+                meaning = (o.help or "").replace("\n", " ").replace("|", "\\|")
+                out.append(f"| {names} | {shown} | {meaning} |")
+            out.append("")
+        for name, sub in sorted(getattr(cmd, "commands", {}).items()):
+            walk(sub, path + [name])
+
+    walk(typer.main.get_command(app), ["leaplm"])
+    return "\n".join(out)
+
+
+def write_cli_md() -> None:
+    path = ROOT / "docs" / "cli.md"
+    text = path.read_text()
+    head = text[: text.index(CLI_MD_MARKER)]
+    intro = text[text.index(CLI_MD_MARKER):].split("\n### ", 1)[0].rstrip("\n")
+    path.write_text(head + intro + "\n\n" + render_cli_reference() + "\n")
 
 
 # --- links -------------------------------------------------------------------------------------------------------
@@ -137,3 +183,11 @@ def test_relative_links_resolve(path):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target}: no heading with that anchor")
     assert not broken, f"{path.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--write-cli-md"]:
+        sys.exit("usage: python tests/docs/test_docs.py --write-cli-md")
+    write_cli_md()
