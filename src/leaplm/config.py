@@ -9,14 +9,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-
-class ConfigError(ValueError):
-    """Invalid user input; `field` names what was wrong."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+from .errors import ConfigError  # noqa: F401 - re-exported: every boundary catches it from here
 
 
 def _check(cond: bool, name: str, message: str) -> None:

@@ -1,0 +1,191 @@
+"""A request's grammar state under speculation: the token mask at every verified position, forced tokens, rollback.
+
+The state holds an llguidance matcher that has consumed exactly the request's committed output tokens. A step asks
+it three things, none of which changes what it has consumed:
+
+  forced(limit)      the tokens the grammar forces next from the committed state (a JSON key, `": "`, a closing
+                     brace): drafts that cost no proposer. They are llguidance's canonical tokenization of the
+                     forced bytes; another tokenization of the same bytes can be allowed too, so they are verified
+                     like any draft (masked p agrees with them almost always)
+  plan_chain(drafts) how many drafts the grammar allows in a row, and the mask [kept + 1, V] at each position of
+                     the block [last token, kept drafts]: row j is what the grammar allows after the first j drafts
+  plan_tree(...)     the same for a tree: the nodes kept (a forbidden node and everything under it pruned) and the
+                     mask after the path to each
+
+Each plan consumes the drafts tentatively and rolls them back before returning. After verification the step
+advances the state by the tokens it committed (advance): the committed state and the target cache move together,
+a rejected draft never reaches either. A position whose mask is empty would leave p without mass, so drafts are
+cut before one; at the committed state itself an empty mask is a dead end (`dead_end`), and the request ends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..cache.tree import children
+from .spec import StructuredOutput
+
+def unpack_bitmask(bm: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's bitmask [N, ceil(V / 32)] int32 (bit b of word w: token 32 w + b) -> allowed [N, V] bool.
+    numpy unpacks bits in a few microseconds where the equivalent torch ops take tens (little-endian words)."""
+    bits = np.unpackbits(bm.numpy().view(np.uint8), axis=-1, bitorder="little")          # [N, 32 * words]
+    return torch.from_numpy(bits[:, :vocab_size].astype(bool))
+
+
+class GrammarVocab:
+    """llguidance's view of a tokenizer (each token's bytes), built once per engine: about 0.1 s for 8k tokens,
+    1 s for 49k. vocab_size is the model's (rows past the tokenizer's tokens are never allowed); eos_token_ids end
+    a grammar that is complete (allowed exactly when the grammar accepts)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        import copy
+
+        import llguidance as llg
+
+        self.vocab_size = vocab_size
+        self.eos = frozenset(t for t in eos_token_ids if 0 <= t < vocab_size)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError("structured output needs a fast (Rust) tokenizer; this one is "
+                             f"{type(tokenizer).__name__}")
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        self.phantom = None
+        eos = sorted(self.eos)
+        if not eos:
+            # llguidance needs an end-of-sequence id (without one it takes id 0): a special token of our own, never
+            # allowed in a mask the step reads
+            backend.add_special_tokens(["<|leaplm-grammar-end|>"])
+            self.phantom = backend.get_vocab_size(with_added_tokens=True) - 1
+            eos = [self.phantom]
+        self.ll_vocab = max(vocab_size, backend.get_vocab_size(with_added_tokens=True))
+        try:
+            self.lltok = llg.LLTokenizer(backend.to_str(), n_vocab=self.ll_vocab, eos_token=eos)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"llguidance cannot read this tokenizer: {e}") from None
+
+    def state(self, spec: StructuredOutput) -> "GrammarState":
+        import llguidance as llg
+
+        matcher = llg.LLMatcher(self.lltok, spec.compiled, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"grammar rejected by llguidance: {matcher.get_error()}")
+        return GrammarState(matcher, self.vocab_size, self.eos, self.ll_vocab, self.phantom)
+
+
+@dataclass
+class TreePlan:
+    kept: list[int]          # indices of the tree nodes kept, in proposal (topological) order
+    masks: torch.Tensor      # [1 + len(kept), V] bool: row 0 the root, row j + 1 after the path to kept[j]
+
+
+class GrammarState:
+    """One request's matcher; see the module docstring. Not thread-safe (one step at a time owns it)."""
+
+    def __init__(self, matcher, vocab_size: int, eos: frozenset[int] = frozenset(), ll_vocab: int | None = None,
+                 phantom: int | None = None):
+        import llguidance.torch as lt
+
+        self.m = matcher
+        self.vocab_size = vocab_size
+        self.eos = eos                                       # end-of-sequence ids: consumed, they stop the grammar
+        self._eos_only = torch.zeros(vocab_size, dtype=torch.bool)                  # [V]: the mask after one
+        self._eos_only[sorted(eos)] = True
+        self.phantom = phantom if phantom is not None and phantom < vocab_size else None   # masked out
+        self.committed = 0                                   # output tokens consumed
+        self._fill = lt.fill_next_token_bitmask
+        self._bm = lt.allocate_token_bitmask(1, ll_vocab or vocab_size)   # [rows, ceil(V' / 32)] int32, grown
+
+    # --- queries at the committed state --------------------------------------------------------------------------
+    def allowed(self) -> torch.Tensor:
+        """The mask [V] bool of the next token."""
+        return self._masks_along([], 0)[0]
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and admits nothing more (only an end-of-sequence token, where there is one)."""
+        return self.m.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self.m.get_error() if self.m.is_error() else None
+
+    def forced(self, limit: int) -> list[int]:
+        """At most `limit` tokens the grammar forces next (may be empty)."""
+        if limit <= 0 or self.m.is_stopped():
+            return []
+        return self.m.compute_ff_tokens()[:limit]
+
+    # --- tentative plans ----------------------------------------------------------------------------------------
+    def plan_chain(self, drafts: list[int]) -> tuple[int, torch.Tensor]:
+        """(n, masks [n + 1, V] bool): drafts[:n] are allowed one after another and leave every mask non-empty."""
+        n = self.m.validate_tokens(drafts) if drafts else 0
+        n = next((j + 1 for j, t in enumerate(drafts[:n]) if t in self.eos), n)   # nothing follows an EOS
+        masks = self._masks_along(drafts, n)
+        empty = (~masks.any(-1)).nonzero()
+        if empty.numel() and int(empty[0]) > 0:       # row 0 empty is the caller's dead end, not a draft's fault
+            n = int(empty[0]) - 1
+            masks = masks[: n + 1]
+        return n, masks
+
+    def plan_tree(self, tokens: list[int], parents: list[int]) -> TreePlan:
+        """The nodes of a tree (tokens [K], parents [K], -1 = the root) the grammar allows, and their masks."""
+        kids = children(parents)
+        rows: dict[int, torch.Tensor] = {}                    # -1 (root) or node -> mask after its path
+
+        def visit(node: int) -> None:                         # the matcher has consumed the path to node
+            mask = self._masks_along([], 0)[0]
+            if node >= 0 and not bool(mask.any()):
+                return                                        # a dead end below the root: node pruned
+            rows[node] = mask
+            for c in kids[node + 1]:
+                t = tokens[c]
+                if not (0 <= t < self.vocab_size and bool(mask[t])):
+                    continue
+                if t in self.eos:                             # nothing follows an end-of-sequence token
+                    rows[c] = self._eos_only
+                else:
+                    if not self.m.consume_token(t):
+                        raise RuntimeError(f"llguidance refused an allowed token: {self.m.get_error()}")
+                    visit(c)
+                    self._rollback(1)
+
+        visit(-1)
+        kept = sorted(k for k in rows if k >= 0)
+        return TreePlan(kept, torch.stack([rows[-1]] + [rows[k] for k in kept]))
+
+    # --- commit ------------------------------------------------------------------------------------------------
+    def advance(self, tokens: list[int]) -> None:
+        """Consume committed tokens (each allowed by the mask it was verified under)."""
+        for t in tokens:
+            if not self.m.consume_token(t):
+                raise RuntimeError(f"token {t} refused by the grammar: {self.m.get_error()}")
+        self.committed += len(tokens)
+
+    # --- internals ------------------------------------------------------------------------------------------------
+    def _masks_along(self, drafts: list[int], n: int) -> torch.Tensor:
+        """Masks [n + 1, V] after drafts[:j] for j = 0..n (drafts[:n] allowed, an EOS only as the last); the
+        matcher is left as it was."""
+        if self._bm.shape[0] < n + 1:
+            self._bm = torch.full((n + 1, self._bm.shape[1]), -1, dtype=torch.int32)
+        bm = self._bm[: n + 1]
+        eos_last = n > 0 and drafts[n - 1] in self.eos
+        fed = n - 1 if eos_last else n
+        for j in range(fed + 1):
+            self._fill(self.m, self._bm, j)
+            if j < fed and not self.m.consume_token(drafts[j]):
+                raise RuntimeError(f"llguidance refused a validated token: {self.m.get_error()}")
+        self._rollback(fed)
+        masks = unpack_bitmask(bm, self.vocab_size)                                 # [n + 1, V]
+        if self.phantom is not None:
+            masks[:, self.phantom] = False
+        if eos_last:
+            masks[n] = self._eos_only
+        return masks
+
+    def _rollback(self, n: int) -> None:
+        if n and not self.m.rollback(n):
+            raise RuntimeError(f"grammar rollback of {n} tokens failed: {self.m.get_error()}")

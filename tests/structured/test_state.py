@@ -1,0 +1,128 @@
+"""The grammar state under speculation: masks along drafts, cuts, tree pruning, forced tokens, and rollback (a state
+that planned over drafts and then committed some equals a fresh one fed the committed tokens alone)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from leaplm.structured.spec import StructuredOutput
+from leaplm.structured.state import GrammarVocab, unpack_bitmask
+
+A, B, C, D, E, F, G = range(7)
+ALTERNATE = StructuredOutput(regex="((a|b)(c|d|e))+f?")       # letters from {a, b}, then from {c, d, e}, ...
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    from letters import letter_tokenizer
+
+    return GrammarVocab(letter_tokenizer(), 8, eos_token_ids=[])
+
+
+def fresh_mask(vocab, spec, tokens) -> torch.Tensor:
+    s = vocab.state(spec)
+    s.advance(tokens)
+    return s.allowed()
+
+
+def ids(mask: torch.Tensor) -> list[int]:
+    return mask.nonzero().view(-1).tolist()
+
+
+def test_unpack_bitmask_matches_bit_arithmetic():
+    bm = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 5), dtype=torch.int32)
+    ref = ((bm.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(3, -1)[:, :150].bool()
+    assert torch.equal(unpack_bitmask(bm, 150), ref)
+
+
+def test_masks_follow_the_grammar_and_unknown_ids_are_never_allowed(vocab):
+    s = vocab.state(ALTERNATE)
+    assert ids(s.allowed()) == [A, B]
+    s.advance([B])
+    assert ids(s.allowed()) == [C, D, E]
+    s.advance([D])
+    assert ids(s.allowed()) == [A, B, F]          # <unk> (7) never
+
+
+def test_a_chain_is_cut_at_its_first_forbidden_token(vocab):
+    s = vocab.state(ALTERNATE)
+    n, masks = s.plan_chain([A, C, B, A, D])      # the second A is forbidden after B
+    assert n == 3 and masks.shape == (4, 8)
+    for j in range(n + 1):
+        assert torch.equal(masks[j], fresh_mask(vocab, ALTERNATE, [A, C, B][:j]))
+    n, masks = s.plan_chain([C])                  # forbidden at once: nothing kept, the committed state's mask
+    assert n == 0 and ids(masks[0]) == [A, B]
+
+
+def test_a_complete_grammar_without_eos_admits_nothing(vocab):
+    """The tokenizer has no end-of-sequence token: llguidance's stand-in for one is never in a mask, so a complete
+    grammar leaves an empty mask (a draft is cut before it; the step ends the request with "stop")."""
+    s = vocab.state(StructuredOutput(regex="ab"))
+    n, masks = s.plan_chain([A, B, C])
+    assert n == 1 and masks.shape[0] == 2         # B would leave nothing allowed after it: not drafted
+    s.advance([A, B])
+    assert not s.allowed().any() and s.stopped
+
+
+def test_an_end_of_sequence_token_ends_a_chain():
+    from letters import letter_tokenizer
+
+    v = GrammarVocab(letter_tokenizer(), 8, eos_token_ids=[G])
+    s = v.state(StructuredOutput(regex="(a|b)+"))
+    assert ids(s.allowed()) == [A, B]             # EOS only once the grammar accepts
+    n, masks = s.plan_chain([A, G, B])
+    assert n == 2 and ids(masks[1]) == [A, B, G] and ids(masks[2]) == [G]
+    assert ids(s.allowed()) == [A, B]             # nothing consumed
+
+
+def test_forced_tokens(vocab):
+    s = vocab.state(StructuredOutput(regex="abc(d|e)"))
+    assert s.forced(8) == [A, B, C]
+    assert s.forced(2) == [A, B]
+    s.advance([A, B, C])
+    assert s.forced(8) == []
+    assert vocab.state(ALTERNATE).forced(8) == []
+
+
+def test_tree_pruning(vocab):
+    s = vocab.state(ALTERNATE)
+    #        root
+    #   A(0)   C(1)x   B(2)
+    #   D(3)  E(4)<-1  A(5)x  C(6)
+    #   B(7)
+    tokens = [A, C, B, D, E, A, C, B]
+    parents = [-1, -1, -1, 0, 1, 2, 2, 3]
+    plan = s.plan_tree(tokens, parents)
+    assert plan.kept == [0, 2, 3, 6, 7]
+    paths = {0: [A], 2: [B], 3: [A, D], 6: [B, C], 7: [A, D, B]}
+    assert torch.equal(plan.masks[0], fresh_mask(vocab, ALTERNATE, []))
+    for j, node in enumerate(plan.kept):
+        assert torch.equal(plan.masks[j + 1], fresh_mask(vocab, ALTERNATE, paths[node])), node
+    assert ids(s.allowed()) == [A, B]
+
+
+def test_rollback_with_the_cache_equals_a_fresh_state(vocab):
+    """Random steps: plan over random drafts (chains and trees), commit a random allowed prefix plus one allowed
+    token, as a step does; the state then equals a fresh one fed every committed token."""
+    rng = random.Random(0)
+    spec = StructuredOutput(regex="((a|b)(c|d|e)){1,40}f")
+    s = vocab.state(spec)
+    committed: list[int] = []
+    for step in range(30):
+        drafts = [rng.randrange(7) for _ in range(rng.randrange(6))]
+        if step % 3 == 2:
+            s.plan_tree(drafts, [-1] + [rng.randrange(-1, j) for j in range(1, len(drafts))] if drafts else [])
+            n = 0
+        else:
+            n, masks = s.plan_chain(drafts)
+        keep = drafts[: rng.randint(0, n)]
+        after = fresh_mask(vocab, spec, committed + keep)
+        if not after.any():
+            break
+        bonus = rng.choice(ids(after))
+        s.advance(keep + [bonus])
+        committed += keep + [bonus]
+        assert torch.equal(s.allowed(), fresh_mask(vocab, spec, committed)), committed
+        assert s.committed == len(committed)
