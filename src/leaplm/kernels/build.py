@@ -4,8 +4,9 @@ The build runs once per source version (torch caches it under TORCH_EXTENSIONS_D
 ~/.cache/torch_extensions). Without a compiler, or with LEAPLM_NO_EXTENSION=1, `load()` returns None and
 callers use the pure-PyTorch path, saying so in the log.
 
-The AVX2 path is chosen by running it once in a forked child on a small problem, compared with the scalar path:
-cpuid flags alone are not trusted (this project's VM advertises AMX whose instructions raise SIGILL).
+The SIMD path (AVX-512 VNNI, else AVX2, else scalar) is chosen by running each once in a forked child on small
+problems, compared bit for bit with the scalar path: cpuid flags alone are not trusted (some VMs advertise
+instructions that raise SIGILL).
 """
 from __future__ import annotations
 
@@ -22,11 +23,19 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qlinear.cpp")
 
 
+PATHS = {0: "scalar", 1: "AVX2", 2: "AVX-512 VNNI"}     # the kernel's `path` argument -> name
+SIMD_PATHS = (2, 1)                                        # tried in this order; the first that passes runs
+
+
 @dataclass
 class Extension:
-    module: object          # the compiled module: module.qlinear(x, q, scale, minv, bias, int4, avx2)
-    avx2: bool              # the AVX2 path ran correctly here
+    module: object          # the compiled module: module.qlinear(x, qp, sp, mp, bias, n, path) over PackedWeights
+    path: int               # the fastest path that ran correctly here (a key of PATHS)
     why: str                # how the path was chosen, for logs and `leaplm bench --roofline`
+
+    @property
+    def path_name(self) -> str:
+        return PATHS[self.path]
 
 
 _lock = threading.Lock()
@@ -74,35 +83,64 @@ def _build() -> Extension:
 
     tag = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
     module = cpp_load(name=f"leaplm_qlinear_{tag}", sources=[str(SOURCE)], extra_cflags=["-O3"], verbose=False)
-    avx2, why = _probe_avx2(module)
-    return Extension(module, avx2, why)
+    path, why = choose_path(module)
+    if path == 0:
+        log.warning("quantized linear: %s", why)
+    return Extension(module, path, why)
 
 
-def _probe_avx2(module) -> tuple[bool, str]:
-    """Run the AVX2 path in a forked child (a SIGILL kills only the child) and compare it with the scalar path."""
+def choose_path(module, paths=SIMD_PATHS) -> tuple[int, str]:
+    """The first SIMD path that runs in a forked child and matches the scalar path bit for bit, else scalar."""
+    failures = []
+    for path in paths:
+        verdict = probe_path(module, path)
+        if verdict is None:
+            return path, f"{PATHS[path]} path (probed: runs and matches the scalar path bit for bit)"
+        failures.append(f"{PATHS[path]} {verdict}")
+    return 0, "scalar path (no SIMD path passed its start-up check: " + "; ".join(failures) + ")"
+
+
+def probe_problems():
+    """Small problems covering both formats and every token-tile width: (x [T, 96], PackedWeight of 13 rows)."""
+    import torch
+
+    from ..quant.formats import QuantizedWeight
+    from ..quant.linear import pack
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for T in (1, 2, 3, 5, 9, 16):
+        x = torch.randn(T, 96, generator=g)
+        s, m = torch.rand(13, 3, generator=g), torch.randn(13, 3, generator=g)
+        out.append((x, pack(QuantizedWeight("int8", torch.randint(-128, 128, (13, 96), dtype=torch.int8, generator=g),
+                                            s, None))))
+        out.append((x, pack(QuantizedWeight("int4", torch.randint(0, 256, (13, 48), dtype=torch.uint8, generator=g),
+                                            s, m))))
+    return out
+
+
+def probe_path(module, path: int) -> str | None:
+    """Run `path` in a forked child (a SIGILL kills only the child): None if it matches the scalar path bit for
+    bit on probe_problems(), else what went wrong."""
     import torch
 
     if not hasattr(os, "fork"):
-        return False, "scalar path (no fork to probe AVX2 safely)"
+        return "not probed (no fork to run it safely)"
     pid = os.fork()
-    if pid == 0:                                   # child: tiny single-threaded problem, exit code says the result
+    if pid == 0:                                   # child: single-threaded, the exit code says the result
         code = 1
         try:
-            g = torch.Generator().manual_seed(0)
-            x = torch.randn(3, 64, generator=g)
-            q8 = torch.randint(-127, 128, (5, 64), dtype=torch.int8, generator=g)
-            q4 = torch.randint(0, 256, (5, 32), dtype=torch.uint8, generator=g)
-            s, m = torch.rand(5, 2, generator=g), torch.randn(5, 2, generator=g)
-            ok = all(torch.equal(module.qlinear(x, q, s, m, None, i4, True), module.qlinear(x, q, s, m, None, i4, False))
-                     for q, i4 in ((q8, False), (q4, True)))
+            import faulthandler
+
+            faulthandler.disable()                 # a fault is an answer here, not a crash to report
+            torch.set_num_threads(1)
+            run = lambda x, p, path: module.qlinear(x, p.q, p.scale, p.minv, None, p.rows, path)
+            ok = all(torch.equal(run(x, p, path), run(x, p, 0)) for x, p in probe_problems())
             code = 0 if ok else 3
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        return False, f"scalar path (the AVX2 probe died with {signal.Signals(sig).name})"
+        return f"died with {signal.Signals(os.WTERMSIG(status)).name}"
     code = os.WEXITSTATUS(status)
-    if code == 0:
-        return True, "AVX2+FMA path (probed: runs and matches the scalar path bit for bit)"
-    return False, f"scalar path (the AVX2 probe {'disagreed with the scalar path' if code == 3 else 'failed'})"
+    return None if code == 0 else ("disagreed with the scalar path" if code == 3 else "failed")

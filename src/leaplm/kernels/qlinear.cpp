@@ -1,19 +1,28 @@
-// Weight-only quantized linear for 1..16 tokens: y[t, n] = sum_k x[t, k] * w[n, k] (+ bias[n]).
+// Quantized linear for 1..16 tokens with 8-bit integer dot products: y[t, n] = sum_k x[t, k] * w[n, k] (+ bias[n]).
 //
-// Weights are blocks of 32 along k, as GGUF lays them out:
-//   int8: q [N, K] int8,        w = q * scale[n, g]
-//   int4: q [N, K / 2] uint8,   byte j of a block holds element j (low nibble) and j + 16 (high nibble),
-//                               w = q * scale[n, g] + minv[n, g]
-// Every weight block is read from memory once per call and applied to all T tokens while it sits in L1.
-//
-// Fixed reduction order: each (t, n) sums in 8 lanes (lane l takes k = 8 i + l), block by block, then the lanes
-// are added in one fixed tree. The order depends on neither T nor the thread split, so a row's result is
-// bit-identical whether computed alone or with 15 other rows. The scalar path emulates the same lanes with
-// std::fma, so it agrees bit for bit with the AVX2 path too.
+// Weights are blocks of 32 along k, as GGUF stores them (the integers unchanged; scales and mins in fp32):
+//   int8 (Q8_0):        w[n, g, j] = q[n, g, j] * s[n, g],          q in -128..127
+//   int4 (Q4_0, Q4_1):  w[n, g, j] = q[n, g, j] * s[n, g] + m[n, g], q in 0..15   (Q4_0: m = -8 s)
+// At load the rows are repacked in groups of 8 so that one 8-lane vector holds the same 4 weights of 8 rows
+// (quant/linear.py, `pack`):
+//   int8  qp [N/8, G, 8 chunks, 8 rows, 4 bytes]: chunk c = elements 4c .. 4c+3 of the block
+//   int4  qp [N/8, G, 4 chunks, 8 rows, 4 bytes]: GGUF's nibble bytes 4c .. 4c+3; the low nibbles are elements
+//         4c .. 4c+3, the high nibbles elements 16+4c .. 16+4c+3
+//   sp, mp [N/8, G, 8 rows] fp32
+// Activations are quantized per token and per block of 32 to int8 (round half to even, scale a = amax / 127),
+// once per call; then every weight block is read from memory once for all T tokens. The arithmetic of one
+// (row n, token t), in this order whatever T, the tiling, the thread split or the instruction set:
+//   P[g]  = sum_j q[n, g, j] * qa[t, g, j]                         int32, exact
+//   acc   = fma(float(P[g]), s[n, g] * a[t, g], acc)                for g = 0, 1, ..., G - 1
+//   mt    = fma(m[n, g], a[t, g] * float(sum_j qa[t, g, j]), mt)    for g = 0, 1, ..., G - 1 (int4 only)
+//   y     = acc + mt
+// A row's result is therefore bit-identical alone or with 15 other rows, and every path (scalar, AVX2, AVX-512
+// VNNI) gives the same bits: the scalar path is the reference the SIMD paths are checked against.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -23,155 +32,274 @@ namespace {
 
 constexpr int QK = 32;
 constexpr int MAX_T = 16;
+constexpr int RG = 8;            // rows per packed group
 
-// w[32] of one block, dequantized in fp32 (same arithmetic in both paths: one fma or one multiply).
-inline void dequant_block_scalar(const int8_t* q8, const uint8_t* q4, float s, float m, float* w) {
-  if (q8) {
-    for (int j = 0; j < QK; ++j) w[j] = float(q8[j]) * s;
-  } else {
-    for (int j = 0; j < 16; ++j) {
-      w[j] = std::fma(float(q4[j] & 0x0F), s, m);
-      w[j + 16] = std::fma(float(q4[j] >> 4), s, m);
-    }
-  }
-}
+enum Path : int { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
 
-// Weights of one row as the kernel walks them: block g, chunk i (elements 8 i .. 8 i + 7 of the block).
-struct Row {
-  const int8_t* q8;
-  const uint8_t* q4;
-  const float* scale;
-  const float* minv;
+// The activations of one call, quantized: qa [T, K] int8; a, sa [T, G] fp32 (sa = a * sum of the block's qa);
+// sq [T, G] int32 (sum of the block's qa).
+struct Act {
+  std::vector<int8_t> qa;
+  std::vector<float> a, sa;
+  std::vector<int32_t> sq;
+  int T;
+  int64_t K;
+  int G;
 };
 
-inline float lane_sum(const float* a) {   // fixed tree over 8 lanes: ((0+4)+(2+6)) + ((1+5)+(3+7))
-  float s04 = a[0] + a[4], s15 = a[1] + a[5], s26 = a[2] + a[6], s37 = a[3] + a[7];
-  return (s04 + s26) + (s15 + s37);
+void quantize_act(const float* x, int T, int64_t K, Act& out) {
+  const int G = int(K / QK);
+  out.T = T, out.K = K, out.G = G;
+  out.qa.resize(size_t(T) * K);
+  out.a.resize(size_t(T) * G);
+  out.sa.resize(size_t(T) * G);
+  out.sq.resize(size_t(T) * G);
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < G; ++g) {
+      const float* xb = x + t * K + g * QK;
+      float amax = 0.f;
+      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float a = amax / 127.f;
+      const float inv = a > 0.f ? 1.f / a : 0.f;
+      int8_t* qb = out.qa.data() + t * K + g * QK;
+      int sum = 0;
+      for (int j = 0; j < QK; ++j) {
+        float v = std::nearbyint(xb[j] * inv);            // round half to even (the default rounding mode)
+        v = std::min(127.f, std::max(-127.f, v));
+        qb[j] = int8_t(v);
+        sum += qb[j];
+      }
+      out.a[t * G + g] = a;
+      out.sq[t * G + g] = sum;
+      out.sa[t * G + g] = a * float(sum);
+    }
 }
 
-void row_scalar(const int8_t* q8, const uint8_t* q4, const float* scale, const float* minv, int G,
-                const float* x, int64_t K, int T, float* out /* [T] */) {
-  float acc[MAX_T][8] = {};
-  float w[QK];
-  for (int g = 0; g < G; ++g) {
-    dequant_block_scalar(q8 ? q8 + g * QK : nullptr, q4 ? q4 + g * (QK / 2) : nullptr, scale[g],
-                         minv ? minv[g] : 0.f, w);
-    for (int t = 0; t < T; ++t) {
-      const float* xt = x + t * K + g * QK;
-      for (int j = 0; j < QK; ++j) acc[t][j & 7] = std::fma(w[j], xt[j], acc[t][j & 7]);
+// One packed weight matrix.
+struct W {
+  const uint8_t* q;      // int8: [N/8, G, 8, 8, 4] (signed bytes); int4: [N/8, G, 4, 8, 4]
+  const float* s;        // [N/8, G, 8]
+  const float* m;        // [N/8, G, 8] (int4) or null
+  int64_t N;             // rows written (the packed matrix may have up to 7 zero rows more)
+  int G;
+  bool int4;
+  int64_t block_bytes() const { return int4 ? 128 : 256; }   // one block of 8 rows
+};
+
+// ---- scalar reference ------------------------------------------------------------------------------------------
+inline int weight_at(const W& w, int64_t grp, int g, int r, int j) {   // q[8 grp + r, g, j]
+  const uint8_t* b = w.q + (grp * w.G + g) * w.block_bytes();
+  if (!w.int4) return int(int8_t(b[((j / 4) * RG + r) * 4 + j % 4]));
+  const int e = j % 16;
+  const uint8_t byte = b[((e / 4) * RG + r) * 4 + e % 4];
+  return j < 16 ? (byte & 0x0F) : (byte >> 4);
+}
+
+void group_scalar(const W& w, const Act& act, int64_t grp, float* y) {
+  const int G = w.G;
+  for (int r = 0; r < RG; ++r) {
+    const int64_t n = grp * RG + r;
+    if (n >= w.N) break;
+    for (int t = 0; t < act.T; ++t) {
+      float acc = 0.f, mt = 0.f;
+      for (int g = 0; g < G; ++g) {
+        const int8_t* qa = act.qa.data() + t * act.K + g * QK;
+        int32_t p = 0;
+        for (int j = 0; j < QK; ++j) p += weight_at(w, grp, g, r, j) * int32_t(qa[j]);
+        const size_t sg = (grp * G + g) * RG + r;
+        acc = std::fma(float(p), w.s[sg] * act.a[t * G + g], acc);
+        if (w.m) mt = std::fma(w.m[sg], act.sa[t * G + g], mt);
+      }
+      y[t * w.N + n] = acc + mt;
     }
   }
-  for (int t = 0; t < T; ++t) out[t] = lane_sum(acc[t]);
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2,fma")))
-inline __m256 dequant_chunk(const Row& r, int g, int i) {
-  const __m256 vs = _mm256_set1_ps(r.scale[g]);
-  if (r.q8) {
-    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.q8 + g * QK + 8 * i));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), vs);
+// ---- SIMD paths: lane r of every vector is row 8 grp + r ------------------------------------------------------
+// The weights of block g as 8 vectors of unsigned bytes, vector c holding elements 4c .. 4c+3 of the 8 rows
+// (int8: the signed bytes + 128, corrected by 128 * sum(qa) after the dot product; int4: the nibbles as stored).
+__attribute__((target("avx2,fma"))) inline void load_block(const W& w, const uint8_t* b, __m256i* u) {
+  if (w.int4) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * c));
+      u[c] = _mm256_and_si256(v, nib);
+      u[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    }
+  } else {
+    for (int c = 0; c < 8; ++c) u[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * c));
   }
-  // chunk 0 / 1: low nibbles of bytes 0..7 / 8..15; chunk 2 / 3: their high nibbles (elements 16..31)
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.q4 + g * (QK / 2) + 8 * (i & 1)));
-  if (i >= 2) b = _mm_srli_epi16(b, 4);
-  b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), vs, _mm256_set1_ps(r.minv[g]));
 }
 
-// R rows x TT tokens of accumulators, one 8-lane accumulator per (row, token): R > 1 gives a lone token
-// independent FMA chains (latency hidden); TT > 1 reuses each dequantized chunk for several tokens. Every
-// (row, token) sees the same sequence of FMAs whatever R and TT are.
-template <int R, int TT>
-__attribute__((target("avx2,fma")))
-void tile_avx2(const Row* rows, int G, const float* x, int64_t K, float* out, int64_t ldo) {
-  __m256 acc[R][TT];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) acc[r][t] = _mm256_setzero_ps();
-  for (int g = 0; g < G; ++g) {
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256 w = dequant_chunk(rows[r], g, i);
-#pragma GCC unroll 8
-        for (int t = 0; t < TT; ++t)
-          acc[r][t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * K + g * QK + 8 * i), acc[r][t]);
-      }
-    }
+// P[r] = sum_c sum_i u[c][r, i] * qa[4c + i] for the 8 rows (exact int32).
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+inline __m256i block_dot_vnni(const __m256i* u, const int8_t* qa, bool int4, int32_t sq) {
+  const int32_t* q4 = reinterpret_cast<const int32_t*>(qa);
+  __m256i p = _mm256_setzero_si256();
+  __m256i p2 = _mm256_setzero_si256();
+  for (int c = 0; c < 8; c += 2) {
+    p = _mm256_dpbusd_epi32(p, u[c], _mm256_set1_epi32(q4[c]));
+    p2 = _mm256_dpbusd_epi32(p2, u[c + 1], _mm256_set1_epi32(q4[c + 1]));
   }
-  alignas(32) float lanes[8];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) {
-      _mm256_store_ps(lanes, acc[r][t]);
-      out[r * ldo + t] = lane_sum(lanes);
-    }
+  p = _mm256_add_epi32(p, p2);
+  if (!int4) p = _mm256_sub_epi32(p, _mm256_set1_epi32(128 * sq));   // the +128 of the unsigned weights
+  return p;
 }
 
-// rows [n0, n1) x all T tokens; out [N, T] row-major
+// AVX2 has no u8 x s8 dot product into int32: maddubs (pairs into int16) then madd (pairs into int32). int4:
+// 8 maddubs results add in int16 without overflow (8 * 2 * 15 * 127 < 2^15); int8: the sign of the weight moves
+// onto the activation (|w| * sign(a, w)) and each chunk widens to int32 at once.
 __attribute__((target("avx2,fma")))
-void rows_avx2(const Row* all, int64_t n0, int64_t n1, int G, const float* x, int64_t K, int T, float* out) {
-  int64_t n = n0;
-  if (T < 4) {                       // few tokens: 4 rows at a time
-    for (; n + 4 <= n1; n += 4) {
-      float* o = out + n * T;
-      if (T == 1) tile_avx2<4, 1>(all + n, G, x, K, o, T);
-      else if (T == 2) tile_avx2<4, 2>(all + n, G, x, K, o, T);
-      else tile_avx2<4, 3>(all + n, G, x, K, o, T);
-    }
+inline __m256i block_dot_avx2(const __m256i* u, const int8_t* qa, bool int4, int32_t sq) {
+  const int32_t* q4 = reinterpret_cast<const int32_t*>(qa);
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (int4) {
+    __m256i s16 = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(q4[0]));
+    for (int c = 1; c < 8; ++c) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(u[c], _mm256_set1_epi32(q4[c])));
+    return _mm256_madd_epi16(s16, ones);
   }
-  for (; n < n1; ++n) {
-    int t = 0;
-    float* o = out + n * T;
-    for (; t + 8 <= T; t += 8) tile_avx2<1, 8>(all + n, G, x + t * K, K, o + t, T);
-    if (t + 4 <= T) { tile_avx2<1, 4>(all + n, G, x + t * K, K, o + t, T); t += 4; }
-    if (t + 2 <= T) { tile_avx2<1, 2>(all + n, G, x + t * K, K, o + t, T); t += 2; }
-    if (t < T) tile_avx2<1, 1>(all + n, G, x + t * K, K, o + t, T);
+  const __m256i k128 = _mm256_set1_epi8(char(0x80));
+  __m256i p = _mm256_setzero_si256();
+  for (int c = 0; c < 8; ++c) {
+    const __m256i wq = _mm256_xor_si256(u[c], k128);                      // back to the signed weights
+    const __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(q4[c]), wq);
+    p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wq), a), ones));
   }
+  return p;
+}
+
+#define LEAPLM_GROUP_BODY(DOT)                                                                                  \
+  const int G = w.G;                                                                                            \
+  const int64_t K = act.K;                                                                                      \
+  __m256 acc[TT];                                                                                               \
+  for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();                                                    \
+  const __m256i k128 = _mm256_set1_epi8(char(0x80));                                                            \
+  for (int g = 0; g < G; ++g) {                                                                                 \
+    __m256i u[8];                                                                                               \
+    load_block(w, w.q + (grp * G + g) * w.block_bytes(), u);                                                    \
+    if (!w.int4)                                                                                                \
+      for (int c = 0; c < 8; ++c) u[c] = _mm256_xor_si256(u[c], k128);                                         \
+    const __m256 sv = _mm256_loadu_ps(w.s + (grp * G + g) * RG);                                                \
+    for (int t = 0; t < TT; ++t) {                                                                              \
+      const int tg = (t0 + t) * G + g;                                                                          \
+      const __m256i p = DOT(u, act.qa.data() + (t0 + t) * K + g * QK, w.int4, act.sq[tg]);                      \
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(act.a[tg])), acc[t]);    \
+    }                                                                                                           \
+  }                                                                                                             \
+  store_group(w, act, grp, t0, TT, acc, y);
+
+// y[t0 + t, 8 grp + r] = acc[t][r] + mt[t][r], the min term's chains run here (after the dot products)
+__attribute__((target("avx2,fma")))
+void store_group(const W& w, const Act& act, int64_t grp, int t0, int TT, const __m256* acc, float* y) {
+  const int G = w.G;
+  for (int t = 0; t < TT; ++t) {
+    __m256 mt = _mm256_setzero_ps();
+    if (w.m)
+      for (int g = 0; g < G; ++g)
+        mt = _mm256_fmadd_ps(_mm256_loadu_ps(w.m + (grp * G + g) * RG), _mm256_set1_ps(act.sa[(t0 + t) * G + g]), mt);
+    alignas(32) float out[8];
+    _mm256_store_ps(out, _mm256_add_ps(acc[t], mt));
+    const int64_t n0 = grp * RG;
+    const int rows = int(std::min<int64_t>(RG, w.N - n0));
+    std::memcpy(y + (t0 + t) * w.N + n0, out, sizeof(float) * rows);
+  }
+}
+
+template <int TT>
+__attribute__((target("avx2,fma"))) void group_avx2(const W& w, const Act& act, int64_t grp, int t0, float* y) {
+  LEAPLM_GROUP_BODY(block_dot_avx2)
+}
+
+template <int TT>
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+void group_vnni(const W& w, const Act& act, int64_t grp, int t0, float* y) {
+  LEAPLM_GROUP_BODY(block_dot_vnni)
+}
+
+template <int TT, bool VNNI>
+inline void tile(const W& w, const Act& act, int64_t grp, int t0, float* y) {
+  if constexpr (VNNI) group_vnni<TT>(w, act, grp, t0, y);
+  else group_avx2<TT>(w, act, grp, t0, y);
+}
+
+// the last `rem` (<= TT) tokens in one tile of exactly that width
+template <int TT, bool VNNI>
+inline void tail(int rem, const W& w, const Act& act, int64_t grp, int t0, float* y) {
+  if constexpr (TT >= 1) {
+    if (rem == TT) tile<TT, VNNI>(w, act, grp, t0, y);
+    else tail<TT - 1, VNNI>(rem, w, act, grp, t0, y);
+  }
+}
+
+// All T tokens of one row group in token tiles of at most TMAX (the unpacked block stays in 8 registers and
+// each token adds an int32 and an fp32 accumulator: AVX2 has 16 vector registers, AVX-512 32).
+template <bool VNNI>
+void group_simd(const W& w, const Act& act, int64_t grp, float* y) {
+  constexpr int TMAX = VNNI ? 8 : 4;
+  int t = 0;
+  for (; t + TMAX <= act.T; t += TMAX) tile<TMAX, VNNI>(w, act, grp, t, y);
+  if (t < act.T) tail<TMAX - 1, VNNI>(act.T - t, w, act, grp, t, y);
 }
 #endif
 
-// x [T, K] fp32 contiguous, T <= 16; returns [T, N].
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor minv,
-                      c10::optional<torch::Tensor> bias, bool int4, bool avx2) {
+void run_groups(const W& w, const Act& act, int path, int64_t g0, int64_t g1, float* y) {
+  for (int64_t grp = g0; grp < g1; ++grp) {
+#if defined(__x86_64__)
+    if (path == AVX512VNNI) { group_simd<true>(w, act, grp, y); continue; }
+    if (path == AVX2) { group_simd<false>(w, act, grp, y); continue; }
+#endif
+    group_scalar(w, act, grp, y);
+  }
+}
+
+// x [T, K] fp32 contiguous (T <= 16); qp, sp, mp packed as above; returns y [T, N].
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::optional<torch::Tensor> mp,
+                      c10::optional<torch::Tensor> bias, int64_t N, int64_t path) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: [T, K] contiguous fp32");
-  const int64_t T = x.size(0), K = x.size(1), N = q.size(0);
+  const int64_t T = x.size(0), K = x.size(1);
   TORCH_CHECK(T >= 1 && T <= MAX_T, "qlinear takes 1..16 tokens, got ", T);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
-  TORCH_CHECK(q.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == torch::kFloat, "layout");
-  TORCH_CHECK(int4 ? (q.scalar_type() == torch::kUInt8 && q.size(1) == K / 2)
-                   : (q.scalar_type() == torch::kChar && q.size(1) == K), "q: wrong dtype or shape");
-  TORCH_CHECK(scale.size(0) == N && scale.size(1) == K / QK, "scale: [N, K/32]");
-  if (int4) TORCH_CHECK(minv.is_contiguous() && minv.sizes() == scale.sizes(), "minv: [N, K/32]");
+  const bool int4 = mp.has_value();
+  const int64_t G = K / QK, NG = (N + RG - 1) / RG;
+  TORCH_CHECK(qp.is_contiguous() && qp.scalar_type() == torch::kUInt8 && qp.numel() == NG * G * (int4 ? 128 : 256),
+              "qp: packed uint8 [N/8, G, ", int4 ? 128 : 256, "]");
+  TORCH_CHECK(sp.is_contiguous() && sp.scalar_type() == torch::kFloat && sp.numel() == NG * G * RG,
+              "sp: fp32 [N/8, G, 8]");
+  if (int4)
+    TORCH_CHECK(mp->is_contiguous() && mp->scalar_type() == torch::kFloat && mp->numel() == NG * G * RG,
+                "mp: fp32 [N/8, G, 8]");
+  TORCH_CHECK(path >= SCALAR && path <= AVX512VNNI, "path: 0 scalar, 1 AVX2, 2 AVX-512 VNNI");
 #if !defined(__x86_64__)
-  avx2 = false;
+  path = SCALAR;
 #endif
-  auto y_nt = torch::empty({N, T}, x.options());   // row-major per weight row: one contiguous write per row
-  const float* xp = x.data_ptr<float>();
-  const float* sp = scale.data_ptr<float>();
-  const float* mp = int4 ? minv.data_ptr<float>() : nullptr;
-  float* yp = y_nt.data_ptr<float>();
-  const int G = K / QK;
-  const int64_t rowbytes = int4 ? K / 2 : K;
-  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
-  std::vector<Row> rows(N);
-  for (int64_t n = 0; n < N; ++n)
-    rows[n] = Row{int4 ? nullptr : reinterpret_cast<const int8_t*>(qp + n * rowbytes), int4 ? qp + n * rowbytes : nullptr,
-                  sp + n * G, mp ? mp + n * G : nullptr};
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-#if defined(__x86_64__)
-    if (avx2) { rows_avx2(rows.data(), n0, n1, G, xp, K, T, yp); return; }
-#endif
-    for (int64_t n = n0; n < n1; ++n)
-      row_scalar(rows[n].q8, rows[n].q4, rows[n].scale, rows[n].minv, G, xp, K, T, yp + n * T);
-  });
-  auto y = y_nt.t().contiguous();                   // [T, N]
+  Act act;
+  quantize_act(x.data_ptr<float>(), int(T), K, act);
+  const W w{qp.data_ptr<uint8_t>(), sp.data_ptr<float>(), int4 ? mp->data_ptr<float>() : nullptr, N, int(G), int4};
+  auto y = torch::empty({T, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, NG, 4, [&](int64_t g0, int64_t g1) { run_groups(w, act, int(path), g0, g1, yp); });
   if (bias.has_value()) y.add_(*bias);
   return y;
+}
+
+// The activation quantization alone (for tests): (qa [T, K] int8, a [T, K / 32] fp32).
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) % QK == 0,
+              "x: [T, K] contiguous fp32, K a multiple of 32");
+  Act act;
+  const int64_t T = x.size(0), K = x.size(1);
+  quantize_act(x.data_ptr<float>(), int(T), K, act);
+  auto qa = torch::from_blob(act.qa.data(), {T, K}, torch::kChar).clone();
+  auto a = torch::from_blob(act.a.data(), {T, K / QK}, torch::kFloat).clone();
+  return {qa, a};
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qlinear", &qlinear, "weight-only int8/int4 linear for 1..16 tokens (fixed reduction order)");
+  m.def("qlinear", &qlinear, "int8-activation quantized linear for 1..16 tokens over packed weights",
+        pybind11::arg("x"), pybind11::arg("qp"), pybind11::arg("sp"), pybind11::arg("mp"), pybind11::arg("bias"),
+        pybind11::arg("n"), pybind11::arg("path"));
+  m.def("quantize_activations", &quantize_activations, "per-token, per-32-block int8 activations (qa, a)");
 }

@@ -1,26 +1,54 @@
 """QuantizedLinear: a callable that stands in for F.linear(x, weight, bias) with a quantized weight.
 
 Two paths compute it:
-  extension  the C++ kernel (kernels/qlinear.cpp): reads each weight block once for up to 16 tokens, fixed
-             reduction order (a row's result does not depend on how many rows share the call).
-  torch      pure PyTorch: dequantize the weight per call and use F.linear (no compiler needed; slower, and
-             its GEMM may round a row differently depending on the batch shape).
+  extension  the C++ kernel (kernels/qlinear.cpp): activations quantized to int8 per token and block of 32,
+             8-bit integer dot products, each weight block read once for up to 16 tokens, fixed reduction order
+             (a row's result does not depend on how many rows share the call, nor on the SIMD path).
+  torch      pure PyTorch: dequantize the weight per call and use F.linear on fp32 activations (no compiler
+             needed; slower, other numerics, and its GEMM may round a row differently depending on the batch
+             shape).
 Blocks of more than 16 tokens (prefill, large trees) go through the kernel 16 rows at a time, so every row is
 computed the same way whatever the block size.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .formats import QuantizedWeight, dequantize
+from .formats import BLOCK, QuantizedWeight, dequantize
 
 log = logging.getLogger(__name__)
 
 KERNEL_ROWS = 16          # tokens per kernel call (the kernel's register tiles cover 1..16)
 BACKENDS = ("auto", "extension", "torch")
+
+
+GROUP = 8                 # rows per packed group: one 8-lane vector holds the same 4 weights of 8 rows
+
+
+@dataclass
+class PackedWeight:
+    """A QuantizedWeight's integers and scales in the kernel's row-group layout (kernels/qlinear.cpp): the same
+    numbers, reordered so that 8 rows' 4 consecutive weights are 32 contiguous bytes."""
+    q: torch.Tensor              # uint8 [N8 / 8, G, 256] (int8: the signed bytes) | [N8 / 8, G, 128] (int4 nibbles)
+    scale: torch.Tensor          # fp32 [N8 / 8, G, 8]
+    minv: torch.Tensor | None    # fp32 [N8 / 8, G, 8] for int4, None for int8
+    rows: int                    # N (N8 = N rounded up to a multiple of 8; the padding rows are zero)
+
+
+def pack(w: QuantizedWeight) -> PackedWeight:
+    N, G = w.scale.shape
+    NG = -(-N // GROUP)
+    pad = NG * GROUP - N
+    q = F.pad(w.q.view(torch.uint8), (0, 0, 0, pad))                   # [N8, K | K / 2]
+    chunks = BLOCK // 4 if w.fmt == "int8" else BLOCK // 8             # 4-byte chunks per block (int4: 2 weights a byte)
+    # [N8, G * chunks * 4] -> [NG, 8 rows, G, chunks, 4] -> [NG, G, chunks, 8 rows, 4]
+    q = q.reshape(NG, GROUP, G, chunks, 4).permute(0, 2, 3, 1, 4).contiguous().reshape(NG, G, chunks * GROUP * 4)
+    lay = lambda t: F.pad(t, (0, 0, 0, pad)).reshape(NG, GROUP, G).transpose(1, 2).contiguous()   # [NG, G, 8]
+    return PackedWeight(q, lay(w.scale.float()), None if w.minv is None else lay(w.minv.float()), N)
 
 
 class QuantizedLinear:
@@ -35,8 +63,7 @@ class QuantizedLinear:
         self.ext = load() if backend in ("auto", "extension") else None
         if backend == "extension" and self.ext is None:
             raise RuntimeError("the quantized-linear C++ extension is unavailable here (see the log for why)")
-        self._int4 = weight.fmt == "int4"
-        self._minv = weight.minv if weight.minv is not None else weight.scale   # unused by int8, must be a tensor
+        self.packed = pack(weight) if self.ext is not None else None
 
     @property
     def backend(self) -> str:
@@ -51,11 +78,11 @@ class QuantizedLinear:
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
         b = None if bias is None else bias.float()
-        w, run = self.weight, self.ext.module.qlinear
+        p, run, path = self.packed, self.ext.module.qlinear, self.ext.path
         M = x2.shape[0]
         if M <= KERNEL_ROWS:
-            y = run(x2, w.q, w.scale, self._minv, b, self._int4, self.ext.avx2)
+            y = run(x2, p.q, p.scale, p.minv, b, p.rows, path)
         else:
-            y = torch.cat([run(x2[i:i + KERNEL_ROWS], w.q, w.scale, self._minv, b, self._int4, self.ext.avx2)
+            y = torch.cat([run(x2[i:i + KERNEL_ROWS], p.q, p.scale, p.minv, b, p.rows, path)
                            for i in range(0, M, KERNEL_ROWS)])
-        return y.view(*shape[:-1], w.out_features).to(x.dtype)
+        return y.view(*shape[:-1], p.rows).to(x.dtype)
