@@ -6,6 +6,10 @@ VENV ?= .venv
 # The CPU build of torch (on this class of machine pip finds it locally); override for CUDA/MPS.
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+# llama-cpp-python (the llamacpp extra) is a source distribution: pip builds libllama with CMake. leaplm loads
+# libllama and ggml only, so the multimodal library is not built (examples, tools, tests and server are off too).
+LLAMACPP_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_TESTS=OFF \
+	-DLLAMA_BUILD_SERVER=OFF
 
 .PHONY: demo test test-all bench setup clean reliability test-ray
 
@@ -13,7 +17,7 @@ $(BIN)/leaplm: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test]"
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(BIN)/pip install -q -e ".[test,llamacpp]"
 	touch $(BIN)/leaplm
 
 setup: $(BIN)/leaplm

@@ -43,7 +43,7 @@ def hf_greedy_from_gguf(path: str, ids: list[int], n: int) -> list[int]:
                                         ("Q4_0", True), ("Q4_1", False)])
 def test_greedy_equals_transformers_on_the_same_file(gguf_file, qtype, tied):
     path, _ = gguf_file(qtype, tied=tied)
-    lm = load_model(path)
+    lm = load_model(path, backend="torch")             # the torch path (tests/models/test_llamacpp.py: libllama)
     assert type(lm.model).__name__ == "LlamaForCausalLM"
     assert (lm.model.lm_head.weight.data_ptr() == lm.model.embed_tokens.weight.data_ptr()) == tied
     ids = lm.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
@@ -55,7 +55,7 @@ def test_gguf_weights_equal_the_checkpoint_it_came_from(gguf_file):
     """F32 GGUF: after undoing llama.cpp's q/k permutation, leaplm's logits equal those of the Hugging Face
     directory the file was written from (so the permutation really was undone, not merely matched by transformers)."""
     path, hf_dir = gguf_file("F32")
-    a, b = load_model(path), load_model(hf_dir)
+    a, b = load_model(path, backend="torch"), load_model(hf_dir)
     ids = torch.tensor([a.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]])
     la = a.model(ids, a.model.new_cache(1, 128))
     lb = b.model(ids, b.model.new_cache(1, 128))
@@ -116,7 +116,7 @@ def test_smollm2_gguf_greedy_equals_transformers():
     path = smollm2_path()
     if path is None:
         pytest.skip(f"{SMOLLM2_NAME} not found: set LEAPLM_SMOLLM2_GGUF or fetch it into ~/.cache/leaplm/models")
-    lm = load_model(str(path))
+    lm = load_model(str(path), backend="torch")
     ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Write a Python function that reverses "
                                             "a string."}], add_generation_prompt=True, tokenize=False)
     ids = lm.tokenizer(ids, add_special_tokens=False)["input_ids"]

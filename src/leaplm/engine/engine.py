@@ -46,14 +46,15 @@ class Engine:
     'gguf'; quant/apply.py) applies to the target and the draft; the promise is then identity with plain
     decoding of the same quantized model. max_num_batched_tokens: the tokens a step may feed the target (vLLM's
     name); a longer prompt is prefilled in chunks between decoding steps of the other rows (engine/step.py).
-    None: every prompt is prefilled whole when it joins.
+    None: every prompt is prefilled whole when it joins. backend: 'auto' | 'llamacpp' | 'torch'
+    (models/loading.choose_backend): what runs a GGUF target's and draft's forwards; `self.backend` says which.
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
                  method: str | None = None, k: int = 5, *, device: str = "cpu", dtype: str = "float32",
                  max_model_len: int | None = None, spec: SpecConfig | None = None, draft_device: str | None = None,
                  quantization: str | None = None, max_num_batched_tokens: int | None = None,
-                 kv_cache_dtype: str = "auto", **spec_options):
+                 kv_cache_dtype: str = "auto", backend: str = "auto", **spec_options):
         if draft_device is not None:                 # the draft on another device than the target
             from ..devices import check_device
 
@@ -63,7 +64,7 @@ class Engine:
             if draft is None and method in (None, "draft"):
                 draft = embedded.default_draft()
         self.target = model if isinstance(model, LoadedModel) else load_model(model, device, dtype, "model",
-                                                                                quantization, kv_cache_dtype)
+                                                                                quantization, kv_cache_dtype, backend)
         if draft is None and (method == "draft" or (spec is not None and spec.method == "draft" and spec.draft is None)):
             # --method draft without --draft: the shipped draft trained for this target (matched by tokenizer).
             # Not made the default method: how much it pays depends on the draft (see its model card)
@@ -73,19 +74,34 @@ class Engine:
             draft_name = draft.name if isinstance(draft, LoadedModel) else draft
             spec = SpecConfig(method=method, k=k, draft=draft_name, **spec_options)
         self.spec = spec
+        if (backend == "auto" and not isinstance(model, LoadedModel) and self.target.backend == "llamacpp"
+                and spec.method != "none" and not self.target.model.batch_invariant):
+            log.info("backend auto: llama.cpp's kernels for %s's weight types are not batch-invariant, so method %s "
+                     "runs on torch, where its greedy output is identical to plain decoding (--backend llamacpp "
+                     "runs it on libllama, identical up to that rounding)", self.target.name, spec.method)
+            self.target = load_model(model, device, dtype, "model", quantization, kv_cache_dtype, "torch")
         self.draft: LoadedModel | None = None
         if spec.method == "draft":
             src = draft if draft is not None else spec.draft
             self.draft = src if isinstance(src, LoadedModel) else load_model(
-                src, draft_device or device, dtype, "draft", draft_quantization(quantization, src))
+                src, draft_device or device, dtype, "draft", draft_quantization(quantization, src),
+                backend=backend)
             check_vocab(self.target, self.draft)
         if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
                                                    or isinstance(max_num_batched_tokens, bool)
                                                    or max_num_batched_tokens < 1):
             raise ConfigError("max_num_batched_tokens", f"must be an integer >= 1, got {max_num_batched_tokens!r}")
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.backend = self.target.backend
+        # what speculation promises here: libllama on weight types whose block kernels round differently from its
+        # one-token kernels (LlamaCppLM.batch_invariant) keeps greedy identity only up to that rounding
+        self.exactness = "identical" if self.backend != "llamacpp" or self.target.model.batch_invariant else \
+            "identical up to llama.cpp's batch variance"
         self.tokenizer = self.target.tokenizer
         self.model = self.target.model
+        log.info("backend: %s for %s%s (speculation: %s)", self.backend, self.target.name,
+                 f", {self.draft.backend} for the draft {self.draft.name}" if self.draft is not None else "",
+                 self.exactness)
         self.max_model_len = resolve_max_model_len(max_model_len, self.model.max_len, self.target.name)
         if self.draft is not None and self.draft.model.max_len < self.max_model_len:
             # the draft must see every committed token: past its positions it would fail mid-request

@@ -56,8 +56,9 @@ def _field(reader, key: str):
     return f.contents()
 
 
-def inspect_gguf(name: str, field: str = "model") -> GGUFInfo:
-    """Open and check a GGUF file; ConfigError naming the file and the GGUF field on anything we cannot run."""
+def inspect_gguf(name: str, field: str = "model", check_types: bool = True) -> GGUFInfo:
+    """Open and check a GGUF file; ConfigError naming the file and the GGUF field on anything we cannot run.
+    check_types False: any tensor type (libllama computes on the file's own types; it refuses what it cannot)."""
     p = Path(name).expanduser()
     if not p.exists():
         raise ConfigError(field, f"GGUF file {name!r} does not exist")
@@ -81,7 +82,7 @@ def inspect_gguf(name: str, field: str = "model") -> GGUFInfo:
         raise ConfigError(field, f"{name}: general.architecture {arch!r} is not supported "
                                  f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    bad = {n: t for n, t in types.items() if t not in TENSOR_TYPES}
+    bad = {n: t for n, t in types.items() if t not in TENSOR_TYPES} if check_types else {}
     if bad:
         n, t = next(iter(bad.items()))
         raise ConfigError(field, f"{name}: tensor {n!r} has type {t}, which leaplm cannot dequantize "
@@ -107,8 +108,7 @@ def read_gguf_checkpoint(info: GGUFInfo, dtype: torch.dtype, field: str = "model
 
     name = str(info.path)
     try:
-        cfg = load_gguf_checkpoint(name, return_tensors=False)["config"]
-        hf_cfg = AutoConfig.for_model(**cfg)
+        hf_cfg = AutoConfig.for_model(**load_gguf_checkpoint(name, return_tensors=False)["config"])
         with torch.device("meta"):                  # only its parameter names are needed, for the name map
             skeleton = AutoModelForCausalLM.from_config(hf_cfg)
         sd = load_gguf_checkpoint(name, return_tensors=True, model_to_load=skeleton, torch_dtype=dtype)["tensors"]
@@ -116,6 +116,18 @@ def read_gguf_checkpoint(info: GGUFInfo, dtype: torch.dtype, field: str = "model
         raise ConfigError(field, f"{name}: cannot map the GGUF file onto a {info.architecture} model "
                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     return hf_cfg.to_dict(), sd
+
+
+def read_gguf_config(info: GGUFInfo, field: str = "model") -> dict:
+    """The Hugging Face config dict of a checked GGUF file, from its metadata alone (no tensor is read)."""
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        return AutoConfig.for_model(**load_gguf_checkpoint(str(info.path), return_tensors=False)["config"]).to_dict()
+    except (ValueError, KeyError) as e:
+        raise ConfigError(field, f"{info.path}: cannot map the GGUF metadata onto a {info.architecture} config "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def load_gguf_tokenizer(info: GGUFInfo, field: str = "model"):

@@ -68,6 +68,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     n_params: int
     bos_id: int | None = None   # BOS prepended to prompts (tokens.bos_to_add), None when the tokenizer adds none
+    backend: str = "torch"      # what runs the forward: "torch" (leaplm's PyTorch models) or "llamacpp" (libllama)
 
 
 def resolve_path(name: str, field: str = "model") -> Path:
@@ -185,11 +186,47 @@ def _quantize(model, quantization: str, device: str, field: str, gguf_path: str 
     quantize_model(model, quantization, gguf_path=gguf_path)
 
 
+BACKENDS = ("auto", "llamacpp", "torch")
+
+
+def choose_backend(backend: str, gguf: bool, name: str, device: str = "cpu", dtype: str = "float32",
+                   quantization: str | None = None) -> str:
+    """'llamacpp' or 'torch' for model `name`. auto: a GGUF file runs on libllama when llama-cpp-python is
+    installed and nothing asks for the torch path (a device other than the CPU, a half-precision --dtype,
+    leaplm's own quantized kernels); everything else on torch. An explicit llamacpp that cannot run fails."""
+    if backend not in BACKENDS:
+        raise ConfigError("backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    torch_only = None
+    if not gguf:
+        torch_only = ("model", f"{name!r} is not a GGUF file; the llama.cpp backend runs GGUF files")
+    elif str(device) != "cpu":
+        torch_only = ("device", f"the llama.cpp backend runs on the CPU here, not on {device!r}")
+    elif dtype not in ("auto", "float32"):
+        torch_only = ("dtype", f"{dtype} is a torch compute dtype; libllama computes in float32 on the file's own "
+                               "weight types")
+    elif quantization not in (None,):
+        torch_only = ("quantization", f"{quantization!r} selects leaplm's own kernels; libllama runs the "
+                                      "file's own weight types")
+    if backend == "auto":
+        from .llamacpp import available
+
+        return "llamacpp" if torch_only is None and available() else "torch"
+    if torch_only is not None:
+        raise ConfigError(torch_only[0], f"--backend llamacpp: {torch_only[1]} (use --backend torch or auto)")
+    from .llamacpp import libllama
+
+    libllama("backend")              # installed? (ConfigError naming the extra)
+    return "llamacpp"
+
+
 def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: str = "model",
-               quantization: str | None = None, kv_cache_dtype: str = "auto") -> LoadedModel:
+               quantization: str | None = None, kv_cache_dtype: str = "auto", backend: str = "auto") -> LoadedModel:
     """Load target or draft `name`; `field` names the user's option in errors ('model' or 'draft').
     quantization: None, or 'int8' | 'int4' | 'gguf' (quant/apply.py) applied at load. dtype 'auto' takes the
-    checkpoint's; kv_cache_dtype 'auto' follows dtype."""
+    checkpoint's; kv_cache_dtype 'auto' follows dtype (libllama: its own default, f16). backend: see
+    choose_backend."""
     if dtype != "auto":
         resolve_dtype(dtype, None, name)
     if kv_cache_dtype != "auto":
@@ -199,8 +236,15 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
     from .gguf import is_gguf
 
     check_quantization(quantization)
+    if backend not in BACKENDS:
+        raise ConfigError("backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
     name = resolve_model_name(name, field)     # `smollm2` -> its fetched file (`leaplm models fetch`)
-    if is_gguf(name):
+    gguf = is_gguf(name)
+    if choose_backend(backend, gguf, name, device, dtype, quantization) == "llamacpp":
+        from .llamacpp import load_llamacpp_model
+
+        return load_llamacpp_model(name, field, kv_cache_dtype)
+    if gguf:
         return load_gguf_model(name, device, dtype, field, quantization, kv_cache_dtype)
     if quantization == "gguf":
         raise ConfigError("quantization", f"'gguf' keeps a GGUF file's own blocks, and {name!r} is not a GGUF "

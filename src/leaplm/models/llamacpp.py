@@ -1,0 +1,557 @@
+"""GGUF models on llama.cpp's kernels: libllama through llama-cpp-python's low-level API, behind models/base.py.
+
+The weights stay as the file stores them (every type llama.cpp computes on, K-quants and IQ included); leaplm's
+engine drives the forwards. One `LlamaCppCache` is one llama.cpp context:
+
+  rows      row b of a batch is llama.cpp sequence b of one context (n_seq_max = rows + TREE_SEQS, a unified KV
+            cache: `llama_memory_seq_cp` needs one). A forward over [B, T] tokens is one `llama_decode` of B * T
+            batch entries (split into N_BATCH-entry calls only for a long prefill).
+  rollback  the same rule as cache/kv_cache.py: a forward writes a row's T tokens at positions [length, length + T)
+            without moving `lengths[b]`; commit moves it. What a forward wrote past the committed length is removed
+            (`llama_memory_seq_rm`) before the row's next forward, so a rejected draft costs nothing until then.
+            `lengths` may also be set directly (the draft proposer and the calibration do): the next forward keeps
+            only [0, lengths[b]) of that row.
+  trees     llama.cpp takes no attention mask, but a token may belong to several sequences, and a token attends to
+            the cells of its first sequence at positions up to its own. So a tree block is scored in one decode as
+            its branches: each leaf gets a scratch sequence holding the row's committed prefix (`seq_cp`, which
+            shares cells, copies nothing), and each block token belongs to the scratch sequences of the leaves
+            below it (the root also to the row's own). A node then sees exactly its ancestors and itself. Commit
+            copies the kept path back into the row's sequence (`compact`) and empties the scratch sequences.
+            Any block whose mask is a tree with positions at depth (cache/tree.py: trees, lookahead's window)
+            fits; anything else is refused.
+  logits    llama.cpp computes logits only at the batch entries marked as outputs: the last token of each row
+            under `last_only` (a prefill), every token of a verify block otherwise. Reading them back is one
+            copy of V floats (4 V bytes) per output position, ~0.2 MB per position for a 49152-token vocabulary.
+  hidden    the last hidden state after the final norm (what EAGLE and Medusa heads read) is the context's
+            embeddings output, switched on only for forwards that ask for it (`forward_hidden`): llama.cpp then
+            outputs every position of the batch.
+
+Sizes are checked before `llama_decode` is called (llama.cpp asserts on some, which would abort the process): token
+ids inside the vocabulary, a row's length + T within the cache's max_len, a tree within one decode. A decode that
+still fails raises RuntimeError with llama.cpp's own log lines: an error for the request, never a process abort.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import logging
+import threading
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..config import ConfigError
+from .llama import Scored
+
+log = logging.getLogger(__name__)
+
+EXTRA = "llamacpp"
+INSTALL = f'pip install "leaplm[{EXTRA}]"'
+N_BATCH = 512          # batch entries per llama_decode (a longer prefill is split; a tree must fit in one)
+TREE_SEQS = 64         # scratch sequences for a tree block's leaves
+TREE_SLACK = 512       # KV cells beyond rows * max_len: a tree block's nodes live in scratch sequences
+# ggml type ids of the KV cache: 'auto' is llama.cpp's own default (f16), as its command-line tools run
+KV_TYPES = {"auto": 1, "float16": 1, "float32": 0, "bfloat16": 30}
+KV_BYTES = {0: 4, 1: 2, 30: 2}
+LOG_LEVELS = {1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.DEBUG}
+
+
+def available() -> bool:
+    """Whether llama-cpp-python (the `llamacpp` extra) is installed, without loading libllama."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+_lib = None
+_lib_lock = threading.Lock()
+_log_lines: deque[str] = deque(maxlen=40)      # libllama's recent log lines, for error messages
+_log_count = [0]                               # lines logged so far
+_log_callback = None                           # kept referenced: libllama calls it
+
+
+def libllama(field: str = "backend"):
+    """The llama_cpp module with its backend initialized and its log routed to `logging`; ConfigError naming the
+    extra when it is not installed."""
+    global _lib, _log_callback
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        try:
+            import llama_cpp as lc
+        except ImportError as e:
+            raise ConfigError(field, f"the llama.cpp backend needs llama-cpp-python, the '{EXTRA}' extra "
+                                     f"({INSTALL}); it is not importable here ({e}). --backend torch runs GGUF "
+                                     "files on leaplm's own kernels") from None
+        last = [logging.INFO]
+
+        @lc.llama_log_callback
+        def _cb(level: int, text: bytes, user_data) -> None:
+            lvl = last[0] if level == 5 else LOG_LEVELS.get(level, logging.DEBUG)
+            last[0] = lvl
+            line = text.decode("utf-8", "replace").rstrip("\n")
+            if line:
+                _log_lines.append(line)
+                _log_count[0] += 1
+                log.debug("libllama: %s", line)
+
+        _log_callback = _cb
+        lc.llama_log_set(_cb, ctypes.c_void_p(0))
+        lc.llama_backend_init()
+        _lib = lc
+        return lc
+
+
+def _recent_log(since: int) -> str:
+    """libllama's log lines since the count `since` (the last few), joined."""
+    n = min(6, _log_count[0] - since, len(_log_lines))
+    return " | ".join(line.strip() for line in list(_log_lines)[len(_log_lines) - n:]) if n > 0 else ""
+
+
+class LlamaCppLM:
+    """A GGUF file loaded by libllama, behind the CausalLM protocol (models/base.py)."""
+
+    supports_tree = True
+    supports_batch = True
+    backend = "llamacpp"
+    device = torch.device("cpu")
+    dtype = torch.float32                      # of the logits and hidden states it returns
+
+    def __init__(self, path: str | Path, *, kv_cache_dtype: str = "auto", threads: int | None = None,
+                 repack: bool = True, flash_attn: bool | None = False, field: str = "model"):
+        """kv_cache_dtype: KV_TYPES; threads: None = torch's thread count (--threads sets it); repack: llama.cpp's
+        repacked CPU weight layouts; flash_attn: None = llama.cpp's choice (on for the CPU; it rounds q to f16),
+        False = attention in f32 with an f32 KV cache (what a comparison with the torch path needs)."""
+        lc = libllama(field)
+        if kv_cache_dtype not in KV_TYPES:
+            raise ConfigError("kv_cache_dtype", f"must be one of {', '.join(KV_TYPES)}, got {kv_cache_dtype!r}")
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ConfigError("threads", f"must be an integer >= 1, got {threads!r}")
+        self.lc = lc
+        self.path = str(path)
+        self.kv_type = KV_TYPES[kv_cache_dtype]
+        self.threads = threads
+        self.repack = repack
+        self.flash_attn = {None: lc.LLAMA_FLASH_ATTN_TYPE_AUTO, True: lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                           False: lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash_attn]
+        mp = lc.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        mp.use_extra_bufts = repack            # llama.cpp's repacked CPU layouts (see docs: batch invariance)
+        seen = _log_count[0]
+        model = lc.llama_model_load_from_file(self.path.encode(), mp)
+        if not model:
+            raise ConfigError(field, f"{self.path}: libllama cannot load this file ({_recent_log(seen) or 'no reason given'})")
+        self._model = model
+        self._free = weakref.finalize(self, lc.llama_model_free, model)
+        vocab = lc.llama_model_get_vocab(model)
+        self._vocab = vocab
+        self.vocab_size = int(lc.llama_vocab_n_tokens(vocab))
+        self.hidden_size = int(lc.llama_model_n_embd(model))
+        self.num_layers = int(lc.llama_model_n_layer(model))
+        self.max_len = int(lc.llama_model_n_ctx_train(model))
+        self.n_params = int(lc.llama_model_n_params(model))
+        n_head, n_head_kv = int(lc.llama_model_n_head(model)), int(lc.llama_model_n_head_kv(model))
+        self.kv_width = self.hidden_size // max(1, n_head) * n_head_kv     # per layer, K and V each
+
+    @functools.cached_property
+    def batch_invariant(self) -> bool:
+        """Measured once per model: a row's logits are bit for bit the same scored one token at a time, inside a
+        block of 9 and beside another row. llama.cpp's block kernels for some weight types (F32 and F16 through
+        llamafile's sgemm, the repacked K-quant and IQ layouts) round differently from its one-token kernels;
+        Q4_0, Q4_1 and Q8_0 do not (docs/backends.md). Where this is False, speculation's greedy output equals
+        plain decoding's only up to that rounding (a near-tie may break the other way)."""
+        g = torch.Generator().manual_seed(0)
+        ctx = torch.randint(0, self.vocab_size, (2, 16), generator=g)                    # [2, 16]
+        block = torch.randint(0, self.vocab_size, (2, 9), generator=g)                   # [2, 9]
+        cache = self.new_cache(2, 32)
+        self(ctx, cache, last_only=True)
+        cache.advance(16, 0)
+        cache.advance(16, 1)
+        # row 0's tokens in batches of 18, 2 and 3 entries (llama.cpp picks kernels by the batch's size), then
+        # one at a time (1 entry)
+        ways = [self(block, cache)[0], self(block[:, :1], cache)[0], self(block[:1, :3], cache)[0]]
+        alone = []
+        for t in range(9):
+            alone.append(self(block[:1, t: t + 1], cache)[0, 0])
+            cache.advance(1, 0)
+        alone = torch.stack(alone)                                                       # [9, V]
+        same = all(torch.equal(w, alone[: w.shape[0]]) for w in ways)
+        log.info("%s: llama.cpp %s batch-invariant on this CPU", self.path, "is" if same else "is NOT")
+        return same
+
+    def eog_ids(self) -> list[int]:
+        """Tokens libllama ends generation on (EOS, EOT, ...)."""
+        return [t for t in range(self.vocab_size) if self.lc.llama_vocab_is_eog(self._vocab, t)]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_width * KV_BYTES.get(self.kv_type, 2)
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> "LlamaCppCache":
+        return LlamaCppCache(self, batch_size, max_len or self.max_len)
+
+    def parameters(self):                      # what callers count; libllama holds the weights
+        return iter(())
+
+    def eval(self):
+        return self
+
+    # --- forwards ----------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, cache, *, tree_mask: torch.Tensor | None = None,
+                position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only); see the module docstring."""
+        return self._run(input_ids, cache, tree_mask, position_offsets, layers, last_only, False, False).logits
+
+    __call__ = forward
+
+    def forward_hidden(self, input_ids: torch.Tensor, cache, *, tree_mask: torch.Tensor | None = None,
+                       position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
+                       last_only: bool = False, hidden_all: bool = False) -> Scored:
+        """forward() and the last hidden state after the final norm, [B, T, hidden] (every position with
+        hidden_all; logits still [B, 1, V] with last_only)."""
+        return self._run(input_ids, cache, tree_mask, position_offsets, layers, last_only, True, hidden_all)
+
+    def _run(self, input_ids, cache, tree_mask, position_offsets, layers, last_only, hidden, hidden_all) -> Scored:
+        if layers is not None:
+            raise ValueError("libllama runs every layer of the model: a layer subset (layerskip) needs the torch "
+                             "backend (--backend torch)")
+        parent, seqs, lens = _resolve(cache, input_ids.shape[0])
+        if parent.lm is not self:
+            raise ValueError("this cache belongs to another llama.cpp model")
+        B, T = input_ids.shape
+        ids = input_ids.tolist()
+        bad = [t for row in ids for t in row if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        longest = max(lens)
+        if longest + T > parent.max_len:
+            raise ValueError(f"KV cache full: {longest} + {T} tokens exceed max_len={parent.max_len}")
+        for s, n in zip(seqs, lens):
+            parent.sync(s, n)
+        if tree_mask is not None:
+            if B != 1:
+                raise ValueError("a tree block is scored one row at a time")
+            entries, n_out = parent.tree_entries(seqs[0], lens[0], ids[0], tree_mask, position_offsets)
+            rows_out = [(0, t) for t in range(T)]
+        else:
+            if position_offsets is not None:
+                offs = position_offsets.tolist()
+                if offs != list(range(T)):
+                    raise ValueError("position offsets without a tree mask must be 0..T-1")
+            want = (lambda t: t == T - 1) if last_only and not hidden else (lambda t: True)
+            entries = [(ids[b][t], lens[b] + t, (seqs[b],), want(t)) for b in range(B) for t in range(T)]
+            rows_out = [(b, t) for b in range(B) for t in range(T)]
+            for s, n in zip(seqs, lens):
+                parent.written[s] = max(parent.written[s], n + T)
+            parent.clear_tree()
+        return parent.decode(entries, rows_out, B, T, last_only, hidden, hidden_all)
+
+
+def _resolve(cache, B: int) -> tuple["LlamaCppCache", list[int], list[int]]:
+    """(the context's cache, the llama.cpp sequence of each input row, each row's committed length)."""
+    if isinstance(cache, LlamaCppRowView):
+        if B != 1:
+            raise ValueError("a row view takes one row")
+        return cache.parent, [cache.row], [cache.lengths[0]]
+    if not isinstance(cache, LlamaCppCache):
+        raise TypeError(f"the llama.cpp backend needs its own cache (model.new_cache), got {type(cache).__name__}")
+    if B > cache.batch_size:
+        raise ValueError(f"{B} rows for a cache of {cache.batch_size}")
+    return cache, list(range(B)), list(cache.lengths[:B])
+
+
+@dataclass
+class TreeSeqs:
+    """The last tree block scored for a row: where its tokens live until commit."""
+    row: int
+    start: int               # the row's committed length (the root's position)
+    seq_of: list[int]        # block row -> a sequence holding it and its ancestors (the root: the row itself)
+
+
+def tree_parents(mask: torch.Tensor, depths: list[int]) -> list[int]:
+    """Parent block row of every block row (-1 for row 0, the root) of a block mask [T, T] that is a tree:
+    every row sees the root, itself and exactly what its parent sees, at its parent's depth + 1. ValueError
+    for any other mask (llama.cpp's sequences can express only trees)."""
+    m = mask.tolist()
+    T = len(m)
+    if not m[0][0] or any(m[0][1:]):
+        raise ValueError("a tree block's row 0 (the root) must see itself only")
+    parents = [-1]
+    for r in range(1, T):
+        seen = [c for c in range(T) if m[r][c] and c != r]
+        if not m[r][r] or not seen or max(seen) >= r:
+            raise ValueError(f"block row {r} does not see itself and earlier rows only: not a tree llama.cpp "
+                             "can score")
+        p = max(seen)
+        want = [c for c in range(T) if m[p][c]]
+        if seen != want or depths[r] != depths[p] + 1:
+            raise ValueError(f"block row {r}'s mask is not its parent's plus itself: not a tree llama.cpp "
+                             "can score")
+        parents.append(p)
+    return parents
+
+
+class LlamaCppCache:
+    """One llama.cpp context: rows [0, batch_size) are its sequences (see the module docstring). Same interface as
+    cache.kv_cache.KVCache: lengths, advance, truncate, compact, move_row, row_view, reset_row, check_room."""
+
+    def __init__(self, lm: LlamaCppLM, batch_size: int, max_len: int):
+        lc = lm.lc
+        self.lm, self.lc = lm, lc
+        self.max_len = max_len
+        self.lengths = [0] * batch_size        # committed tokens per row
+        self.written = [0] * batch_size        # positions [0, written[b]) may hold cells in sequence b
+        self.tree: TreeSeqs | None = None
+        self.n_seq = batch_size + TREE_SEQS
+        if self.n_seq > 256:
+            raise ValueError(f"the llama.cpp backend runs at most {256 - TREE_SEQS} rows, got {batch_size}")
+        cp = lc.llama_context_default_params()
+        self.n_ctx = batch_size * max_len + TREE_SLACK
+        cp.n_ctx = self.n_ctx
+        cp.n_batch = cp.n_ubatch = N_BATCH
+        cp.n_seq_max = self.n_seq
+        cp.kv_unified = True
+        threads = lm.threads or torch.get_num_threads()
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.type_k = cp.type_v = lm.kv_type
+        cp.flash_attn_type = lm.flash_attn
+        cp.embeddings = False
+        cp.no_perf = True
+        seen = _log_count[0]
+        ctx = lc.llama_init_from_model(lm._model, cp)
+        if not ctx:
+            raise RuntimeError(f"libllama could not create a context of {self.n_ctx} cells for {batch_size} rows "
+                               f"({_recent_log(seen) or 'no reason given'})")
+        self.ctx = ctx
+        self.mem = lc.llama_get_memory(ctx)
+        self.batch = lc.llama_batch_init(N_BATCH, 0, self.n_seq)
+        self._free = weakref.finalize(self, _free_context, lc, ctx, self.batch, lm)
+        b = self.batch
+        self._tok = np.ctypeslib.as_array(b.token, (N_BATCH,))
+        self._pos = np.ctypeslib.as_array(b.pos, (N_BATCH,))
+        self._nseq = np.ctypeslib.as_array(b.n_seq_id, (N_BATCH,))
+        self._out = np.ctypeslib.as_array(b.logits, (N_BATCH,))
+        self._seq = [b.seq_id[i] for i in range(N_BATCH)]
+        self._embeddings = False
+        self.peak_nbytes = self.nbytes
+
+    # --- sizes (what the server's metrics and admission read) ----------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.lm.bytes_per_token
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the KV cells allocated (libllama allocates them all with the context)."""
+        return self.n_ctx * self.bytes_per_token
+
+    @property
+    def capacity(self) -> int:
+        return self.max_len
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.batch_size * self.max_len
+
+    def check_room(self, T: int, B: int = 1) -> None:
+        longest = max(self.lengths[:B])
+        if longest + T > self.max_len:
+            raise ValueError(f"KV cache full: {longest} + {T} tokens exceed max_len={self.max_len}")
+
+    def reserve(self, needed: int) -> None:
+        if needed > self.max_len:
+            raise ValueError(f"KV cache full: {needed} slots exceed max_len={self.max_len}")
+
+    # --- llama.cpp memory ------------------------------------------------------------------------------------------
+    def _rm(self, seq: int, p0: int, p1: int = -1) -> None:
+        self.lc.llama_memory_seq_rm(self.mem, seq, p0, p1)
+
+    def sync(self, seq: int, length: int) -> None:
+        """Before a forward of row `seq` at `length`: drop what earlier forwards wrote past it."""
+        if self.written[seq] > length:
+            self._rm(seq, length)
+            self.written[seq] = length
+
+    def clear_tree(self) -> None:
+        if self.tree is not None:
+            for s in set(self.tree.seq_of):
+                if s >= self.batch_size:
+                    self._rm(s, -1)
+            self.tree = None
+
+    # --- commit-time operations ------------------------------------------------------------------------------------
+    def advance(self, n: int, row: int = 0) -> None:
+        self.lengths[row] += n
+
+    def truncate(self, length: int, row: int = 0) -> None:
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"truncate to {length} outside [0, {self.lengths[row]}]")
+        self.lengths[row] = length
+        self._rm(row, length)
+        self.written[row] = length
+
+    def reset_row(self, row: int) -> None:
+        self.lengths[row] = 0
+        self._rm(row, 0)
+        self.written[row] = 0
+
+    def compact(self, offsets: list[int], row: int = 0) -> None:
+        """After a tree block of `row`: make its kept path (block rows `offsets`, root first) the row's cells from
+        its length on: the path's sequence, copied into the row's (cells are shared, not copied)."""
+        tree = self.tree
+        if tree is None or tree.row != row or tree.start != self.lengths[row]:
+            if any(o != i for i, o in enumerate(offsets)):
+                raise ValueError("compact: no tree block was scored for this row")
+            return
+        last = offsets[-1]
+        L = tree.start
+        if last != 0:
+            self._rm(row, L + 1)
+            self.lc.llama_memory_seq_cp(self.mem, tree.seq_of[last], row, L + 1, L + len(offsets))
+        self.written[row] = L + len(offsets)
+        self.clear_tree()
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row src's committed cells become row dst's too (shared cells: no copy)."""
+        self.sync(src, self.lengths[src])
+        self._rm(dst, -1)
+        n = self.lengths[src]
+        if n:
+            self.lc.llama_memory_seq_cp(self.mem, src, dst, 0, n)
+        self.lengths[dst] = self.written[dst] = n
+
+    def row_view(self, row: int) -> "LlamaCppRowView":
+        return LlamaCppRowView(self, row)
+
+    # --- one decode ------------------------------------------------------------------------------------------------
+    def tree_entries(self, row: int, L: int, ids: list[int], mask: torch.Tensor, depths: torch.Tensor | None):
+        """Batch entries (token, position, sequences, output) of a tree block of `row` at committed length L."""
+        T = len(ids)
+        dl = depths.tolist() if depths is not None else list(range(T))
+        if T > N_BATCH:
+            raise ValueError(f"a tree block of {T} tokens exceeds one llama_decode ({N_BATCH})")
+        parents = tree_parents(mask, dl)
+        kids = [0] * T
+        for p in parents[1:]:
+            kids[p] += 1
+        leaves = [r for r in range(T) if kids[r] == 0 and r > 0]
+        if len(leaves) > TREE_SEQS:
+            raise ValueError(f"a tree block with {len(leaves)} leaves exceeds the {TREE_SEQS} scratch sequences")
+        self.clear_tree()
+        under: list[list[int]] = [[] for _ in range(T)]
+        for j, leaf in enumerate(leaves):
+            s = self.batch_size + j
+            self._rm(s, -1)
+            if L:
+                self.lc.llama_memory_seq_cp(self.mem, row, s, 0, L)
+            r = leaf
+            while r > 0:
+                under[r].append(s)
+                r = parents[r]
+        under[0] = [row] + [self.batch_size + j for j in range(len(leaves))]
+        self.tree = TreeSeqs(row, L, [row] + [under[r][0] for r in range(1, T)])
+        self.written[row] = max(self.written[row], L + 1)
+        return [(ids[r], L + dl[r], tuple(under[r]), True) for r in range(T)], T
+
+    def decode(self, entries, rows_out, B: int, T: int, last_only: bool, hidden: bool, hidden_all: bool) -> Scored:
+        """Run the entries through llama_decode (N_BATCH at a time) and gather logits [B, T | 1, V] and, with
+        hidden, the hidden states [B, T, hid]."""
+        lc, V = self.lc, self.lm.vocab_size
+        if hidden != self._embeddings:
+            lc.llama_set_embeddings(self.ctx, hidden)
+            self._embeddings = hidden
+        logits = torch.empty(B, 1 if last_only else T, V)                            # [B, T | 1, V]
+        hid = torch.empty(B, T, self.lm.hidden_size) if hidden else None             # [B, T, hid]
+        for c0 in range(0, len(entries), N_BATCH):
+            chunk = entries[c0: c0 + N_BATCH]
+            n = len(chunk)
+            self._tok[:n] = [e[0] for e in chunk]
+            self._pos[:n] = [e[1] for e in chunk]
+            self._nseq[:n] = [len(e[2]) for e in chunk]
+            self._out[:n] = [1 if (e[3] or hidden) else 0 for e in chunk]
+            for i, e in enumerate(chunk):
+                ptr = self._seq[i]
+                for j, s in enumerate(e[2]):
+                    ptr[j] = s
+            self.batch.n_tokens = n
+            seen = _log_count[0]
+            rc = lc.llama_decode(self.ctx, self.batch)
+            if rc != 0:
+                what = {1: "no free KV cells", 2: "aborted", -1: "invalid batch"}.get(rc, "error")
+                raise RuntimeError(f"llama_decode failed ({rc}: {what}): {_recent_log(seen) or 'no reason given'}")
+            outs = [c0 + i for i, e in enumerate(chunk) if e[3] or hidden]      # entry index of each output row
+            if not outs:
+                continue
+            lg = torch.from_numpy(np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), (len(outs), V)))
+            where = [rows_out[i] for i in outs]
+            if hidden:
+                H = self.lm.hidden_size
+                emb = torch.from_numpy(np.ctypeslib.as_array(lc.llama_get_embeddings(self.ctx), (len(outs), H)))
+                bi = torch.tensor([w[0] for w in where])
+                ti = torch.tensor([w[1] for w in where])
+                hid[bi, ti] = emb
+            keep = [(k, w) for k, w in enumerate(where) if not last_only or w[1] == T - 1]
+            if not keep:
+                continue
+            if not last_only and len(keep) == B * T:
+                logits.view(B * T, V).copy_(lg)
+            else:
+                src = torch.tensor([k for k, _ in keep])
+                bi = torch.tensor([w[0] for _, w in keep])
+                ti = torch.tensor([0 if last_only else w[1] for _, w in keep])
+                logits[bi, ti] = lg[src]
+        return Scored(logits, hid)
+
+
+def _free_context(lc, ctx, batch, lm) -> None:
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+
+
+class LlamaCppRowView:
+    """Row `row` of a LlamaCppCache seen as a batch-1 cache (the step prefills a joining row through it). Its
+    length is a copy; commits go to the parent (advance(n, row) there)."""
+
+    def __init__(self, parent: LlamaCppCache, row: int):
+        self.parent, self.row = parent, row
+        self.lengths = [parent.lengths[row]]
+        self.max_len = parent.max_len
+
+    @property
+    def batch_size(self) -> int:
+        return 1
+
+    def check_room(self, T: int, B: int = 1) -> None:
+        if self.lengths[0] + T > self.max_len:
+            raise ValueError(f"KV cache full: {self.lengths[0]} + {T} tokens exceed max_len={self.max_len}")
+
+
+def load_llamacpp_model(name: str, field: str = "model", kv_cache_dtype: str = "auto",
+                        threads: int | None = None):
+    """A GGUF file on libllama: checked, loaded with its own weight types, tokenizer built as the torch path
+    builds it (transformers' GGUF converter), so both backends tokenize identically."""
+    from .gguf import inspect_gguf, load_gguf_tokenizer, read_gguf_config
+    from .loading import LoadedModel
+    from .tokens import bos_to_add
+
+    info = inspect_gguf(name, field, check_types=False)
+    model = LlamaCppLM(info.path, kv_cache_dtype=kv_cache_dtype, threads=threads, field=field)
+    tok = load_gguf_tokenizer(info, field)
+    cfg = read_gguf_config(info, field)
+    eos = cfg.get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not eos_ids and tok.eos_token_id is not None:
+        eos_ids = [tok.eos_token_id]
+    log.info("loaded %s on libllama (GGUF %s, %.1fM parameters, weights as stored)", name, info.architecture,
+             model.n_params / 1e6)
+    return LoadedModel(model, tok, str(info.path), name, cfg, eos_ids, model.n_params, bos_to_add(tok),
+                       backend="llamacpp")
