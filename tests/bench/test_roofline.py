@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from leaplm.bench.roofline import bytes_per_forward
+from leaplm.bench.roofline import KERNEL_BLOCK_BYTES, bytes_per_forward, linear_shapes
 from leaplm.cli import app
 from leaplm.models import load_model
 
@@ -42,6 +42,23 @@ def test_roofline_cli_report_is_consistent(checkpoint, tmp_path):
         parts = m["propose_ms"] + m["score_ms"] + m["verify_ms"] + m["commit_ms"] + m["rest_ms"]
         assert parts == pytest.approx(m["ms_per_token"], abs=2e-3)     # the split adds up (rounding only)
     assert "roofline" in res.output and "floor" in res.output
+    from leaplm.kernels.build import load
+
+    ext = load()
+    if ext is None or ext.path == 0:
+        assert r["curves"] == [] and "no block-cost curve" in r["curves_note"]
+        return
+    # one block-cost curve per weight type over T = 1..16, floors consistent with the model's linear shapes
+    assert [c["weight_type"] for c in r["curves"]] == ["Q4_0", "Q4_1", "Q8_0"] and r["int8_GMACs"] > 0
+    a = load_model(checkpoint("llama3_rope")).model.args
+    macs = sum(n * k for n, k in linear_shapes(a))
+    for c in r["curves"]:
+        assert c["tokens"] == list(range(1, 17)) and c["vs_one"][0] == 1 and all(ms > 0 for ms in c["ms"])
+        assert c["weight_bytes"] == macs * KERNEL_BLOCK_BYTES[c["weight_type"]] // 32
+        assert c["bandwidth_floor_ms"] == pytest.approx(c["weight_bytes"] / (r["bandwidth_GBps"] * 1e9) * 1e3,
+                                                        abs=1e-3)
+        assert c["compute_floor_ms"][15] == pytest.approx(16 * macs / (r["int8_GMACs"] * 1e9) * 1e3, rel=1e-2, abs=1e-3)
+    assert "Q4_1: the linear layers" in res.output and "int8 compute floor" in res.output
 
 
 def test_roofline_cli_refuses_bad_quantization(checkpoint):

@@ -53,11 +53,28 @@ def run_roofline(*, model, draft, methods, k, workloads, prompts, max_new_tokens
     floor = nbytes / (bw * 1e9) * 1e3
     rep = Roofline(target_name, quantization, kernel, nbytes, bw, floor, torch.get_num_threads())
     rep.forwards = forward_costs(m)
+    block_curves(rep, m.args)
     prompts_all = [p for w in wl for p in w.prompts]
     rep.methods = method_costs(engines, prompts_all, max_new_tokens, rounds, floor, SamplingParams)
     print_roofline(rep)
     if json_out:
         json_out.write_text(json.dumps(dataclasses.asdict(rep), indent=1))
+
+
+def block_curves(rep, args) -> None:
+    """leaplm's int8 kernel's block-cost curve per weight type, and the int8 compute rate, into `rep`."""
+    from ..kernels.build import load
+    from .roofline import WEIGHT_TYPES, int8_rate, kernel_block_costs, linear_shapes
+
+    ext = load()
+    if ext is None or ext.path == 0:
+        rep.curves_note = "no block-cost curve for leaplm's int8 kernel: " + (
+            "the C++ extension is unavailable" if ext is None else ext.why)
+        return
+    rep.int8_GMACs = round(int8_rate(ext) / 1e9, 1)
+    shapes = linear_shapes(args)
+    for wt in WEIGHT_TYPES:
+        rep.curves.append(kernel_block_costs(shapes, wt, rep.bandwidth_GBps, rep.int8_GMACs * 1e9))
 
 
 def _ext_why() -> str:
@@ -78,6 +95,7 @@ def print_roofline(r) -> None:
     for f in r.forwards:
         t.add_row(str(f.tokens), f"{f.ms:.2f}", f"{f.vs_one:.2f}x", f"{f.ms / r.floor_ms:.2f}x")
     console.print(t)
+    print_curves(r)
     t = Table(title="decode time per generated token (medians over requests; rest = host work between the stages)")
     for col in ("config", "ms/token", "propose", "score", "verify", "commit", "rest", "mean acc. len", "vs floor"):
         t.add_column(col, justify="left" if col == "config" else "right")
@@ -85,3 +103,27 @@ def print_roofline(r) -> None:
         t.add_row(mc.config, f"{mc.ms_per_token:.2f}", f"{mc.propose_ms:.2f}", f"{mc.score_ms:.2f}",
                   f"{mc.verify_ms:.2f}", f"{mc.commit_ms:.2f}", f"{mc.rest_ms:.2f}", f"{mc.mean_accepted_length:.2f}", f"{mc.vs_floor:.2f}x")
     console.print(t)
+
+
+def print_curves(r) -> None:
+    """Per weight type: each kernel's block-cost curve over T beside the bandwidth and int8 compute floors."""
+    if r.curves_note:
+        console.print(r.curves_note)
+    if not r.curves:
+        return
+    console.print(f"int8 compute rate {r.int8_GMACs:.1f} G multiply-adds/s ({r.threads} threads, the kernel's "
+                  f"dot-product instruction, no memory traffic)")
+    for wt in dict.fromkeys(c.weight_type for c in r.curves):
+        curves = [c for c in r.curves if c.weight_type == wt]
+        t = Table(title=f"{wt}: the linear layers of one forward over T tokens (ms; x = vs the first T)")
+        t.add_column("T", justify="right")
+        for c in curves:
+            t.add_column(f"{c.kernel} ({c.weight_bytes / 1e6:.0f} MB)", justify="right")
+        base = curves[0]
+        t.add_column(f"bandwidth floor ({base.weight_bytes / 1e6:.0f} MB)", justify="right")
+        t.add_column("int8 compute floor", justify="right")
+        at = [dict(zip(c.tokens, zip(c.ms, c.vs_one))) for c in curves]
+        for i, T in enumerate(base.tokens):
+            cells = [f"{d[T][0]:.2f} ({d[T][1]:.2f}x)" if T in d else "-" for d in at]
+            t.add_row(str(T), *cells, f"{base.bandwidth_floor_ms:.2f}", f"{base.compute_floor_ms[i]:.2f}")
+        console.print(t)

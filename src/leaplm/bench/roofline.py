@@ -7,6 +7,13 @@ bytes per forward (linear weights in their stored format, norms, one embedding r
 measured forward time for T = 1..16 tokens (what verifying K + 1 tokens costs), and for each method the decode
 time per token split into propose / score (target forwards) / rest (verify, commit, host work), against the
 floor. Speculative methods can go below the floor per token: that is the mean accepted length at work.
+
+Block-cost curves: per GGUF weight type (Q4_0, Q4_1, Q8_0), what the model's linear layers cost over T = 1..16
+tokens in leaplm's int8 kernel (weights of the model's shapes in that type, the T values interleaved per repeat),
+beside two floors: the bandwidth floor (the weights' bytes / the streaming bandwidth: T = 1 cannot go below it)
+and the int8 compute floor (multiply-adds * T / the machine's int8 rate, measured with the kernel's own
+dot-product instruction on all threads). A flat curve makes verifying K + 1 tokens cost about what one costs.
+Other kernels (llama.cpp's) add their curves to `Roofline.curves` under their own name.
 """
 from __future__ import annotations
 
@@ -39,6 +46,19 @@ class MethodCost:
 
 
 @dataclass
+class BlockCurve:
+    """One kernel's cost of a forward's linear layers over T tokens, for one weight type."""
+    kernel: str                     # "leaplm int8 (AVX-512 VNNI)", "llama.cpp", ...
+    weight_type: str                # "Q4_0" | "Q4_1" | "Q8_0"
+    tokens: list[int]               # T values measured
+    ms: list[float]                 # median ms per T
+    vs_one: list[float]             # ms / ms at the first T
+    weight_bytes: int               # bytes of the linear weights as this kernel stores them
+    bandwidth_floor_ms: float       # weight_bytes / streaming bandwidth
+    compute_floor_ms: list[float]   # multiply-adds * T / int8 rate, per T
+
+
+@dataclass
 class Roofline:
     model: str
     quantization: str | None
@@ -49,6 +69,9 @@ class Roofline:
     threads: int
     forwards: list[ForwardCost] = field(default_factory=list)
     methods: list[MethodCost] = field(default_factory=list)
+    int8_GMACs: float = 0.0         # int8 multiply-adds per second (all threads), 0 when not measured
+    curves: list[BlockCurve] = field(default_factory=list)
+    curves_note: str = ""           # why a curve is missing, if one is
 
 
 def bytes_per_forward(model) -> int:
@@ -128,3 +151,73 @@ def _median(fn, reps: int) -> float:
         fn()
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
+
+
+# bytes per 32 weights in the int8 kernel's storage (fp32 scale, + fp32 min for Q4) and in a GGUF file (fp16)
+KERNEL_BLOCK_BYTES = {"Q4_0": 16 + 8, "Q4_1": 16 + 8, "Q8_0": 32 + 4}
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+WEIGHT_TYPES = tuple(KERNEL_BLOCK_BYTES)
+
+
+def linear_shapes(args) -> list[tuple[int, int]]:
+    """(out, in) of every linear weight one forward reads, fused as the native model holds them, lm_head last."""
+    H, Hkv, D, hid, inter = (args.num_attention_heads, args.num_key_value_heads, args.head_dim, args.hidden_size,
+                             args.intermediate_size)
+    per_layer = [((H + 2 * Hkv) * D, hid), (hid, H * D), (2 * inter, hid), (hid, inter)]
+    return per_layer * args.num_hidden_layers + [(args.vocab_size, hid)]
+
+
+def random_weight(shape: tuple[int, int], weight_type: str, g: torch.Generator):
+    """A QuantizedWeight of `shape` with random integers and scales in `weight_type`'s form (speed does not depend
+    on the values)."""
+    from ..quant.formats import BLOCK, QuantizedWeight
+
+    N, K = shape
+    s = torch.rand(N, K // BLOCK, generator=g) * 0.01
+    if weight_type == "Q8_0":
+        return QuantizedWeight("int8", torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g), s, None)
+    q = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+    m = -8 * s if weight_type == "Q4_0" else torch.randn(N, K // BLOCK, generator=g) * 0.01
+    return QuantizedWeight("int4", q, s, m)
+
+
+def int8_rate(ext, reps: int = 3) -> float:
+    """Multiply-adds per second of the extension's dot-product instruction on all threads (median of reps)."""
+    iters = 200_000
+    ext.module.int8_peak(ext.path, iters // 10)                        # warm-up (clocks, thread pool)
+    return statistics.median(ext.module.int8_peak(ext.path, iters) for _ in range(reps))
+
+
+def kernel_block_costs(shapes: list[tuple[int, int]], weight_type: str, bandwidth_GBps: float, macs_per_s: float,
+                       tokens=tuple(range(1, 17)), reps: int = 5, seed: int = 0) -> BlockCurve:
+    """Median ms of the int8 kernel over all `shapes` for each T, the T values interleaved per repeat."""
+    from ..kernels.build import load
+    from ..quant.linear import QuantizedLinear
+
+    ext = load()
+    g = torch.Generator().manual_seed(seed)
+    lins = [QuantizedLinear(random_weight(s, weight_type, g), "extension") for s in shapes]
+    for lin in lins:                                 # keep only what the kernel reads
+        lin.weight = None
+    ins = {K: {T: torch.randn(T, K, generator=g) for T in tokens} for K in {k for _, k in shapes}}
+
+    def forward(T: int) -> None:
+        for lin, (_, K) in zip(lins, shapes):
+            lin(ins[K][T])
+
+    times: dict[int, list[float]] = {T: [] for T in tokens}
+    for T in tokens:                                 # warm-up
+        forward(T)
+    for _ in range(reps):
+        for T in tokens:
+            t = time.perf_counter()
+            forward(T)
+            times[T].append(time.perf_counter() - t)
+    med = [statistics.median(times[T]) * 1e3 for T in tokens]
+    nbytes = sum(n * k for n, k in shapes) * KERNEL_BLOCK_BYTES[weight_type] // 32
+    macs = sum(n * k for n, k in shapes)
+    from ..kernels.build import PATHS
+
+    return BlockCurve(f"leaplm int8 ({PATHS[ext.path]})", weight_type, list(tokens), [round(m, 3) for m in med],
+                      [round(m / med[0], 3) for m in med], nbytes, round(nbytes / (bandwidth_GBps * 1e9) * 1e3, 3),
+                      [round(macs * T / macs_per_s * 1e3, 3) for T in tokens])

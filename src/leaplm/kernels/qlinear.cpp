@@ -20,6 +20,8 @@
 // VNNI) gives the same bits: the scalar path is the reference the SIMD paths are checked against.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -283,6 +285,53 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::
   return y;
 }
 
+#if defined(__x86_64__)
+// The int8 multiply-add rate one thread reaches with a path's dot-product instruction (16 independent chains, no
+// memory traffic): the compute ceiling `leaplm bench --roofline` draws under the kernel's block-cost curve.
+#define LEAPLM_PEAK_BODY(STEP)                                                                   \
+  __m256i acc[16];                                                                                 \
+  for (int i = 0; i < 16; ++i) acc[i] = _mm256_set1_epi32(i);                                      \
+  const __m256i w = _mm256_set1_epi8(3), a = _mm256_set1_epi8(-2), ones = _mm256_set1_epi16(1);    \
+  (void)ones;                                                                                      \
+  for (int64_t it = 0; it < iters; ++it)                                                           \
+    for (int i = 0; i < 16; ++i) {                                                                 \
+      acc[i] = STEP;                                                                               \
+      asm volatile("" : "+x"(acc[i]));                                                             \
+    }                                                                                              \
+  alignas(32) int32_t out[8];                                                                      \
+  int64_t sum = 0;                                                                                 \
+  for (int i = 0; i < 16; ++i) {                                                                   \
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out), acc[i]);                                   \
+    sum += out[0];                                                                                 \
+  }                                                                                                \
+  return sum;
+
+__attribute__((target("avx2,fma"))) int64_t peak_avx2(int64_t iters) {
+  LEAPLM_PEAK_BODY(_mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones)))
+}
+
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) int64_t peak_vnni(int64_t iters) {
+  LEAPLM_PEAK_BODY(_mm256_dpbusd_epi32(acc[i], w, a))
+}
+#endif
+
+// Multiply-adds per second over all threads (int8 x int8 -> int32) for `path`, measured over `iters` rounds.
+double int8_peak(int64_t path, int64_t iters) {
+  TORCH_CHECK(path == AVX2 || path == AVX512VNNI, "int8_peak: path 1 (AVX2) or 2 (AVX-512 VNNI)");
+#if defined(__x86_64__)
+  const int threads = at::get_num_threads();
+  const auto t0 = std::chrono::steady_clock::now();
+  std::atomic<int64_t> sink{0};
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) sink += path == AVX512VNNI ? peak_vnni(iters) : peak_avx2(iters);
+  });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return double(threads) * iters * 16 * 32 / s;
+#else
+  return 0.0;
+#endif
+}
+
 // The activation quantization alone (for tests): (qa [T, K] int8, a [T, K / 32] fp32).
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) % QK == 0,
@@ -301,5 +350,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "int8-activation quantized linear for 1..16 tokens over packed weights",
         pybind11::arg("x"), pybind11::arg("qp"), pybind11::arg("sp"), pybind11::arg("mp"), pybind11::arg("bias"),
         pybind11::arg("n"), pybind11::arg("path"));
+  m.def("int8_peak", &int8_peak, "int8 multiply-adds per second of a path's dot-product instruction, all threads",
+        pybind11::arg("path"), pybind11::arg("iters"));
   m.def("quantize_activations", &quantize_activations, "per-token, per-32-block int8 activations (qa, a)");
 }
