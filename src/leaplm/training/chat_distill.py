@@ -37,6 +37,18 @@ DRAFT_SHAPES: dict[str, dict] = {
     "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1),
 }
+# "cut-N": the target's own first N layers, final norm and (tied) embedding rows of the draft vocabulary, copied
+# from the target and then distilled: a draft that starts close to the target's early representation
+CUT_PREFIX = "cut-"
+LOSSES = ("kl", "tv")
+
+
+def cut_layers(shape: str) -> int | None:
+    """N of a "cut-N" shape, else None."""
+    if not shape.startswith(CUT_PREFIX):
+        return None
+    n = shape[len(CUT_PREFIX):]
+    return int(n) if n.isdigit() and int(n) >= 1 else None
 
 
 @dataclass
@@ -49,6 +61,9 @@ class ChatDistillConfig:
     steps: int = 2000
     batch_size: int = 16               # rows per step
     alpha: float = 0.9
+    # divergence between p_T and q_T at each temperature: "kl" (forward KL, renormalised inside the draft
+    # vocabulary) or "tv" (total variation against the target's cached top k: 1 - TV is the sampled acceptance)
+    loss: str = "kl"
     temperatures: tuple[float, ...] = (1.0, 0.8)
     lr: float = 3e-3
     min_lr: float = 1e-4
@@ -70,8 +85,11 @@ class ChatDistillConfig:
         for name in ("steps", "batch_size", "warmup_steps", "save_every", "eval_every", "valid_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.shape not in DRAFT_SHAPES:
-            raise ConfigError("shape", f"{self.shape!r} unknown; choose from {sorted(DRAFT_SHAPES)}")
+        if self.shape not in DRAFT_SHAPES and cut_layers(self.shape) is None:
+            raise ConfigError("shape", f"{self.shape!r} unknown; choose from {sorted(DRAFT_SHAPES)} or "
+                                       f"{CUT_PREFIX}N (the target's first N layers)")
+        if self.loss not in LOSSES:
+            raise ConfigError("loss", f"{self.loss!r} unknown; choose from {', '.join(LOSSES)}")
         if self.draft_vocab < 2:
             raise ConfigError("draft_vocab", f"must be >= 2, got {self.draft_vocab}")
         if not 0 <= self.alpha <= 1:
@@ -177,16 +195,60 @@ def target_embedding(model: str) -> torch.Tensor:
     return sd[key].float()
 
 
-def build_draft(cfg: ChatDistillConfig, d2t: torch.Tensor, target_emb: torch.Tensor, eos_target: int):
-    """A fresh HF llama over len(d2t) rows, embedding = PCA projection of the target's rows (scaled to the
-    usual init std)."""
+def target_checkpoint(model: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(Hugging Face config dict, fp32 state dict with Hugging Face names) of the target."""
+    from ..models.gguf import inspect_gguf, is_gguf, read_gguf_checkpoint
+
+    if is_gguf(model):
+        return read_gguf_checkpoint(inspect_gguf(model), torch.float32)
+    from ..models.loading import read_state_dict
+
+    return json.loads((Path(model) / "config.json").read_text()), \
+        {k: v.float() for k, v in read_state_dict(Path(model)).items()}
+
+
+def build_cut_draft(model: str, n_layers: int, d2t: torch.Tensor, eos_target: int):
+    """A HF llama over len(d2t) rows made of the target's first n_layers layers, its final norm and its
+    embedding rows d2t (row 0, "other", = the mean row), tied as input embedding and LM head."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    tcfg, sd = target_checkpoint(model)
+    if tcfg.get("model_type", "llama") != "llama":
+        raise ConfigError("shape", f"{CUT_PREFIX}N needs a llama target, got model_type {tcfg.get('model_type')!r}")
+    total = int(tcfg["num_hidden_layers"])
+    if n_layers >= total:
+        raise ConfigError("shape", f"{CUT_PREFIX}{n_layers}: the target has only {total} layers")
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+            "max_position_embeddings", "head_dim", "rope_parameters", "rope_theta", "hidden_act")
+    t2d_eos = int((d2t == eos_target).nonzero()[0]) if bool((d2t == eos_target).any()) else 0
+    conf = LlamaConfig(vocab_size=len(d2t), tie_word_embeddings=True, num_hidden_layers=n_layers,
+                       bos_token_id=t2d_eos, eos_token_id=t2d_eos, **{k: tcfg[k] for k in keep if k in tcfg})
+    draft = LlamaForCausalLM(conf)
+    emb = sd["model.embed_tokens.weight"]                               # [V, H]
+    rows = emb[d2t.clamp(min=0)].clone()                                # [N, H]
+    rows[0] = emb.mean(0)
+    own = {"model.embed_tokens.weight": rows, "model.norm.weight": sd["model.norm.weight"]}
+    own |= {k: v for k, v in sd.items() if k.startswith("model.layers.") and int(k.split(".")[2]) < n_layers}
+    missing, unexpected = draft.load_state_dict(own, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" and "rotary_emb" not in k]
+    if missing or unexpected:
+        raise ValueError(f"shape: cannot cut the target: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    draft.tie_weights()
+    return draft
+
+
+def build_draft(cfg: ChatDistillConfig, d2t: torch.Tensor, target_emb: torch.Tensor | None, eos_target: int):
+    """A fresh HF llama over len(d2t) rows, embedding = PCA projection of the target's rows (scaled to the
+    usual init std); a "cut-N" shape starts from the target's own first N layers instead."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    if (n := cut_layers(cfg.shape)) is not None:
+        return build_cut_draft(cfg.model, n, d2t, eos_target)
     shape = DRAFT_SHAPES[cfg.shape]
     t2d_eos = int((d2t == eos_target).nonzero()[0]) if bool((d2t == eos_target).any()) else 0
     conf = LlamaConfig(vocab_size=len(d2t), tie_word_embeddings=True, max_position_embeddings=8192,
                        rope_theta=100000.0, rms_norm_eps=1e-5, bos_token_id=t2d_eos, eos_token_id=t2d_eos, **shape)
-    torch.manual_seed(cfg.seed)
     draft = LlamaForCausalLM(conf)
     h = shape["hidden_size"]
     rows = target_emb[d2t.clamp(min=0)]                               # [N, H_target]
@@ -241,8 +303,11 @@ class ChatLoss:
     overlap: torch.Tensor              # [] mean_T sum_k min(p_T,k, q_T): per-token sampled acceptance (k-bounded)
 
 
-def chat_loss(logits: torch.Tensor, b: ChatBatch, alpha: float, temperatures: tuple[float, ...]) -> ChatLoss:
-    """logits [M, N] at the supervised positions; row 0 is masked as at inference."""
+def chat_loss(logits: torch.Tensor, b: ChatBatch, alpha: float, temperatures: tuple[float, ...],
+              loss: str = "kl") -> ChatLoss:
+    """logits [M, N] at the supervised positions; row 0 is masked as at inference. loss "kl": alpha * KL +
+    (1 - alpha) * CE; "tv": alpha * TV + (1 - alpha) * CE, where TV(p_T, q_T) = 1 - sum_k min(p_T,k, q_T) over
+    the cached top k (the mass outside them counted as disagreement), what rejection sampling loses."""
     logits = logits.float().clone()
     logits[:, 0] = float("-inf")
     kls, overlaps = [], []
@@ -260,10 +325,12 @@ def chat_loss(logits: torch.Tensor, b: ChatBatch, alpha: float, temperatures: tu
         q_k = torch.where(b.topk_in, logq_k.exp(), torch.zeros_like(p))
         overlaps.append(torch.minimum(p_full, q_k).sum(-1).mean())
     kl = torch.stack(kls).mean()
+    overlap = torch.stack(overlaps).mean()
     inv = b.emitted > 0
     ce = -F.log_softmax(logits, -1)[inv].gather(-1, b.emitted[inv].unsqueeze(1)).mean()
     agree = (logits.argmax(-1) == b.topk[:, 0]) & b.argmax_in
-    return ChatLoss(alpha * kl + (1 - alpha) * ce, kl, ce, agree.float().mean(), torch.stack(overlaps).mean())
+    div = kl if loss == "kl" else 1 - overlap
+    return ChatLoss(alpha * div + (1 - alpha) * ce, kl, ce, agree.float().mean(), overlap)
 
 
 def _forward(draft, b: ChatBatch) -> torch.Tensor:
@@ -297,7 +364,7 @@ def evaluate(draft, rows: list[ChatRow], t2d: torch.Tensor, cfg: ChatDistillConf
     if not rows:
         return None
     draft.eval()
-    parts = [chat_loss(_forward(draft, b), b, cfg.alpha, cfg.temperatures)
+    parts = [chat_loss(_forward(draft, b), b, cfg.alpha, cfg.temperatures, cfg.loss)
              for b in (make_batch(rows[i : i + cfg.batch_size], t2d) for i in range(0, len(rows), cfg.batch_size))]
     draft.train()
     return ChatLoss(*(torch.stack([getattr(p, f) for p in parts]).mean()
@@ -332,7 +399,7 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
     log.info("chat shards: %d train rows (%d answer tokens), %d valid rows; temperatures %s; draft vocabulary "
              "%d covers %.3f of held-out answer tokens", len(shards.train), shards.answer_tokens(),
              len(shards.valid), shards.temperatures, len(d2t), cov)
-    draft = build_draft(cfg, d2t, target_embedding(cfg.model), tok.eos_token_id)
+    draft = build_draft(cfg, d2t, None if cut_layers(cfg.shape) else target_embedding(cfg.model), tok.eos_token_id)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     state_path = out / "train_state.pt"
     start, tokens_seen, elapsed, rng = 0, 0, 0.0, random.Random(cfg.seed)
@@ -359,7 +426,7 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
         r, loss, n_tok = None, torch.zeros(()), 0
         if shards.train:
             b = make_batch(rng.sample(shards.train, min(cfg.batch_size, len(shards.train))), t2d)
-            r = chat_loss(_forward(draft, b), b, cfg.alpha, cfg.temperatures)
+            r = chat_loss(_forward(draft, b), b, cfg.alpha, cfg.temperatures, cfg.loss)
             loss, n_tok = r.loss, len(b.emitted)
         if text is not None:
             loss = loss + cfg.text_weight * text_ce(draft, text.batch(rng, cfg.batch_size, cfg.text_seq_len), t2d)

@@ -1,0 +1,159 @@
+"""`leaplm train draft`: a draft for a target in one resumable command.
+
+Two stages in one run directory:
+  OUT/run.json     what the run is for: the target's tokenizer fingerprint and the settings that shape its data and
+                   draft; a rerun with another target or other settings is refused, naming what differs
+  OUT/chatdata/    stage 1, the target's own chat answers with top-k log-probs (chat_ondata.py, shards written
+                   whole every shard_rows answers, so a killed run keeps them)
+  OUT/draft/       stage 2, the distilled draft (chat_distill.py, checkpoint every save_every steps); when done
+                   it is a draft directory `--draft OUT/draft` loads
+A rerun resumes: stage 1 skips the shards present, stage 2 continues from its last checkpoint.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from ..config import ConfigError
+from .chat_distill import ChatDistillConfig, distill_chat
+from .chat_ondata import ChatDataConfig, generate_chat_logits
+
+RUN_FILE = "run.json"
+RUN_KIND = "leaplm-train-draft"
+# settings a rerun may change (budget, speed knobs); every other field must match the run on disk
+RESUMABLE = ("steps", "threads", "save_every", "eval_every", "batch_size_data", "n_prompts")
+
+
+@dataclass
+class DraftRunConfig:
+    target: str                                   # GGUF file or checkpoint directory of the target
+    out_dir: str
+    shape: str = "cut-2"                          # chat_distill.DRAFT_SHAPES or cut-N
+    draft_vocab: int = 4096
+    # stage 1: data
+    n_prompts: int = 1024
+    new_tokens: int = 128
+    top_k: int = 20
+    data_temperatures: tuple[float, ...] = (0.0, 0.8)
+    max_prompt_tokens: int = 256
+    batch_size_data: int = 32
+    shard_rows: int = 16
+    # stage 2: distillation
+    steps: int = 1500
+    batch_size: int = 8
+    lr: float = 1e-3
+    warmup_steps: int = 30
+    alpha: float = 0.9
+    loss: str = "kl"
+    temperatures: tuple[float, ...] = (1.0, 0.8)
+    text_weight: float = 0.0
+    save_every: int = 50
+    eval_every: int = 100
+    seed: int = 0
+    threads: int | None = None
+    max_files: int | None = None                  # limit the stdlib scan (tests)
+    extra: dict = field(default_factory=dict)     # ChatDistillConfig fields passed through (tests, experiments)
+
+    def data_config(self) -> ChatDataConfig:
+        return ChatDataConfig(model=self.target, out_dir=str(Path(self.out_dir) / "chatdata"),
+                              n_prompts=self.n_prompts, new_tokens=self.new_tokens, top_k=self.top_k,
+                              batch_size=self.batch_size_data, shard_rows=self.shard_rows,
+                              temperatures=self.data_temperatures, max_prompt_tokens=self.max_prompt_tokens,
+                              seed=self.seed, max_files=self.max_files, threads=self.threads)
+
+    def distill_config(self) -> ChatDistillConfig:
+        return ChatDistillConfig(model=self.target, logits_dir=str(Path(self.out_dir) / "chatdata"),
+                                 out_dir=str(Path(self.out_dir) / "draft"), shape=self.shape,
+                                 draft_vocab=self.draft_vocab, steps=self.steps, batch_size=self.batch_size,
+                                 alpha=self.alpha, loss=self.loss, temperatures=self.temperatures, lr=self.lr,
+                                 warmup_steps=self.warmup_steps, save_every=self.save_every,
+                                 eval_every=self.eval_every, seed=self.seed, text_weight=self.text_weight,
+                                 **self.extra)
+
+
+@dataclass
+class DraftRunProgress:
+    """What on_progress receives: the stage, and its counts."""
+    stage: str                                    # "data" or "distill"
+    done: int
+    total: int
+    step_log: object | None = None                # distill: the DistillStepLog of the step
+
+
+def target_fingerprint(target: str) -> tuple[str, int]:
+    """(tokenizer sha256, vocabulary size) of a target the engine can load; ConfigError('target') otherwise."""
+    from ..models.draft_vocab import tokenizer_fingerprint
+    from ..models.gguf import inspect_gguf, is_gguf, load_gguf_tokenizer
+    from ..models.loading import check_source
+
+    if is_gguf(target):
+        tok = load_gguf_tokenizer(inspect_gguf(target, "target"), "target")
+    else:
+        check_source(target, "target")
+        p = Path(target)
+        if not (p / "config.json").is_file():
+            raise ConfigError("target", f"{target!r} is neither a GGUF file nor a checkpoint directory")
+        cfg = json.loads((p / "config.json").read_text())
+        if cfg.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3"):
+            raise ConfigError("target", f"{target}: model_type {cfg.get('model_type')!r} cannot be distilled from "
+                                        "(llama, mistral, qwen2 or qwen3)")
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(target)
+    if getattr(tok, "chat_template", None) is None:
+        raise ConfigError("target", f"{target}: the tokenizer has no chat template (train draft generates chat "
+                                    "answers)")
+    return tokenizer_fingerprint(tok), len(tok.get_vocab())
+
+
+def _identity(cfg: DraftRunConfig, fingerprint: str) -> dict:
+    d = asdict(cfg)
+    for k in (*RESUMABLE, "out_dir", "target"):
+        d.pop(k)
+    return {"kind": RUN_KIND, "tokenizer_sha256": fingerprint, "target": Path(cfg.target).name} | \
+        json.loads(json.dumps(d))
+
+
+def check_run_dir(cfg: DraftRunConfig, fingerprint: str) -> None:
+    """Refuse an output directory that holds anything but this run (another target, other settings, other files)."""
+    out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError("out_dir", f"{cfg.out_dir!r} is not a directory")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    run = out / RUN_FILE
+    if not run.is_file():
+        raise ConfigError("out_dir", f"{cfg.out_dir!r} is not empty and holds no {RUN_FILE}: not a `train draft` "
+                                     "run; choose an empty or new directory")
+    have = json.loads(run.read_text())
+    want = _identity(cfg, fingerprint)
+    if have.get("kind") != RUN_KIND:
+        raise ConfigError("out_dir", f"{run} is not a `train draft` run")
+    if have.get("tokenizer_sha256") != fingerprint:
+        raise ConfigError("out_dir", f"{cfg.out_dir!r} holds a run for another target ({have.get('target')}, "
+                                     f"tokenizer {str(have.get('tokenizer_sha256'))[:12]}...; this target's is "
+                                     f"{fingerprint[:12]}...); choose another directory")
+    diff = [k for k in want if k not in ("target",) and have.get(k) != want[k]]
+    if diff:
+        k = diff[0]
+        raise ConfigError("out_dir", f"{cfg.out_dir!r} holds a run with other settings: {k} = {have.get(k)!r} there, "
+                                     f"{want[k]!r} here ({len(diff)} setting(s) differ); rerun with the same "
+                                     "settings to resume, or choose another directory")
+
+
+def train_draft(cfg: DraftRunConfig, on_progress: Callable[[DraftRunProgress], None] | None = None):
+    """Run (or resume) both stages; returns the last DistillStepLog (None when the draft was already done)."""
+    cfg.data_config().validate()
+    dcfg = cfg.distill_config()
+    replace(dcfg, logits_dir=".").validate()      # the shards' directory is made by stage 1
+    fp, _ = target_fingerprint(cfg.target)
+    check_run_dir(cfg, fp)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RUN_FILE).write_text(json.dumps(_identity(cfg, fp), indent=1))
+    generate_chat_logits(cfg.data_config(), on_rows=lambda d, n: on_progress and on_progress(
+        DraftRunProgress("data", d, n)))
+    return distill_chat(dcfg, lambda s: on_progress and on_progress(
+        DraftRunProgress("distill", s.step, s.steps, s)))
