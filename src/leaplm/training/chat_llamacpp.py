@@ -138,7 +138,8 @@ class LlamaCppGenerator:
                     tok = int(torch.multinomial(probs, 1, generator=sl.gen))
                 else:
                     tok = int(top.indices[0])
-                sl.answer.append(AnswerToken(tok, list(zip(top.indices.tolist(), top.values.tolist()))))
+                if tok not in eos_ids:                   # as the engine: the stop token is not part of the answer
+                    sl.answer.append(AnswerToken(tok, list(zip(top.indices.tolist(), top.values.tolist()))))
                 if tok in eos_ids or len(sl.answer) >= new_tokens:
                     on_row(sl.row, sl.answer)
                     L.llama_memory_seq_rm(mem, s, -1, -1)

@@ -162,7 +162,7 @@ def generate_chat_logits(cfg: ChatDataConfig, on_rows: Callable[[int, int], None
     if backend == "llamacpp":
         from .chat_llamacpp import LlamaCppGenerator, RowSpec
 
-        eos = {tokenizer.eos_token_id} - {None}              # the engine's EOS for a GGUF file (models/loading.py)
+        eos = _gguf_eos_ids(cfg.model, tokenizer)
         gen = LlamaCppGenerator(cfg.model, cfg.batch_size, cfg.max_prompt_tokens + cfg.new_tokens + 8, cfg.threads)
         try:
             specs = [RowSpec(prompts[r], _temperature(cfg, r // cfg.shard_rows),
@@ -198,6 +198,16 @@ def generate_chat_logits(cfg: ChatDataConfig, on_rows: Callable[[int, int], None
     sched.submit(reqs)
     sched.run_until_idle()
     return cfg.n_prompts
+
+
+def _gguf_eos_ids(path: str, tokenizer) -> set[int]:
+    """The EOS ids the engine stops a GGUF target at (models/loading.py): the file's eos_token_id as transformers
+    maps it, else the tokenizer's."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    eos = load_gguf_checkpoint(path, return_tensors=False)["config"].get("eos_token_id")
+    ids = {eos} if isinstance(eos, int) else set(eos or [])
+    return ids or ({tokenizer.eos_token_id} - {None})
 
 
 def _temperature(cfg: ChatDataConfig, shard: int) -> float:
