@@ -46,6 +46,20 @@ def write_eot_tokenizer(path):
     return fast
 
 
+def write_heads(target, d) -> dict[str, str]:
+    """An untrained EAGLE head and Medusa heads for the loaded `target` (Medusa's heads start as the identity, so
+    they guess what the target's last hidden state says: some tokens are accepted)."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "heads"))
+    from head_helpers import random_head
+    from leaplm.heads.checkpoint import identity_of, save_head
+    from leaplm.heads.medusa_net import MedusaConfig, MedusaNet
+
+    net = MedusaNet(MedusaConfig(target.model.hidden_size, target.model.vocab_size, 3))
+    return {"eagle": random_head(target, d / "eagle"),
+            "medusa": str(save_head(d / "medusa", "medusa", net.config.to_dict(), identity_of(target),
+                                    net.state_dict()))}
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """name -> path: HF directories 'target' and 'draft', and their GGUF exports 'target-f32', 'target-q8_0',
@@ -75,10 +89,14 @@ def test_f32_logits_and_greedy_tokens_match_the_torch_path(files):
     ids = torch.tensor([PROMPTS[0] + PROMPTS[1]])                                      # [1, 21]
     with torch.inference_mode():
         a = ref.model(ids, ref.model.new_cache(1, 64))                                 # [1, 21, V]
-    b = lm(ids, lm.new_cache(1, 64))
+    b = lm.forward_hidden(ids, lm.new_cache(1, 64))
     tol = sum_tolerance(torch.float32, forward_reduction_length(ref.model), float(a.abs().max()))
-    assert a.shape == b.shape
-    assert (a - b).abs().max() <= tol
+    assert a.shape == b.logits.shape
+    assert (a - b.logits).abs().max() <= tol
+    with torch.inference_mode():                       # the hidden state heads read: after the final norm
+        h = ref.model.forward_hidden(ids, ref.model.new_cache(1, 64)).hidden                 # [1, 21, hid]
+    assert (h - b.hidden).abs().max() <= sum_tolerance(torch.float32, forward_reduction_length(ref.model),
+                                                        float(h.abs().max()))
     for prompt in PROMPTS:
         want = Engine(ref, method="none").generate(prompt, greedy()).token_ids
         assert Engine(files["target-f32"], method="none", backend="llamacpp").generate(prompt, greedy()).token_ids \
@@ -202,13 +220,23 @@ METHODS = {
     "suffix": lambda f: dict(method="suffix", k=6),
     "suffix_big": lambda f: dict(method="suffix", k=16, ngram_min=1, ngram_max=6),
     "lookahead": lambda f: dict(method="lookahead", k=6, window=3, ngram_size=3, guess_set=3),
+    "eagle": lambda f: dict(method="eagle", k=6, head=f["heads"]["eagle"]),            # trees over hidden states
+    "medusa": lambda f: dict(method="medusa", k=4, head=f["heads"]["medusa"]),
 }
+
+
+@pytest.fixture(scope="module")
+def loaded_q8(files, tmp_path_factory):
+    """The Q8_0 target on libllama, with heads written for it (files["heads"])."""
+    lm = load_model(files["target-q8_0"], backend="llamacpp")
+    files["heads"] = write_heads(lm, tmp_path_factory.mktemp("heads"))
+    return lm
 
 
 @needs_libllama
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed_k", "adaptive_k"])
 @pytest.mark.parametrize("name", METHODS)
-def test_every_method_greedy_equals_none_on_libllama(name, adaptive, files):
+def test_every_method_greedy_equals_none_on_libllama(name, adaptive, files, loaded_q8):
     target = files["target-q8_0"]
     none = Engine(target, method="none")
     assert none.backend == "llamacpp" and none.exactness == "identical"
@@ -287,3 +315,29 @@ def test_layerskip_is_refused_naming_the_torch_backend(files):
         Engine(files["target-q8_0"], method="layerskip", k=3)
     assert e.value.field == "method"
     assert Engine(files["target-q8_0"], method="layerskip", k=3, skip_layers=[1], backend="torch").backend == "torch"
+
+
+# --- the server's path: continuous batching with chunked prefill -----------------------------------------------
+@needs_libllama
+@pytest.mark.parametrize("params", [greedy(24), SamplingParams(max_new_tokens=24, temperature=0.9, seed=5,
+                                                               ignore_eos=True)], ids=["greedy", "seeded"])
+def test_continuous_batching_with_chunked_prefill_equals_each_request_alone(files, params):
+    """Rows of several methods (chains, trees, a draft model) join and leave one batch whose long prompts are
+    prefilled in chunks; each request's tokens equal what it gets alone on the same backend (a seeded request's
+    draws are fixed by its seed and positions, so sampled output compares token for token too)."""
+    from leaplm.engine.scheduler import BatchScheduler, SeqRequest
+    from leaplm.engine.step import MIN_CHUNK
+
+    target = files["target-q8_0"]
+    eng = Engine(target, draft=files["draft-q8_0"], method="draft", k=3, max_num_batched_tokens=MIN_CHUNK)
+    long = [3 + (i * 7) % 200 for i in range(90)]
+    jobs = [(PROMPTS[0], "ngram"), (long, "draft"), (PROMPTS[1], "suffix"), (long[:50], "none"), (PROMPTS[2], "draft"),
+            (PROMPTS[1] * 3, "lookahead")]
+    outs: dict[int, list[int]] = {}
+    sched = BatchScheduler(eng, max_batch=3, calibrate=False)
+    sched.submit([SeqRequest(list(p), params, lambda o, i=i: outs.setdefault(i, []).extend(
+        o.chunk.token_ids if o.chunk is not None else []), method=m) for i, (p, m) in enumerate(jobs)])
+    sched.run_until_idle()
+    for i, (p, m) in enumerate(jobs):
+        alone = Engine(target, draft=files["draft-q8_0"] if m == "draft" else None, method=m, k=3)
+        assert outs[i] == alone.generate(list(p), params).token_ids, (i, m)

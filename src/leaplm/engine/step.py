@@ -259,7 +259,10 @@ class Batch:
                 if p is not None:
                     block[i, 1: 1 + p.k] = p.tokens.to("cpu")
             feats = any(reads_hidden(r.proposer) for r in rows)
-            out = self._forward(block.to(self.model.device), self.cache, feats)
+            # a model taking ragged rows (libllama) skips the padding, and a tree row's block (scored below)
+            ragged = {"row_tokens": [0 if p is not None and p.parents is not None else 1 + (c.k if c is not None else 0)
+                                     for p, c in zip(proposals, chain)]} if getattr(self.model, "ragged", False) else {}
+            out = self._forward(block.to(self.model.device), self.cache, feats, **ragged)
             logits, hidden = (out.logits, out.hidden) if feats else (out, None)       # [n, T, V], [n, T, hid]
             self.estimates.costs.observe(n, T, time.perf_counter() - tp)
         tv = time.perf_counter()

@@ -59,6 +59,8 @@ def load_head_for(head: str | None, target, kind: str = "eagle"):
 def target_head_weight(model) -> torch.Tensor:
     """[V, hid] fp32: the target's output projection as it computes it. Under --quantization the fp weight is
     freed (quant/apply.py) and the quantized one is dequantized here, so heads see the quantized target's head."""
+    if hasattr(model, "head_weight"):                   # libllama (models/llamacpp.py): read from the file
+        return model.head_weight()
     q = getattr(model, "quantized", {}).get("lm_head.weight")
     if q is None:
         return model.lm_head.weight.detach().float()
@@ -78,7 +80,7 @@ def build_runtime(hf, target, where):
             raise ConfigError("head", f"{where}: head config is malformed ({e})") from None
         _load_state(net, hf.state, where)
         m = target.model
-        embed = m.embed_tokens.weight.detach().float()
+        embed = m.embed_weight() if hasattr(m, "embed_weight") else m.embed_tokens.weight.detach().float()
         if net.config.draft_vocab_size is None:
             return EagleHead(net.eval().float(), embed, target_head_weight(m))
         from .vocab import ids_of

@@ -136,6 +136,7 @@ class LlamaCppLM:
         self.kv_type = KV_TYPES[kv_cache_dtype]
         self.threads = threads
         self.repack = repack
+        self._tensors: dict[str, torch.Tensor] = {}          # dequantized tensors heads read (embedding, head)
         self.flash_attn = {None: lc.LLAMA_FLASH_ATTN_TYPE_AUTO, True: lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                            False: lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash_attn]
         mp = lc.llama_model_default_params()
@@ -183,6 +184,32 @@ class LlamaCppLM:
         log.info("%s: llama.cpp %s batch-invariant on this CPU", self.path, "is" if same else "is NOT")
         return same
 
+    def embed_weight(self) -> torch.Tensor:
+        """[V, hidden] fp32: the token embedding, dequantized from the file (EAGLE heads read it)."""
+        return self._tensor("token_embd.weight")
+
+    def head_weight(self) -> torch.Tensor:
+        """[V, hidden] fp32: the output projection (the embedding when tied), dequantized from the file as
+        libllama computes with it (Medusa heads and EAGLE heads without their own vocabulary read it)."""
+        return self._tensor("output.weight") if "output.weight" in self._tensor_names() else self.embed_weight()
+
+    def _tensor_names(self) -> set[str]:
+        from gguf import GGUFReader
+
+        return {t.name for t in GGUFReader(self.path).tensors}
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        """A tensor of the file dequantized to fp32 [rows, hidden], read once."""
+        if name not in self._tensors:
+            from gguf import GGUFReader
+            from gguf.quants import dequantize
+
+            t = next(t for t in GGUFReader(self.path).tensors if t.name == name)
+            w = dequantize(t.data, t.tensor_type)
+            self._tensors[name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(
+                -1, self.hidden_size)
+        return self._tensors[name]
+
     def eog_ids(self) -> list[int]:
         """Tokens libllama ends generation on (EOS, EOT, ...)."""
         return [t for t in range(self.vocab_size) if self.lc.llama_vocab_is_eog(self._vocab, t)]
@@ -201,22 +228,30 @@ class LlamaCppLM:
         return self
 
     # --- forwards ----------------------------------------------------------------------------------------------
+    ragged = True          # forwards take row_tokens: a batch's rows need not be padded to one length
+
     def forward(self, input_ids: torch.Tensor, cache, *, tree_mask: torch.Tensor | None = None,
                 position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
-                last_only: bool = False) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only); see the module docstring."""
-        return self._run(input_ids, cache, tree_mask, position_offsets, layers, last_only, False, False).logits
+                last_only: bool = False, row_tokens: Sequence[int] | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only); see the module docstring.
+        row_tokens: row b's first row_tokens[b] tokens are real, the rest padding that is neither decoded nor
+        written (its logits are zeros); None: every token is real."""
+        return self._run(input_ids, cache, tree_mask, position_offsets, layers, last_only, False, False,
+                         row_tokens).logits
 
     __call__ = forward
 
     def forward_hidden(self, input_ids: torch.Tensor, cache, *, tree_mask: torch.Tensor | None = None,
                        position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
-                       last_only: bool = False, hidden_all: bool = False) -> Scored:
+                       last_only: bool = False, hidden_all: bool = False,
+                       row_tokens: Sequence[int] | None = None) -> Scored:
         """forward() and the last hidden state after the final norm, [B, T, hidden] (every position with
         hidden_all; logits still [B, 1, V] with last_only)."""
-        return self._run(input_ids, cache, tree_mask, position_offsets, layers, last_only, True, hidden_all)
+        return self._run(input_ids, cache, tree_mask, position_offsets, layers, last_only, True, hidden_all,
+                         row_tokens)
 
-    def _run(self, input_ids, cache, tree_mask, position_offsets, layers, last_only, hidden, hidden_all) -> Scored:
+    def _run(self, input_ids, cache, tree_mask, position_offsets, layers, last_only, hidden, hidden_all,
+             row_tokens=None) -> Scored:
         if layers is not None:
             raise ValueError("libllama runs every layer of the model: a layer subset (layerskip) needs the torch "
                              "backend (--backend torch)")
@@ -243,11 +278,16 @@ class LlamaCppLM:
                 offs = position_offsets.tolist()
                 if offs != list(range(T)):
                     raise ValueError("position offsets without a tree mask must be 0..T-1")
+            real = list(row_tokens) if row_tokens is not None else [T] * B
+            if len(real) != B or any(not 0 <= r <= T for r in real):
+                raise ValueError(f"row_tokens must be {B} counts in [0, {T}], got {real}")
+            if last_only and real != [T] * B:
+                raise ValueError("last_only takes unpadded rows")
             want = (lambda t: t == T - 1) if last_only and not hidden else (lambda t: True)
-            entries = [(ids[b][t], lens[b] + t, (seqs[b],), want(t)) for b in range(B) for t in range(T)]
-            rows_out = [(b, t) for b in range(B) for t in range(T)]
-            for s, n in zip(seqs, lens):
-                parent.written[s] = max(parent.written[s], n + T)
+            entries = [(ids[b][t], lens[b] + t, (seqs[b],), want(t)) for b in range(B) for t in range(real[b])]
+            rows_out = [(b, t) for b in range(B) for t in range(real[b])]
+            for s, n, r in zip(seqs, lens, real):
+                parent.written[s] = max(parent.written[s], n + r)
             parent.clear_tree()
         return parent.decode(entries, rows_out, B, T, last_only, hidden, hidden_all)
 
@@ -469,8 +509,10 @@ class LlamaCppCache:
         if hidden != self._embeddings:
             lc.llama_set_embeddings(self.ctx, hidden)
             self._embeddings = hidden
-        logits = torch.empty(B, 1 if last_only else T, V)                            # [B, T | 1, V]
-        hid = torch.empty(B, T, self.lm.hidden_size) if hidden else None             # [B, T, hid]
+        # gathered with numpy: a torch copy wakes torch's thread pool, which on a busy CPU costs milliseconds
+        logits = np.zeros((B, 1 if last_only else T, V), dtype=np.float32)                 # [B, T | 1, V]
+        hid = np.zeros((B, T, self.lm.hidden_size), dtype=np.float32) if hidden else None  # [B, T, hid]
+        full = len(entries) == B * T
         for c0 in range(0, len(entries), N_BATCH):
             chunk = entries[c0: c0 + N_BATCH]
             n = len(chunk)
@@ -491,25 +533,23 @@ class LlamaCppCache:
             outs = [c0 + i for i, e in enumerate(chunk) if e[3] or hidden]      # entry index of each output row
             if not outs:
                 continue
-            lg = torch.from_numpy(np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), (len(outs), V)))
+            lg = np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), (len(outs), V))          # [n_out, V]
             where = [rows_out[i] for i in outs]
             if hidden:
-                H = self.lm.hidden_size
-                emb = torch.from_numpy(np.ctypeslib.as_array(lc.llama_get_embeddings(self.ctx), (len(outs), H)))
-                bi = torch.tensor([w[0] for w in where])
-                ti = torch.tensor([w[1] for w in where])
-                hid[bi, ti] = emb
+                emb = np.ctypeslib.as_array(lc.llama_get_embeddings(self.ctx), (len(outs), self.lm.hidden_size))
+                hid[[w[0] for w in where], [w[1] for w in where]] = emb
             keep = [(k, w) for k, w in enumerate(where) if not last_only or w[1] == T - 1]
             if not keep:
                 continue
-            if not last_only and len(keep) == B * T:
-                logits.view(B * T, V).copy_(lg)
+            if full and not last_only and len(keep) == B * T:
+                logits.reshape(B * T, V)[:] = lg
+            elif len(keep) == 1:
+                k, w = keep[0]
+                logits[w[0], 0 if last_only else w[1]] = lg[k]
             else:
-                src = torch.tensor([k for k, _ in keep])
-                bi = torch.tensor([w[0] for _, w in keep])
-                ti = torch.tensor([0 if last_only else w[1] for _, w in keep])
-                logits[bi, ti] = lg[src]
-        return Scored(logits, hid)
+                logits[[w[0] for _, w in keep], [0 if last_only else w[1] for _, w in keep]] = \
+                    lg[[k for k, _ in keep]]
+        return Scored(torch.from_numpy(logits), torch.from_numpy(hid) if hidden else None)
 
 
 def _free_context(lc, ctx, batch, lm) -> None:
@@ -547,6 +587,9 @@ def load_llamacpp_model(name: str, field: str = "model", kv_cache_dtype: str = "
     model = LlamaCppLM(info.path, kv_cache_dtype=kv_cache_dtype, threads=threads, field=field)
     tok = load_gguf_tokenizer(info, field)
     cfg = read_gguf_config(info, field)
+    from .llama import args_from_hf_config
+
+    model.args = args_from_hf_config(cfg)     # the shapes heads and tolerances read (what the file describes)
     eos = cfg.get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if not eos_ids and tok.eos_token_id is not None:
