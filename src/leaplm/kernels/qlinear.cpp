@@ -255,6 +255,21 @@ void run_groups(const W& w, const Act& act, int path, int64_t g0, int64_t g1, fl
   }
 }
 
+// y [M, N] = x [M, K] through the packed weight w, any M (16 tokens per kernel call); bias (N floats) or null.
+void linear_raw(const float* x, int64_t M, int64_t K, const W& w, const float* bias, int path, float* y) {
+  Act act;
+  const int64_t NG = (w.N + RG - 1) / RG;
+  for (int64_t m0 = 0; m0 < M; m0 += MAX_T) {
+    const int T = int(std::min<int64_t>(MAX_T, M - m0));
+    quantize_act(x + m0 * K, T, K, act);
+    float* yc = y + m0 * w.N;
+    at::parallel_for(0, NG, 4, [&](int64_t g0, int64_t g1) { run_groups(w, act, path, g0, g1, yc); });
+  }
+  if (bias)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < w.N; ++n) y[m * w.N + n] += bias[n];
+}
+
 // x [T, K] fp32 contiguous (T <= 16); qp, sp, mp packed as above; returns y [T, N].
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::optional<torch::Tensor> mp,
                       c10::optional<torch::Tensor> bias, int64_t N, int64_t path) {
@@ -344,6 +359,220 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
   return {qa, a};
 }
 
+
+// ---- the decoder's layer loop -----------------------------------------------------------------------------------
+// A Llama-family decoder layer stack over packed quantized weights in one C++ call: RMSNorm, q/k/v, rope, the KV
+// cache write, attention, the output projection, RMSNorm, gate/up, SiLU, down, the residuals. Every token is
+// computed on its own (norms per token, linears row-independent as above, attention per query over its allowed
+// keys in key order), so a token's result does not depend on T, on the other rows of a batch, or on the thread
+// split. The element-wise code is compiled for the baseline instruction set, the same on every machine.
+
+// e^v for v in [-87, 88]: 2^round(v log2 e) times a degree-6 polynomial (relative error ~3e-7); a plain loop the
+// compiler vectorizes.
+inline void exp_inplace(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::min(88.f, std::max(-87.f, x[i]));
+    float r = v * 1.44269504088896341f + 12582912.f;         // round to nearest by the fp32 magic number
+    r -= 12582912.f;
+    const float f = (v - r * 0.693145751953125f) - r * 1.428606765330187e-06f;
+    const float p = 1.f + f * (1.f + f * (0.5f + f * (0.166666672f + f * (0.0416666679f + f * (0.00833333377f +
+                                                                                          f * 0.00138888892f)))));
+    const int32_t bits = (int32_t(r) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    x[i] = p * scale;
+  }
+}
+
+inline float lane_sum(const float* v) {   // fixed tree over 8 lanes: ((0+4)+(2+6)) + ((1+5)+(3+7))
+  const float s04 = v[0] + v[4], s15 = v[1] + v[5], s26 = v[2] + v[6], s37 = v[3] + v[7];
+  return (s04 + s26) + (s15 + s37);
+}
+
+inline float dot8(const float* a, const float* b, int64_t n) {   // n a multiple of 8; 8 lanes, fixed tree
+  float acc[8] = {};
+  for (int64_t i = 0; i < n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  return lane_sum(acc);
+}
+
+void rms_norm(const float* x, const float* w, int64_t M, int64_t n, float eps, float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * n;
+    const float r = 1.f / std::sqrt(dot8(xm, xm, n) / float(n) + eps);
+    for (int64_t i = 0; i < n; ++i) y[m * n + i] = (xm[i] * r) * w[i];
+  }
+}
+
+struct PackedLinear {
+  torch::Tensor q, s, m, bias;   // m, bias: empty when absent
+  int64_t rows;
+  W view(int64_t K) const {
+    return W{q.data_ptr<uint8_t>(), s.data_ptr<float>(), m.numel() ? m.data_ptr<float>() : nullptr, rows,
+             int(K / QK), m.numel() > 0};
+  }
+  const float* b() const { return bias.numel() ? bias.data_ptr<float>() : nullptr; }
+};
+
+struct Layer {
+  torch::Tensor ln1, ln2;
+  PackedLinear qkv, o, gate_up, down;
+};
+
+class Decoder {
+ public:
+  Decoder(int64_t H, int64_t Hkv, int64_t D, int64_t hid, int64_t inter, double eps, int64_t path)
+      : H(H), Hkv(Hkv), D(D), hid(hid), inter(inter), eps(float(eps)), path(int(path)) {
+    TORCH_CHECK(D % 8 == 0 && hid % QK == 0 && inter % QK == 0 && (H * D) % QK == 0 && H % Hkv == 0,
+                "decoder: head_dim a multiple of 8, hidden and intermediate sizes multiples of 32");
+  }
+
+  // linears in the order q/k/v, o, gate/up, down: (qp, sp, mp or empty, bias or empty, rows) each
+  void add_layer(torch::Tensor ln1, torch::Tensor ln2, std::vector<torch::Tensor> qp, std::vector<torch::Tensor> sp,
+                 std::vector<torch::Tensor> mp, std::vector<torch::Tensor> bias, std::vector<int64_t> rows) {
+    TORCH_CHECK(qp.size() == 4 && sp.size() == 4 && mp.size() == 4 && bias.size() == 4 && rows.size() == 4,
+                "add_layer: four linears");
+    const int64_t want[4] = {(H + 2 * Hkv) * D, hid, 2 * inter, hid};
+    PackedLinear p[4];
+    for (int i = 0; i < 4; ++i) {
+      TORCH_CHECK(rows[i] == want[i], "add_layer: linear ", i, " has ", rows[i], " rows, expected ", want[i]);
+      p[i] = PackedLinear{qp[i].contiguous(), sp[i].contiguous(), mp[i].contiguous(), bias[i].contiguous().to(torch::kFloat),
+                          rows[i]};
+    }
+    layers.push_back(Layer{ln1.contiguous().to(torch::kFloat), ln2.contiguous().to(torch::kFloat), p[0], p[1], p[2], p[3]});
+  }
+
+  // x [B * T, hid] fp32 (row b * T + t); cache_k / cache_v per layer [B', Hkv, capacity, D] fp32 (B' >= B);
+  // lens [B] cached tokens per row; pos [B, T] int64 positions; mask: empty (causal) or bool [B, T, S]; cis
+  // [P, D / 2, 2] fp32 (cos, sin); run: the layers to run, in order; kv_len = the keys attended (S).
+  torch::Tensor forward(torch::Tensor x, int64_t B, int64_t T, std::vector<torch::Tensor> cache_k,
+                        std::vector<torch::Tensor> cache_v, std::vector<int64_t> lens, torch::Tensor pos,
+                        torch::Tensor mask, torch::Tensor cis, std::vector<int64_t> run, int64_t kv_len) {
+    TORCH_CHECK(x.dim() == 2 && x.size(0) == B * T && x.size(1) == hid && x.scalar_type() == torch::kFloat,
+                "x: fp32 [B * T, hidden]");
+    TORCH_CHECK(int64_t(lens.size()) >= B && pos.scalar_type() == torch::kLong && pos.numel() == B * T, "lens, pos");
+    TORCH_CHECK(cis.scalar_type() == torch::kFloat && cis.dim() == 3 && cis.size(1) * 2 == D, "cis: [P, D/2, 2]");
+    TORCH_CHECK(mask.numel() == 0 || (mask.scalar_type() == torch::kBool && mask.numel() == B * T * kv_len),
+                "mask: bool [B, T, S]");
+    const int64_t M = B * T;
+    torch::Tensor out = x.clone();
+    auto posc = pos.contiguous();
+    auto maskc = mask.contiguous();
+    auto cisc = cis.contiguous();
+    std::vector<float> h(M * hid), qkv(M * (H + 2 * Hkv) * D), att(M * H * D), tmp(M * hid), gu(M * 2 * inter),
+        act(M * inter);
+    float* xp = out.data_ptr<float>();
+    for (int64_t li : run) {
+      TORCH_CHECK(li >= 0 && li < int64_t(layers.size()), "layer ", li, " out of range");
+      const Layer& L = layers[li];
+      auto& ck = cache_k[li];
+      auto& cv = cache_v[li];
+      TORCH_CHECK(ck.is_contiguous() && cv.is_contiguous() && ck.scalar_type() == torch::kFloat &&
+                  ck.size(0) >= B && ck.size(1) == Hkv && ck.size(3) == D && ck.size(2) >= kv_len,
+                  "cache: contiguous fp32 [B, Hkv, capacity, D]");
+      rms_norm(xp, L.ln1.data_ptr<float>(), M, hid, eps, h.data());
+      linear_raw(h.data(), M, hid, L.qkv.view(hid), L.qkv.b(), path, qkv.data());
+      rope_and_store(qkv.data(), B, T, posc.data_ptr<int64_t>(), cisc.data_ptr<float>(), lens, ck, cv);
+      attention(qkv.data(), B, T, lens, maskc.numel() ? maskc.data_ptr<bool>() : nullptr, ck, cv, kv_len, att.data());
+      linear_raw(att.data(), M, H * D, L.o.view(H * D), L.o.b(), path, tmp.data());
+      for (int64_t i = 0; i < M * hid; ++i) xp[i] += tmp[i];
+      rms_norm(xp, L.ln2.data_ptr<float>(), M, hid, eps, h.data());
+      linear_raw(h.data(), M, hid, L.gate_up.view(hid), L.gate_up.b(), path, gu.data());
+      silu_mul(gu.data(), M, act.data());
+      linear_raw(act.data(), M, inter, L.down.view(inter), L.down.b(), path, tmp.data());
+      for (int64_t i = 0; i < M * hid; ++i) xp[i] += tmp[i];
+    }
+    return out;
+  }
+
+  int64_t num_layers() const { return int64_t(layers.size()); }
+
+ private:
+  int64_t H, Hkv, D, hid, inter;
+  float eps;
+  int path;
+  std::vector<Layer> layers;
+
+  // rotate each q and k head's pairs (2i, 2i+1) by the position's (cos, sin); write k and v to the cache slots
+  void rope_and_store(float* qkv, int64_t B, int64_t T, const int64_t* pos, const float* cis,
+                      const std::vector<int64_t>& lens, torch::Tensor& ck, torch::Tensor& cv) {
+    const int64_t width = (H + 2 * Hkv) * D, cap = ck.size(2);
+    float* kp = ck.data_ptr<float>();
+    float* vp = cv.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        float* row = qkv + (b * T + t) * width;
+        const float* c = cis + pos[b * T + t] * D;
+        for (int64_t hh = 0; hh < H + Hkv; ++hh) {
+          float* v = row + hh * D;
+          for (int64_t i = 0; i < D / 2; ++i) {
+            const float a = v[2 * i], bb = v[2 * i + 1], co = c[2 * i], si = c[2 * i + 1];
+            v[2 * i] = a * co - bb * si;
+            v[2 * i + 1] = a * si + bb * co;
+          }
+        }
+        const int64_t slot = lens[b] + t;
+        for (int64_t g = 0; g < Hkv; ++g) {
+          std::memcpy(kp + ((b * Hkv + g) * cap + slot) * D, row + (H + g) * D, sizeof(float) * D);
+          std::memcpy(vp + ((b * Hkv + g) * cap + slot) * D, row + (H + Hkv + g) * D, sizeof(float) * D);
+        }
+      }
+  }
+
+  // softmax(q k^T / sqrt(D)) v per (row, head, query) over the allowed keys in key order
+  void attention(const float* qkv, int64_t B, int64_t T, const std::vector<int64_t>& lens, const bool* mask,
+                 const torch::Tensor& ck, const torch::Tensor& cv, int64_t S, float* out) {
+    const int64_t width = (H + 2 * Hkv) * D, cap = ck.size(2), rep = H / Hkv;
+    const float* kp = ck.data_ptr<float>();
+    const float* vp = cv.data_ptr<float>();
+    const float scale = 1.f / std::sqrt(float(D));
+    const int64_t work = B * H * T * S * D;
+    at::parallel_for(0, B * H, work > (1 << 18) ? 1 : B * H, [&](int64_t i0, int64_t i1) {
+      std::vector<float> p(S), o(D);
+      std::vector<int64_t> keys(S);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / H, hh = i % H, g = hh / rep;
+        const float* kb = kp + (b * Hkv + g) * cap * D;
+        const float* vb = vp + (b * Hkv + g) * cap * D;
+        for (int64_t t = 0; t < T; ++t) {
+          const float* q = qkv + (b * T + t) * width + hh * D;
+          int64_t n = 0;
+          for (int64_t j = 0; j < S; ++j)
+            if (mask ? mask[(b * T + t) * S + j] : j <= lens[b] + t) keys[n++] = j;
+          float mx = -INFINITY;
+          for (int64_t k = 0; k < n; ++k) {
+            p[k] = dot8(q, kb + keys[k] * D, D) * scale;
+            mx = std::max(mx, p[k]);
+          }
+          for (int64_t k = 0; k < n; ++k) p[k] -= mx;
+          exp_inplace(p.data(), n);
+          float sum = 0.f;
+          for (int64_t k = 0; k < n; ++k) sum += p[k];
+          std::fill(o.begin(), o.end(), 0.f);
+          for (int64_t k = 0; k < n; ++k) {
+            const float* v = vb + keys[k] * D;
+            const float pk = p[k];
+            for (int64_t d = 0; d < D; ++d) o[d] += pk * v[d];
+          }
+          float* dst = out + (b * T + t) * H * D + hh * D;
+          const float inv = n ? 1.f / sum : 0.f;
+          for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
+        }
+      }
+    });
+  }
+
+  void silu_mul(const float* gu, int64_t M, float* out) {   // silu(gate) * up, gate = gu[:, :inter]
+    for (int64_t m = 0; m < M; ++m) {
+      const float* g = gu + m * 2 * inter;
+      float* o = out + m * inter;
+      for (int64_t i = 0; i < inter; ++i) o[i] = -g[i];
+      exp_inplace(o, inter);
+      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + o[i]) * g[inter + i];
+    }
+  }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -353,4 +582,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_peak", &int8_peak, "int8 multiply-adds per second of a path's dot-product instruction, all threads",
         pybind11::arg("path"), pybind11::arg("iters"));
   m.def("quantize_activations", &quantize_activations, "per-token, per-32-block int8 activations (qa, a)");
+  pybind11::class_<Decoder>(m, "Decoder")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>())
+      .def("add_layer", &Decoder::add_layer)
+      .def("forward", &Decoder::forward)
+      .def("num_layers", &Decoder::num_layers);
 }

@@ -230,6 +230,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cis", self.rope_table(a), persistent=False)   # [P, D/2] complex64
         self.register_buffer("positions", torch.arange(a.max_position_embeddings), persistent=False)   # [P]
         self._fast: list[LayerWeights] | None = None
+        self._fused = False                  # quant/fused.py's C++ layer loop, None when it does not apply
         self._norms: tuple[FastRMSNorm, FastRMSNorm] | None = None   # (over hidden, over head_dim)
         # parameter name -> a callable standing in for F.linear with that weight (quant/apply.py fills it)
         self.quantized: dict[str, object] = {}
@@ -251,6 +252,7 @@ class LlamaForCausalLM(nn.Module):
 
     def layer_weights(self) -> list[LayerWeights]:
         if self._fast is None:
+            self._fused = False                    # decided again over the new weights (fused_layers)
             qw = lambda name, w: self.quantized.get(name, w)
             self._fast = [LayerWeights(
                 b.input_layernorm.weight, qw(f"layers.{i}.self_attn.qkv.weight", b.self_attn.qkv.weight),
@@ -262,6 +264,15 @@ class LlamaForCausalLM(nn.Module):
                 qw(f"layers.{i}.mlp.down_proj.weight", b.mlp.down_proj.weight),
                 b.self_attn.o_proj.bias, b.mlp.gate_up.bias, b.mlp.down_proj.bias) for i, b in enumerate(self.layers)]
         return self._fast
+
+    def fused_layers(self):
+        """The C++ layer loop over the quantized weights (quant/fused.py), or None."""
+        self.layer_weights()
+        if self._fused is False:
+            from ..quant.fused import build_fused
+
+            self._fused = build_fused(self)
+        return self._fused
 
     # --- protocol ----------------------------------------------------------------------------------------------
     @property
@@ -338,7 +349,12 @@ class LlamaForCausalLM(nn.Module):
         norm, head_norm = self._norms
         inter = a.intermediate_size
         x = F.embedding(input_ids, self.embed_tokens.weight)      # [B, T, hid]
-        for i in (range(len(fast)) if layers is None else layers):
+        fused = self.fused_layers() if len(masks) == 1 and cache.dtype == torch.float32 else None
+        run = range(len(fast)) if layers is None else layers
+        if fused is not None:
+            x = fused(x, cache, pos, masks[windows[0]], run, kv_len)
+            run = ()
+        for i in run:
             w = fast[i]
             h = norm(x, w.ln1)
             qkv = _linear(h, w.qkv, w.qkv_bias).view(B, T, H + 2 * Hkv, D)

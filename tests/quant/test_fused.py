@@ -1,0 +1,120 @@
+"""The C++ layer loop (quant/fused.py) of a quantized model: close to the PyTorch layer loop over the same quantized
+linears, and a token's logits bit-identical whatever the block it is computed in (T = 1 vs inside a block of
+verification, a chain vs a tree, alone vs beside another batch row). Greedy identity of every method on a
+quantized target runs through it too (test_quantized_model.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leaplm.kernels.build import unavailable_reason
+from leaplm.models import load_model
+from leaplm.quant.fused import why_not_fused
+
+
+
+def write_tiny_llama(*args, **kw):
+    """tests/conftest.py's writer, by path (`from conftest import` finds whichever conftest pytest loaded first)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "leaplm_tests_root_conftest"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "conftest.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name].write_tiny_llama(*args, **kw)
+
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
+                                reason=f"C++ extension cannot be built here: {unavailable_reason()}")
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def model(request, tmp_path_factory):
+    path = write_tiny_llama(tmp_path_factory.mktemp("fused"), vocab=40, layers=3, hidden=64, heads=4, kv_heads=2,
+                            seed=5)
+    m = load_model(path, quantization=request.param).model
+    assert why_not_fused(m) is None and m.fused_layers() is not None
+    return m
+
+
+IDS = [3, 17, 5, 9, 22, 1, 30, 8, 8, 14, 2, 39]
+
+
+def logits(m, ids, fused=True, **kw):
+    m.layer_weights()
+    saved = m._fused
+    if not fused:
+        m._fused = None
+    try:
+        cache = m.new_cache(1, 64)
+        return m(torch.tensor([ids]), cache, **kw)[0]
+    finally:
+        m._fused = saved
+
+
+def test_close_to_the_pytorch_layer_loop(model):
+    a, b = logits(model, IDS), logits(model, IDS, fused=False)
+    scale = b.abs().max().item()
+    # same quantized linears; norms, rope, attention and SiLU rounded in another order, and the activation roundings
+    # that can tip (one int8 step is 1/127 of a block's largest activation)
+    assert torch.allclose(a, b, rtol=0, atol=scale / 127 / 8), ((a - b).abs().max() / scale).item()
+    # negative control: a model with one layer fewer is far off
+    c = logits(model, IDS, layers=[0, 1])
+    assert not torch.allclose(c, b, rtol=0, atol=scale / 127 / 8)
+
+
+def test_a_token_is_bit_identical_in_any_block(model):
+    full = logits(model, IDS)                                         # [12, V]: one block of 12
+    cache = model.new_cache(1, 64)
+    step = []
+    for i, t in enumerate(IDS):                                       # one token at a time (plain decoding)
+        step.append(model(torch.tensor([[t]]), cache)[0, 0])
+        cache.advance(1)
+    assert torch.equal(torch.stack(step), full)
+    cache = model.new_cache(1, 64)                                    # prefix, then blocks of 5 and 4
+    model(torch.tensor([IDS[:3]]), cache)
+    cache.advance(3)
+    assert torch.equal(model(torch.tensor([IDS[3:8]]), cache)[0], full[3:8])
+    cache.advance(5)
+    assert torch.equal(model(torch.tensor([IDS[8:]]), cache)[0], full[8:])
+
+
+def test_tree_node_equals_its_chain(model):
+    """A flattened tree [a, b | a, c] (c a second child of a): each node equals the chain through it."""
+    prefix, a, b, c = IDS[:6], 7, 11, 13
+    cache = model.new_cache(1, 64)
+    model(torch.tensor([prefix]), cache)
+    cache.advance(len(prefix))
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    tree = model(torch.tensor([[a, b, c]]), cache, tree_mask=mask, position_offsets=torch.tensor([0, 1, 1]))[0]
+    assert torch.equal(tree[:2], logits(model, prefix + [a, b])[6:])
+    assert torch.equal(tree[2], logits(model, prefix + [a, c])[7])
+
+
+def test_batch_rows_are_independent(model):
+    """Two rows of different lengths in one forward: each row's logits equal the row alone."""
+    cache = model.new_cache(2, 64)
+    rows = [IDS[:4], IDS[4:11]]
+    for b, r in enumerate(rows):                                      # prefill each row on its own
+        one = model.new_cache(1, 64)
+        model(torch.tensor([r]), one)
+        for i in range(model.num_layers):
+            cache.k[i][b, :, :len(r)] = one.k[i][0, :, :len(r)]
+            cache.v[i][b, :, :len(r)] = one.v[i][0, :, :len(r)]
+        cache.lengths[b] = len(r)
+    nxt = torch.tensor([[5, 6], [7, 8]])
+    both = model(nxt, cache)
+    for b, r in enumerate(rows):
+        assert torch.equal(both[b], logits(model, r + nxt[b].tolist())[len(r):]), b
+
+
+def test_reasons_it_does_not_apply(tmp_path):
+    path = write_tiny_llama(tmp_path, vocab=16, layers=1, hidden=32, heads=2, kv_heads=1)
+    assert why_not_fused(load_model(path).model) == "the linears are not quantized"
+    m = load_model(path, quantization="int8").model
+    m.args.hidden_act = "gelu"
+    assert "SiLU" in why_not_fused(m)
