@@ -80,6 +80,20 @@ def test_cut_draft_starts_as_the_targets_first_layers(run_dir, chat_target):
     assert cut_layers("cut-3") == 3 and cut_layers("cut-0") is None and cut_layers("chat-1x256") is None
 
 
+def test_cut_from_a_gguf_file_equals_the_cut_from_its_checkpoint(run_dir, chat_target, tmp_path):
+    from leaplm.models.draft_vocab import read_d2t
+    from leaplm.models.gguf_export import export_gguf
+    from leaplm.training.chat_distill import build_cut_draft
+
+    gguf = export_gguf(chat_target, str(tmp_path / "t.gguf"), "f32").path      # q, k rows permuted as llama.cpp's
+    d2t = read_d2t(run_dir / "draft")
+    a = build_cut_draft(chat_target, 1, d2t, eos_target=0).state_dict()
+    b = build_cut_draft(str(gguf), 1, d2t, eos_target=0).state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0, msg=k)
+
+
 def test_rerun_resumes_and_longer_budget_continues(run_dir, chat_target):
     before = {p.name: p.stat().st_mtime_ns for p in (run_dir / "chatdata").glob("chat-*")}
     assert train_draft(run_config(chat_target, run_dir)) is None                  # finished: nothing to do

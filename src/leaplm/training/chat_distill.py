@@ -195,16 +195,63 @@ def target_embedding(model: str) -> torch.Tensor:
     return sd[key].float()
 
 
-def target_checkpoint(model: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(Hugging Face config dict, fp32 state dict with Hugging Face names) of the target."""
-    from ..models.gguf import inspect_gguf, is_gguf, read_gguf_checkpoint
+# llama.cpp tensor names -> Hugging Face names of one layer
+_GGUF_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def _llama_cpp_unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """[rows, cols] llama.cpp's interleaved rotary pairs -> Hugging Face's rotate-half rows, per head (the inverse of
+    models/gguf_export.llama_cpp_permute)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def target_checkpoint(model: str, n_layers: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(Hugging Face config dict, fp32 state dict with Hugging Face names) of the target; with n_layers, only the
+    embedding, the final norm and layers 0..n_layers-1 (a GGUF file dequantizes only those tensors)."""
+    from ..models.gguf import is_gguf
 
     if is_gguf(model):
-        return read_gguf_checkpoint(inspect_gguf(model), torch.float32)
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        cfg = _full_config(load_gguf_checkpoint(model, return_tensors=False)["config"])
+        heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        sd = {}
+        for t in GGUFReader(model).tensors:
+            name = t.name.rsplit(".", 1)[0]
+            if name == "token_embd":
+                key = "model.embed_tokens.weight"
+            elif name == "output_norm":
+                key = "model.norm.weight"
+            elif name.startswith("blk."):
+                _, i, kind = name.split(".", 2)
+                if kind not in _GGUF_LAYER or (n_layers is not None and int(i) >= n_layers):
+                    continue
+                key = f"model.layers.{i}.{_GGUF_LAYER[kind]}.weight"
+            else:
+                continue
+            w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+            if name.endswith("attn_q"):
+                w = _llama_cpp_unpermute(w, heads)
+            elif name.endswith("attn_k"):
+                w = _llama_cpp_unpermute(w, kv)
+            sd[key] = w
+        return cfg, sd
     from ..models.loading import read_state_dict
 
-    return json.loads((Path(model) / "config.json").read_text()), \
-        {k: v.float() for k, v in read_state_dict(Path(model)).items()}
+    sd = {k if k.startswith(("model.", "lm_head")) else f"model.{k}": v.float()
+          for k, v in read_state_dict(Path(model)).items()}
+    return json.loads((Path(model) / "config.json").read_text()), sd
+
+
+def _full_config(cfg: dict) -> dict:
+    """The full Hugging Face config dict (defaults filled in) of a config dict read from a GGUF file."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**cfg).to_dict()
 
 
 def build_cut_draft(model: str, n_layers: int, d2t: torch.Tensor, eos_target: int):
@@ -212,7 +259,7 @@ def build_cut_draft(model: str, n_layers: int, d2t: torch.Tensor, eos_target: in
     embedding rows d2t (row 0, "other", = the mean row), tied as input embedding and LM head."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tcfg, sd = target_checkpoint(model)
+    tcfg, sd = target_checkpoint(model, n_layers)
     if tcfg.get("model_type", "llama") != "llama":
         raise ConfigError("shape", f"{CUT_PREFIX}N needs a llama target, got model_type {tcfg.get('model_type')!r}")
     total = int(tcfg["num_hidden_layers"])
