@@ -76,7 +76,7 @@ def test_generate_refuses(case, tmp_path, checkpoint):
 
 @pytest.mark.parametrize("case", ["missing gguf", "dir without config", "not gguf", "tensor type"])
 def test_serve_refuses_before_starting(case, tmp_path, checkpoint, monkeypatch):
-    from leaplm.server import cli_serve
+    from leaplm.cli import serve as cli_serve
 
     monkeypatch.setattr(cli_serve, "run_server", lambda *a, **k: pytest.fail("the server started"))
     build, words = CASES[case]

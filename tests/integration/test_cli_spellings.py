@@ -1,4 +1,4 @@
-"""The spellings vLLM and llama.cpp users type (cli_aliases.py): accepted with the same meaning, or refused with
+"""The spellings vLLM and llama.cpp users type (cli/aliases.py): accepted with the same meaning, or refused with
 exit code 2 and an error that names leaplm's option."""
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_refused_with_leaplms_name(args, flag, says, target):
 
 
 def test_serve_positional_model_and_speculative_config(target, monkeypatch):
-    from leaplm.server import cli_serve
+    from leaplm.cli import serve as cli_serve
 
     seen = {}
 

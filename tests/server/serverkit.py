@@ -151,7 +151,7 @@ class InProcessServer:
         from leaplm import Engine
         from leaplm.config import ServerConfig
         from leaplm.server.app import create_app
-        from leaplm.server.cli_serve import DrainingServer
+        from leaplm.server.runner import DrainingServer
         from leaplm.server.http_protocol import uvicorn_config
 
         self.port = free_port()

@@ -3,7 +3,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from leaplm.cli_train import eval_app, train_app
+from leaplm.cli.evaluate import eval_app
+from leaplm.cli.train import train_app
 
 runner = CliRunner()
 ENV = {"COLUMNS": "200", "NO_COLOR": "1"}

@@ -1,7 +1,5 @@
 """`python -m leaplm.server ...`: the same as `leaplm serve ...`."""
-import typer
-
-from .cli_serve import serve
+from ..cli.serve import main
 
 if __name__ == "__main__":
-    typer.run(serve)
+    main()

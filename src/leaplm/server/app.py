@@ -11,7 +11,7 @@ from the scheduler thread through loop.call_soon_threadsafe into an asyncio.Queu
 task waits for the client's http.disconnect; when it comes (streaming or not) every sequence of the request is
 aborted, and the scheduler frees their rows at its next step boundary.
 
-Draining (SIGTERM, see cli_serve.py): new requests get 503, /health turns 503, running requests finish for up
+Draining (SIGTERM, see runner.py): new requests get 503, /health turns 503, running requests finish for up
 to drain_timeout_s, then the rest are aborted and the process exits.
 """
 from __future__ import annotations

@@ -6,5 +6,5 @@ memory.py      the memory each option adds (draft weights + its KV cache)
 measure.py     interleaved measurement within a time budget: Engine.generate at concurrency 1, the server's
                batch scheduler in-process above
 recommend.py   the decision per concurrency level, off when nothing pays, and the flags that reproduce it
-cli_tune.py    the command, its table, JSON and plots
+result.py      the measured rows and the decision as one JSON-ready dict (cli/tune.py prints it as tables)
 """

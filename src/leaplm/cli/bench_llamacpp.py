@@ -6,9 +6,9 @@ from pathlib import Path
 
 from rich.table import Table
 
+from ..bench.llamacpp import (LlamaCppBinaries, LlamaCppOutputError, LlamaCppSetup, judge_identity, probe_repack,
+                              prompt_token_mismatches, run_llama_bench)
 from ..config import ConfigError
-from .llamacpp import (LlamaCppBinaries, LlamaCppOutputError, LlamaCppSetup, judge_identity, probe_repack,
-                       prompt_token_mismatches, run_llama_bench)
 
 log = logging.getLogger(__name__)
 

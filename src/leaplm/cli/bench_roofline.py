@@ -1,4 +1,4 @@
-"""The `leaplm bench --roofline` command: builds the engines, runs bench/roofline.py, prints the tables."""
+"""`leaplm bench --roofline`: builds the engines, runs bench/roofline.py, prints the tables."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,14 +13,13 @@ from ..config import ConfigError, SamplingParams
 console = Console(width=150)
 
 
-def run_roofline(*, model, draft, methods, k, workloads, prompts, max_new_tokens, rounds, dtype, quantization,
+def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens, rounds, dtype, quantization,
                  json_out, fail) -> None:
+    from ..bench.roofline import Roofline, bytes_per_forward, forward_costs, method_costs, stream_bandwidth
+    from ..bench.workloads import fit_to_context, get_workload
     from ..engine.engine import Engine, draft_quantization
     from ..models import embedded, load_model
     from ..quant.apply import check_quantization
-    from .cli_bench import parse_methods
-    from .roofline import Roofline, bytes_per_forward, forward_costs, method_costs, stream_bandwidth
-    from .workloads import fit_to_context, get_workload
 
     try:
         check_quantization(quantization)
@@ -31,7 +30,7 @@ def run_roofline(*, model, draft, methods, k, workloads, prompts, max_new_tokens
         wl = [fit_to_context(get_workload(w.strip(), prompts), target.tokenizer, room)
               for w in workloads.split(",") if w.strip()]
         engines, drafts = {}, {}
-        for label, method, opts in parse_methods(methods, k):
+        for label, method, opts in configs:
             d = None
             if method == "draft":
                 dn = opts.pop("draft", None) or draft_name
@@ -64,7 +63,7 @@ def run_roofline(*, model, draft, methods, k, workloads, prompts, max_new_tokens
 def block_curves(rep, args) -> None:
     """leaplm's int8 kernel's block-cost curve per weight type, and the int8 compute rate, into `rep`."""
     from ..kernels.build import load
-    from .roofline import WEIGHT_TYPES, int8_rate, kernel_block_costs, linear_shapes
+    from ..bench.roofline import WEIGHT_TYPES, int8_rate, kernel_block_costs, linear_shapes
 
     ext = load()
     if ext is None or ext.path == 0:

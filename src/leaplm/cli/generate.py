@@ -1,4 +1,4 @@
-"""leaplm command line: generate | serve | bench | train | eval | models."""
+"""`leaplm generate`: one prompt through the engine, text on stdout, acceptance and speed on stderr."""
 from __future__ import annotations
 
 import json
@@ -7,34 +7,10 @@ import sys
 from typing import Optional
 
 import typer
-from rich.console import Console
 
-from .cli_aliases import ALIAS_FLAGS, check_llama_cpp_only, check_samples, parse_speculative_config
-from .config import ConfigError, SamplingParams
-
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Lossless speculative decoding for Hugging Face causal LMs.")
-err = Console(stderr=True)
-out = Console(width=160)      # tables only: generated text goes to stdout unwrapped (_write)
-
-
-def _write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
-
-
-def fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}")
-    raise typer.Exit(code)
-
-
-def _threads(threads: Optional[int]) -> None:
-    if threads is not None:
-        if threads < 1:
-            fail("--threads: must be >= 1")
-        import torch
-
-        torch.set_num_threads(threads)
+from ..config import ConfigError, SamplingParams
+from .aliases import ALIAS_FLAGS, check_llama_cpp_only, check_samples, parse_speculative_config
+from .common import err, fail, set_threads, write
 
 
 def _skip_layers(text: Optional[str]) -> Optional[list[int]]:
@@ -65,7 +41,6 @@ MaxLenOpt = typer.Option(None, "--max-model-len", "-c", "--ctx-size", help="Cont
                                                        "(default: min(the model's, 4096)).")
 
 
-@app.command()
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text; read from stdin when omitted."),
     model: Optional[str] = ModelOpt,
@@ -110,11 +85,11 @@ def generate(
     quantization: Optional[str] = QuantOpt,
 ):
     """Generate a continuation of PROMPT, with speculation, and report acceptance and speed."""
-    from .engine.engine import Engine
-    from .engine.stats import GenerationStats
+    from ..engine.engine import Engine
+    from ..engine.stats import GenerationStats
 
     logging.basicConfig(level=logging.WARNING)
-    _threads(threads)
+    set_threads(threads)
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             fail("prompt: give PROMPT or pipe it on stdin")
@@ -141,7 +116,7 @@ def generate(
                         skip_confidence=skip_confidence,
                         corpus=corpus, quantization=quantization, head=head)
         if chat:
-            from .models.tokens import chat_prompt
+            from ..models.tokens import chat_prompt
 
             prompt = chat_prompt(engine.tokenizer, prompt, engine.target.name)
         engine.encode(prompt, params[0])
@@ -153,22 +128,22 @@ def generate(
     for i, sp in enumerate(params):
         if stream and not as_json:
             if n > 1:
-                _write(f"--- sample {i + 1} ---\n")
-            _write(shown)
+                write(f"--- sample {i + 1} ---\n")
+            write(shown)
             text, ids, reason, st = "", [], None, None
             for chunk in engine.stream(prompt, sp):
-                _write(chunk.text)
+                write(chunk.text)
                 text += chunk.text
                 ids += chunk.token_ids
                 reason, st = chunk.finish_reason or reason, chunk.stats or st
-            _write("\n")
+            write("\n")
         else:
             o = engine.generate(prompt, sp)
             text, ids, reason, st = o.text, o.token_ids, o.finish_reason, o.stats
             if not as_json:
                 if n > 1:
-                    _write(f"--- sample {i + 1} ---\n")
-                _write(shown + text + "\n")
+                    write(f"--- sample {i + 1} ---\n")
+                write(shown + text + "\n")
         samples.append({"text": text, "token_ids": ids, "finish_reason": reason})
         total.merge(st)
     if as_json:
@@ -190,26 +165,3 @@ def generate(
                if s.method != "none" else "")
         err.print(f"[dim]{spec} | {s.new_tokens} tokens in {s.target_forwards} target forwards{acc} | "
                   f"{s.tokens_per_s:.1f} tokens/s[/]")
-
-
-def _mount_subcommands() -> None:
-    """Commands that live in their own modules (imported here so `leaplm --help` lists them all)."""
-    from .bench.cli_bench import bench_app
-    from .cli_train import eval_app, train_app
-    from .server.cli_serve import serve
-    from .tune.cli_tune import tune
-
-    app.add_typer(bench_app, name="bench")
-    from .cli_models import models_app
-
-    app.add_typer(models_app, name="models")
-    app.add_typer(train_app, name="train", help="Train the tokenizer, pretrain and distill models.")
-    app.add_typer(eval_app, name="eval", help="Evaluate perplexity and draft acceptance.")
-    app.command("serve")(serve)
-    app.command("tune")(tune)
-
-
-_mount_subcommands()
-
-if __name__ == "__main__":
-    app()

@@ -1,4 +1,6 @@
-"""`leaplm bench`: methods side by side (and Hugging Face's generate with --baselines hf)."""
+"""`leaplm bench`: methods side by side (and Hugging Face's generate with --baselines hf, llama.cpp's binaries
+with --baselines llamacpp, the roofline with --roofline); `leaplm bench memory` (peak RSS). `leaplm bench serve`
+lives in cli/bench_serve.py."""
 from __future__ import annotations
 
 import json
@@ -12,16 +14,12 @@ from rich.progress import Progress
 from rich.table import Table
 
 from ..config import ConfigError, SamplingParams
+from .common import err
+from .common import fail as _fail
 
 bench_app = typer.Typer(add_completion=False, invoke_without_command=True,
                         help="Benchmark methods side by side; `leaplm bench serve` for the server load test.")
 console = Console(width=150)
-err = Console(stderr=True)
-
-
-def _fail(msg: str) -> None:
-    err.print(f"[bold red]error:[/] {msg}")
-    raise typer.Exit(2)
 
 
 def parse_methods(text: str, k: int) -> list[tuple[str, str, dict]]:
@@ -98,8 +96,8 @@ def bench(
 
     from ..engine.engine import Engine, draft_quantization
     from ..models import embedded, load_model
-    from .runner import hf_contenders, leaplm_contender, machine_info, run_bench, summarize
-    from .workloads import as_chat, fit_to_context, get_workload
+    from ..bench.runner import hf_contenders, leaplm_contender, machine_info, run_bench, summarize
+    from ..bench.workloads import as_chat, fit_to_context, get_workload
 
     logging.basicConfig(level=logging.WARNING)
     if threads is not None:
@@ -110,9 +108,9 @@ def bench(
         if v < 1:
             _fail(f"--{name}: must be >= 1, got {v}")
     if roofline:
-        from .cli_roofline import run_roofline
+        from .bench_roofline import run_roofline
 
-        return run_roofline(model=model, draft=draft, methods=methods, k=k, workloads=workloads, prompts=prompts,
+        return run_roofline(model=model, draft=draft, configs=parse_methods(methods, k), k=k, workloads=workloads, prompts=prompts,
                             max_new_tokens=max_new_tokens, rounds=rounds, dtype=dtype, quantization=quantization,
                             json_out=json_out, fail=_fail)
     kinds_of_baseline = [b.strip() for b in (baselines or "").split(",") if b.strip()]
@@ -121,7 +119,7 @@ def bench(
             _fail(f"--baselines: 'hf' and/or 'llamacpp', got {b!r}")
     llamacpp_bins = None
     if "llamacpp" in kinds_of_baseline:
-        from .llamacpp import find_binaries
+        from ..bench.llamacpp import find_binaries
 
         try:
             llamacpp_bins = find_binaries(llamacpp_dir)
@@ -167,14 +165,14 @@ def bench(
     tmp = tempfile.TemporaryDirectory(prefix="leaplm-bench-")
     llama_setup = None
     if llamacpp_bins is not None:
-        from .cli_llamacpp import llamacpp_setup
+        from .bench_llamacpp import llamacpp_setup
 
         # llama.cpp's speculative row runs when leaplm's draft method does (same draft, as GGUF)
         with_draft = draft_name if any(m == "draft" for _, m, _ in configs) else None
         dpath = (drafts[with_draft].path if with_draft in drafts else None) if with_draft else None
         llama_setup = llamacpp_setup(llamacpp_bins, target, quantization, dpath, llamacpp_model,
                                      llamacpp_draft, torch.get_num_threads(), context, tmp.name, wls, _fail)
-        from .llamacpp import llamacpp_contenders
+        from ..bench.llamacpp import llamacpp_contenders
 
         contenders += llamacpp_contenders(llama_setup, k, tmp.name)
     if "hf" in kinds_of_baseline:
@@ -189,7 +187,7 @@ def bench(
             samples = run_bench(contenders, wls, max_new_tokens, rounds, baseline="none",
                                 on_sample=lambda s: prog.advance(task))
         except RuntimeError as e:           # a llama.cpp process failed or printed what we cannot read
-            from .llamacpp import LlamaCppOutputError
+            from ..bench.llamacpp import LlamaCppOutputError
 
             if not isinstance(e, LlamaCppOutputError):
                 raise
@@ -197,7 +195,7 @@ def bench(
     summaries = summarize(samples, "none", frozenset(target.eos_token_ids))
     reference = None
     if llama_setup is not None:
-        from .cli_llamacpp import finish_llamacpp
+        from .bench_llamacpp import finish_llamacpp
 
         reference = finish_llamacpp(llama_setup, summaries, samples, target, wls, err)
     tmp.cleanup()
@@ -216,20 +214,20 @@ def bench(
                                     llama_bench=reference and reference.__dict__)
     print_table(summaries, settings)
     if reference is not None:
-        from .cli_llamacpp import print_reference
+        from .bench_llamacpp import print_reference
 
         print_reference(reference, summaries, console)
     if k_sweep is not None:
-        from .report import k_sweep_rows
+        from ..bench.report import k_sweep_rows
 
         print_k_sweep(k_sweep_rows(summaries))
     if json_out:
-        from .runner import BenchResult
+        from ..bench.runner import BenchResult
 
         json_out.write_text(json.dumps(BenchResult(machine_info(), settings, summaries, samples).to_dict(), indent=1))
         err.print(f"[dim]wrote {json_out}[/]")
     if plot:
-        from .report import plot_speedups
+        from ..bench.report import plot_speedups
 
         plot_speedups(summaries, plot)
         err.print(f"[dim]wrote {plot}[/]")
@@ -280,6 +278,7 @@ def print_k_sweep(rows) -> None:
     console.print(t)
 
 
+@bench_app.command("memory")
 def bench_memory(
     model_dir: Path = typer.Option(Path.home() / ".cache/leaplm/bench/llama-3.2-1b-random", "--model-dir",
                                    help="Where the random-weight checkpoint is written (once) and read."),
@@ -293,7 +292,7 @@ def bench_memory(
 ) -> None:
     """Peak RSS of `leaplm generate` and `leaplm serve` on a long-context shape (Llama-3.2-1B's 131072 positions
     by default, random weights), next to the KV cache preallocating every position would take."""
-    from .memory import SHAPES, figures_dict, run_memory_bench
+    from ..bench.memory import SHAPES, figures_dict, run_memory_bench
 
     if shape not in SHAPES:
         _fail(f"--shape: one of {', '.join(SHAPES)}, got {shape!r}")
@@ -309,13 +308,3 @@ def bench_memory(
     if json_out:
         json_out.write_text(json.dumps(figures_dict(figs, dict(shape=shape, dtype=dtype, prompt_tokens=prompt_tokens,
                                                                new_tokens=new_tokens, requests=requests)), indent=1))
-
-
-def _mount() -> None:
-    from ..server.cli_serve import bench_serve
-
-    bench_app.command("serve")(bench_serve)
-    bench_app.command("memory")(bench_memory)
-
-
-_mount()

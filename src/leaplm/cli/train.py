@@ -1,4 +1,5 @@
-"""`leaplm train ...` and `leaplm eval ...`: the training recipes' command line (mounted by cli.py).
+"""`leaplm train ...`: the training recipes' command line (pretrain, distill, ondata, card; the head and chat
+commands register on the same group from cli/heads.py and cli/train_chat.py).
 
 The library reports progress through on_step callbacks; rendering (rich progress bars) happens only here.
 """
@@ -6,39 +7,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
-from rich.table import Table
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .config import ConfigError
-from .training.distill import DistillConfig
-from .training.presets import PRESETS
-from .training.ondata import PROMPT_LENGTHS
-from .training.pretrain import PretrainConfig, StepLog
+from ..training.distill import DistillConfig
+from ..training.ondata import PROMPT_LENGTHS
+from ..training.presets import PRESETS
+from ..training.pretrain import PretrainConfig, StepLog
+from .common import StepProgress, counter, err, out, setup_training, user_errors
 
 train_app = typer.Typer(help="Train leaplm's embedded model family: tokenizer, pretraining, distillation.",
                         no_args_is_help=True)
-eval_app = typer.Typer(help="Evaluate models: held-out perplexity, speculative acceptance.", no_args_is_help=True)
-
-err = Console(stderr=True)
-out = Console()
 
 
 @train_app.callback()
 def _train_group() -> None:
     """Train leaplm's embedded model family: tokenizer, pretraining, distillation."""
-
-
-@eval_app.callback()
-def _eval_group() -> None:
-    """Evaluate models."""
 
 
 # ---- shared plumbing ---------------------------------------------------------------------------------------
@@ -48,24 +35,7 @@ def _default(cls, name: str):
     return {f.name: f.default for f in dataclasses.fields(cls)}[name]
 
 
-def _setup(threads: int | None) -> None:
-    import torch
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-    if not logging.getLogger().handlers:
-        from rich.logging import RichHandler
-
-        logging.basicConfig(level=logging.INFO, format="%(message)s",
-                            handlers=[RichHandler(console=err, show_path=False)])
-
-
-def _option_name(field: str) -> str:
-    return "--" + {"out_dir": "out", "tokenizer_dir": "tokenizer", "target_dir": "target",
-                   "draft_init": "draft-init"}.get(field, field).replace("_", "-")
-
-
-def _acceptance_rows(path: Path | None) -> list[dict] | None:
+def acceptance_rows(path: Path | None) -> list[dict] | None:
     """The --acceptance file of a model card: `eval acceptance --json` rows."""
     if path is None:
         return None
@@ -78,88 +48,34 @@ def _acceptance_rows(path: Path | None) -> list[dict] | None:
     return rows
 
 
-@contextmanager
-def _user_errors(fields: list[str]):
-    """Bad input raised by the library becomes a usage error naming the option (exit 2), not a traceback.
-
-    ConfigError names its field; other ValueErrors from the recipes start with the field name by convention."""
-    try:
-        yield
-    except ConfigError as e:
-        raise typer.BadParameter(e.message, param_hint=_option_name(e.field)) from None
-    except (ValueError, FileNotFoundError) as e:
-        msg = str(e)
-        head = msg.split(" ", 1)[0].rstrip(":")
-        if head in fields:
-            raise typer.BadParameter(msg.split(" ", 1)[1].lstrip(": ") if " " in msg else msg,
-                                     param_hint=_option_name(head)) from None
-        err.print(f"[bold red]error:[/] {msg}")
-        raise typer.Exit(2) from None
-
-
-def _check_preset(value: str) -> str:
+def check_preset(value: str) -> str:
     if value not in PRESETS:
         raise typer.BadParameter(f"{value!r} unknown; choose from {', '.join(PRESETS)}")
     return value
 
 
-def _check_corpus(value: str) -> str:
+def check_corpus(value: str) -> str:
     if value != "stdlib" and not Path(value).exists():
         raise typer.BadParameter(f"{value!r} is neither 'stdlib' nor an existing directory or file")
     return value
 
 
-def _check_model_dir(value: Path) -> Path:
+def check_model_dir(value: Path) -> Path:
     if not (value / "config.json").exists():
         raise typer.BadParameter(f"{str(value)!r} is not a Hugging Face checkpoint directory (no config.json)")
     return value
 
 
-def _check_tokenizer_dir(value: Path) -> Path:
+def check_tokenizer_dir(value: Path) -> Path:
     if not (value / "tokenizer_config.json").exists():
         raise typer.BadParameter(f"{str(value)!r} has no tokenizer (run `leaplm train tokenizer` first)")
     return value
 
 
-def _check_draft_init(value: str) -> str:
+def check_draft_init(value: str) -> str:
     if value not in PRESETS and not (Path(value) / "config.json").exists():
         raise typer.BadParameter(f"{value!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
     return value
-
-
-class StepProgress:
-    """An on_step callback drawing a progress bar with loss and tokens/s; logs each held-out evaluation."""
-
-    def __init__(self, title: str):
-        self.title = title
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=err)
-        self.task = None
-        self.tps: float | None = None
-
-    def __enter__(self) -> "StepProgress":
-        self.progress.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.progress.stop()
-
-    def __call__(self, s: StepLog) -> None:
-        if self.task is None:  # created on the first step so a resumed run starts the bar where it left off
-            self.task = self.progress.add_task(self.title, total=s.steps, completed=s.step - 1, loss="-", tps="-")
-        self.tps = s.tokens_per_s if self.tps is None else 0.9 * self.tps + 0.1 * s.tokens_per_s
-        self.progress.update(self.task, completed=s.step, loss=f"{s.loss:.3f}", tps=f"{self.tps:,.0f}")
-        if s.eval_loss is not None:
-            kl = getattr(s, "eval_kl", None)
-            extra = f", held-out KL {kl:.4f}" if kl is not None else ""
-            agree = getattr(s, "eval_agree", None)
-            extra += f", greedy agreement {agree:.3f}" if agree is not None else ""
-            overlap = getattr(s, "eval_overlap", None)
-            extra += f", sampled overlap {overlap:.3f}" if overlap is not None else ""
-            self.progress.console.log(f"step {s.step}/{s.steps}: train {s.loss:.4f}, held-out CE {s.eval_loss:.4f}"
-                                      f"{extra}, {s.tokens_seen:,} tokens")
 
 
 # Options shared by pretrain and distill
@@ -179,18 +95,18 @@ def _d(name: str, help: str, **kw):
 @train_app.command("tokenizer")
 def tokenizer_cmd(
     out_dir: Path = typer.Option(..., "--out", help="Directory to write the tokenizer to."),
-    corpus: str = typer.Option("stdlib", callback=_check_corpus,
+    corpus: str = typer.Option("stdlib", callback=check_corpus,
                                help="'stdlib', a directory of .py files, or a .jsonl file with a 'text' field."),
     vocab_size: int = typer.Option(8192, min=300, help="Vocabulary size (256 bytes + merges + EOS)."),
     max_files: Optional[int] = typer.Option(None, min=1, help="Use only the first N files (tests)."),
     threads: Optional[int] = Threads,
 ) -> None:
     """Train a byte-level BPE tokenizer on the corpus's training split."""
-    from .training.corpus import corpus_texts
-    from .training.tokenizer import train_tokenizer
+    from ..training.corpus import corpus_texts
+    from ..training.tokenizer import train_tokenizer
 
-    _setup(threads)
-    with _user_errors(["corpus", "vocab_size", "max_files"]):
+    setup_training(threads)
+    with user_errors(["corpus", "vocab_size", "max_files"]):
         with err.status("training tokenizer"):
             tok = train_tokenizer(corpus_texts(corpus, "train", max_files), out_dir, vocab_size)
     out.print(f"tokenizer with {len(tok)} tokens written to {out_dir}")
@@ -201,10 +117,10 @@ def tokenizer_cmd(
 @train_app.command("pretrain")
 def pretrain_cmd(
     out_dir: Path = typer.Option(..., "--out", help="Run and checkpoint directory (rerun to resume)."),
-    tokenizer_dir: Path = typer.Option(..., "--tokenizer", callback=_check_tokenizer_dir,
+    tokenizer_dir: Path = typer.Option(..., "--tokenizer", callback=check_tokenizer_dir,
                                        help="Tokenizer directory from `leaplm train tokenizer`."),
-    preset: str = _p("preset", f"Architecture: {', '.join(PRESETS)}.", callback=_check_preset),
-    corpus: str = _p("corpus", "'stdlib', a directory of .py files, or a .jsonl file.", callback=_check_corpus),
+    preset: str = _p("preset", f"Architecture: {', '.join(PRESETS)}.", callback=check_preset),
+    corpus: str = _p("corpus", "'stdlib', a directory of .py files, or a .jsonl file.", callback=check_corpus),
     tokens: int = _p("tokens", "Training budget in tokens.", min=1),
     batch_size: int = _p("batch_size", "Sequences per step.", min=1),
     seq_len: int = _p("seq_len", "Tokens per sequence.", min=2),
@@ -224,30 +140,30 @@ def pretrain_cmd(
     threads: Optional[int] = Threads,
 ) -> None:
     """Pretrain a model (target or draft preset) with next-token cross-entropy; resumes from --out."""
-    from .training.pretrain import pretrain
+    from ..training.pretrain import pretrain
 
-    _setup(threads)
+    setup_training(threads)
     cfg = PretrainConfig(out_dir=str(out_dir), tokenizer_dir=str(tokenizer_dir), preset=preset, corpus=corpus,
                          tokens=tokens, batch_size=batch_size, seq_len=seq_len, long_seq_len=long_seq_len,
                          long_fraction=long_fraction, lr=lr, min_lr=min_lr, warmup_steps=warmup_steps,
                          weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, save_every=save_every,
                          eval_every=eval_every, eval_batches=eval_batches, max_files=max_files, bf16=bf16)
-    with _user_errors([f.name for f in dataclasses.fields(cfg)]), StepProgress(f"pretrain {preset}") as bar:
+    with user_errors([f.name for f in dataclasses.fields(cfg)]), StepProgress(f"pretrain {preset}") as bar:
         last = pretrain(cfg, bar)
-    _report_done(out_dir, last)
+    report_done(out_dir, last)
 
 
 # ---- leaplm train distill ----------------------------------------------------------------------------------
 
 @train_app.command("distill")
 def distill_cmd(
-    target_dir: Path = typer.Option(..., "--target", callback=_check_model_dir,
+    target_dir: Path = typer.Option(..., "--target", callback=check_model_dir,
                                     help="Target checkpoint directory (with its tokenizer)."),
     out_dir: Path = typer.Option(..., "--out", help="Run and checkpoint directory (rerun to resume)."),
     draft_init: str = _d("draft_init", "Draft preset (random init) or checkpoint directory to start from.",
-                         callback=_check_draft_init),
+                         callback=check_draft_init),
     alpha: float = _d("alpha", "Loss = alpha * KL(p || q) + (1 - alpha) * CE.", min=0.0, max=1.0),
-    corpus: str = _d("corpus", "'stdlib', a directory of .py files, or a .jsonl file.", callback=_check_corpus),
+    corpus: str = _d("corpus", "'stdlib', a directory of .py files, or a .jsonl file.", callback=check_corpus),
     tokens: int = _d("tokens", "Training budget in tokens.", min=1),
     batch_size: int = _d("batch_size", "Sequences per step.", min=1),
     seq_len: int = _d("seq_len", "Tokens per sequence.", min=2),
@@ -276,9 +192,9 @@ def distill_cmd(
 ) -> None:
     """Distil a draft from a target: forward KL on the target's logits (online, or cached by `train ondata
     --top-k`), mixed with CE; resumes from --out."""
-    from .training.distill import distill
+    from ..training.distill import distill
 
-    _setup(threads)
+    setup_training(threads)
     try:
         temps = tuple(float(x) for x in temperatures.split(",") if x.strip())
     except ValueError:
@@ -291,12 +207,12 @@ def distill_cmd(
                         save_every=save_every, eval_every=eval_every, eval_batches=eval_batches,
                         max_files=max_files, bf16=bf16, logits_dir=str(logits_dir) if logits_dir else None,
                         loss=loss, temperatures=temps)
-    with _user_errors([f.name for f in dataclasses.fields(cfg)]), StepProgress(f"distill {draft_init}") as bar:
+    with user_errors([f.name for f in dataclasses.fields(cfg)]), StepProgress(f"distill {draft_init}") as bar:
         last = distill(cfg, bar)
-    _report_done(out_dir, last)
+    report_done(out_dir, last)
 
 
-def _report_done(out_dir: Path, last: StepLog | None) -> None:
+def report_done(out_dir: Path, last: StepLog | None) -> None:
     if last is None:
         out.print(f"nothing to do: {out_dir} already finished its budget (raise --tokens to continue)")
         return
@@ -308,7 +224,7 @@ def _report_done(out_dir: Path, last: StepLog | None) -> None:
 
 @train_app.command("card")
 def card_cmd(
-    model_dir: Path = typer.Option(..., "--model", callback=_check_model_dir,
+    model_dir: Path = typer.Option(..., "--model", callback=check_model_dir,
                                    help="Model directory written by pretrain or distill."),
     name: Optional[str] = typer.Option(None, help="Card title (default: the directory name)."),
     with_perplexity: bool = typer.Option(True, "--perplexity/--no-perplexity",
@@ -319,125 +235,31 @@ def card_cmd(
     threads: Optional[int] = Threads,
 ) -> None:
     """Write README.md (model card) and loss_curve.png into a model directory."""
-    from .training.modelcard import read_train_record, write_model_card
-    from .training.perplexity import perplexity
+    from ..training.modelcard import read_train_record, write_model_card
+    from ..training.perplexity import perplexity
 
-    _setup(threads)
-    rows = _acceptance_rows(acceptance)
-    with _user_errors(["model_dir"]):
+    setup_training(threads)
+    rows = acceptance_rows(acceptance)
+    with user_errors(["model_dir"]):
         record = read_train_record(model_dir)
         ppl = None
         if with_perplexity and record.config.get("corpus") == "stdlib":
-            ppl = _perplexity_with_bar(perplexity, str(model_dir), "stdlib", "heldout",
+            ppl = perplexity_with_bar(perplexity, str(model_dir), "stdlib", "heldout",
                                        max_tokens=ppl_tokens, max_files=record.config.get("max_files"))
         path = write_model_card(model_dir, name=name, perplexity=ppl, acceptance=rows)
     out.print(f"model card written to {path}")
 
 
-def _perplexity_with_bar(fn, model_dir: str, corpus: str, split: str, **kw):
+def perplexity_with_bar(fn, model_dir: str, corpus: str, split: str, **kw):
     with Progress(TextColumn("[bold]perplexity"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=err) as progress:
         task = progress.add_task("perplexity", total=None)
         return fn(model_dir, corpus, split, on_batch=lambda d, n: progress.update(task, completed=d, total=n), **kw)
 
 
-# ---- leaplm eval perplexity --------------------------------------------------------------------------------
-
-@eval_app.command("perplexity")
-def perplexity_cmd(
-    model_dir: Path = typer.Option(..., "--model", callback=_check_model_dir, help="Checkpoint directory."),
-    corpus: str = typer.Option("stdlib", callback=_check_corpus,
-                               help="'stdlib', a directory of .py files, or a .jsonl file (scored whole)."),
-    split: str = typer.Option("heldout", help="stdlib split: heldout or train."),
-    seq_len: int = typer.Option(512, min=2, help="Window length; each window's first token is not scored."),
-    batch_size: int = typer.Option(8, min=1, help="Windows per forward."),
-    max_tokens: int = typer.Option(1 << 18, min=2, help="Score at most this many tokens, spread over the split."),
-    max_files: Optional[int] = typer.Option(None, min=1, help="Use only the first N files (tests)."),
-    bf16: bool = typer.Option(True, help="bf16 autocast."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
-    threads: Optional[int] = Threads,
-) -> None:
-    """Held-out perplexity of a model on a corpus split (the stdlib's held-out modules by default)."""
-    from .training.perplexity import perplexity
-
-    if split not in ("heldout", "train"):
-        raise typer.BadParameter(f"must be 'heldout' or 'train', got {split!r}", param_hint="--split")
-    _setup(threads)
-    with _user_errors(["corpus", "split", "seq_len", "max_files"]):
-        r = _perplexity_with_bar(perplexity, str(model_dir), corpus, split, seq_len=seq_len,
-                                 batch_size=batch_size, max_tokens=max_tokens, max_files=max_files, bf16=bf16)
-    if as_json:
-        out.print_json(data=dataclasses.asdict(r) | {"perplexity": r.perplexity})
-        return
-    t = Table("model", "corpus/split", "tokens", "CE (nats)", "perplexity")
-    t.add_row(r.model_dir, f"{r.corpus}/{r.split}", f"{r.tokens:,}", f"{r.loss:.4f}", f"{r.perplexity:.3f}")
-    out.print(t)
-
-
-# ---- leaplm eval acceptance --------------------------------------------------------------------------------
-@eval_app.command("acceptance")
-def acceptance_cmd(
-    target: Optional[str] = typer.Option(None, "--target", help="Target checkpoint (default: the embedded target)."),
-    draft: Optional[str] = typer.Option(None, "--draft", help="Draft checkpoint (default: the embedded draft)."),
-    method: str = typer.Option("draft", "--method", help="draft | eagle | medusa (heads: K is the tree's node "
-                                                         "budget)."),
-    head: Optional[str] = typer.Option(None, "--head", help="eagle/medusa: head directory (default: the head "
-                                                            "shipped for the target)."),
-    ks: str = typer.Option("1,2,3,4,5,6,7,8", "--k", help="Comma list of K."),
-    temperatures: str = typer.Option("0,0.8", "--temperatures", help="Comma list of temperatures (0 = greedy)."),
-    prompts: int = typer.Option(8, min=1, help="Held-out prompts of --workload (never trained on)."),
-    workload: str = typer.Option("code", "--workload", help="Benchmark workload: code, copy, chat-code, chat-edit, "
-                                                            "chat-question (chat ones through the target's template)."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
-    seed: int = typer.Option(0),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the rows here (input of `train card`)."),
-    threads: Optional[int] = Threads,
-) -> None:
-    """Acceptance rate and mean accepted length of a draft against its target, per K and temperature."""
-    from .bench.workloads import as_chat, fit_to_context, get_workload
-    from .models import embedded, load_model
-    from .training.acceptance import eval_acceptance
-
-    _setup(threads)
-    try:
-        k_list = [int(x) for x in ks.split(",") if x.strip()]
-        temps = [float(x) for x in temperatures.split(",") if x.strip()]
-    except ValueError:
-        raise typer.BadParameter("expected comma-separated numbers", param_hint="--k/--temperatures") from None
-    if not k_list or min(k_list) < 1:
-        raise typer.BadParameter("each K must be >= 1", param_hint="--k")
-    if not temps or min(temps) < 0:
-        raise typer.BadParameter("temperatures must be >= 0", param_hint="--temperatures")
-    if method not in ("draft", "eagle", "medusa"):
-        raise typer.BadParameter(f"must be draft, eagle or medusa, got {method!r}", param_hint="--method")
-    with _user_errors(["model", "draft", "workload", "head"]):
-        tgt = load_model(target or embedded.default_target(), field="model")
-        # no --draft: the embedded default draft, or the one shipped for this target (matched by tokenizer)
-        drf = None if method != "draft" else load_model(
-            draft or (embedded.draft_for(tgt.tokenizer) if target else embedded.default_draft()) or "", field="draft")
-        w = as_chat(get_workload(workload, prompts), tgt.tokenizer, tgt.name)
-    w = fit_to_context(w, tgt.tokenizer, min(tgt.model.max_len, 4096) - max_new_tokens - max(k_list) - 2)
-    name = drf.name if drf is not None else f"{method} head {head or '(shipped)'}"
-    t = Table("temperature", "K", "acceptance rate", "mean accepted length", "drafted", title=f"{name} -> {tgt.name}")
-    with _user_errors(["head"]):
-        rows = eval_acceptance(tgt, drf, w.prompts, k_list, temps, max_new_tokens, seed,
-                               on_row=lambda r: err.print(f"[dim]T={r.temperature} K={r.k}: "
-                                                          f"acceptance {r.acceptance_rate:.3f}[/]"),
-                               method=method, head=head)
-    for r in rows:
-        t.add_row(f"{r.temperature:g}", str(r.k), f"{r.acceptance_rate:.3f}", f"{r.mean_accepted_length:.2f}",
-                  str(r.draft_tokens))
-    out.print(t)
-    if json_out:
-        json_out.write_text(json.dumps([{"temperature": r.temperature, "K": r.k,
-                                         "acceptance rate": round(r.acceptance_rate, 3),
-                                         "mean accepted length": round(r.mean_accepted_length, 2),
-                                         "drafted": r.draft_tokens, "prompts": r.prompts} for r in rows], indent=1))
-
-
 @train_app.command("ondata")
 def ondata_cmd(
-    target_dir: Path = typer.Option(..., "--target", callback=_check_model_dir, help="Target checkpoint directory."),
+    target_dir: Path = typer.Option(..., "--target", callback=check_model_dir, help="Target checkpoint directory."),
     out_path: Path = typer.Option(..., "--out", help="JSONL file to write ({'text': ...} per line); with --top-k, "
                                                      "a directory of logit shards."),
     n_seqs: int = typer.Option(2048, "--n-seqs", min=1, help="Sequences to generate (with --top-k: over all parts)."),
@@ -462,9 +284,9 @@ def ondata_cmd(
     threads: Optional[int] = Threads,
 ) -> None:
     """Generate on-policy distillation data: the target's continuations of training-corpus prompts."""
-    from .training.ondata import generate_target_corpus, generate_target_logits
+    from ..training.ondata import generate_target_corpus, generate_target_logits
 
-    _setup(threads)
+    setup_training(threads)
     if part >= parts:
         raise typer.BadParameter(f"must be < --parts ({parts}), got {part}", param_hint="--part")
     try:
@@ -474,19 +296,15 @@ def ondata_cmd(
     if not lengths or min(lengths) < 1:
         raise typer.BadParameter(f"expected comma-separated positive integers, got {prompt_lengths!r}",
                                  param_hint="--prompt-lengths")
-    with Progress(TextColumn("target continuations"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err) as prog:
+    with counter("target continuations") as prog:
         task = prog.add_task("gen", total=n_seqs if top_k is None else -(-n_seqs // parts))
         if top_k is None:
             rows = generate_target_corpus(str(target_dir), out_path, n_seqs, prompt_tokens, new_tokens, batch_size,
                                           temperature, seed, on_batch=lambda r: prog.update(task, completed=r))
         else:
-            with _user_errors(["n_seqs", "top_k", "part", "temperature"]):
+            with user_errors(["n_seqs", "top_k", "part", "temperature"]):
                 rows = generate_target_logits(str(target_dir), out_path, n_seqs, new_tokens, top_k, batch_size,
                                               seed, prompt_lengths=lengths, part=part, parts=parts,
                                               temperature=temperature,
                                               on_batch=lambda r: prog.update(task, completed=r))
     out.print(f"wrote {rows} sequences to {out_path}")
-
-from . import cli_train_chat  # noqa: E402,F401  (registers `train chatdata`)
-from . import cli_heads  # noqa: E402,F401 - registers `train eagle` and `train medusa` on train_app

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .config import ConfigError
+from ..config import ConfigError
 
 # vLLM's method names -> leaplm's
 SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "suffix": "suffix",

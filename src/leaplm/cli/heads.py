@@ -1,5 +1,5 @@
 """`leaplm train eagle` and `leaplm train medusa`: training draft heads on the frozen target (mounted on
-cli_train's train_app). Rendering only; the recipes live in training/eagle.py and training/medusa.py."""
+cli/train.py's train_app). Rendering only; the recipes live in training/eagle.py and training/medusa.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +8,9 @@ from typing import Optional
 
 import typer
 
-from .cli_train import Threads, StepProgress, _acceptance_rows, _setup, _user_errors, out, train_app
-from .training.eagle import EagleTrainConfig
+from ..training.eagle import EagleTrainConfig
+from .common import StepProgress, out, setup_training, user_errors
+from .train import Threads, acceptance_rows, check_corpus, train_app
 
 
 def _e(name: str, help: str, **kw):
@@ -20,12 +21,6 @@ def _check_target(value: str) -> str:
     p = Path(value)
     if not (p / "config.json").exists() and not (p.is_file() and p.suffix == ".gguf"):
         raise typer.BadParameter(f"{value!r} is neither a checkpoint directory (config.json) nor a .gguf file")
-    return value
-
-
-def _check_corpus(value: str) -> str:
-    if value != "stdlib" and not Path(value).exists():
-        raise typer.BadParameter(f"{value!r} is neither 'stdlib' nor an existing directory or file")
     return value
 
 
@@ -45,7 +40,7 @@ def eagle_cmd(
                                    help="The target: checkpoint directory or .gguf file."),
     out_dir: Path = typer.Option(..., "--out", help="Head directory (rerun to resume from its checkpoint)."),
     corpus: str = _e("corpus", "Prompts: 'stdlib', a directory of .py files, or a .jsonl file.",
-                     callback=_check_corpus),
+                     callback=check_corpus),
     steps: int = _e("steps", "Optimizer steps.", min=1),
     batch_size: int = _e("batch_size", "Sequences per step.", min=1),
     prompt_tokens: int = _e("prompt_tokens", "Corpus tokens per prompt.", min=1),
@@ -71,16 +66,16 @@ def eagle_cmd(
     threads: Optional[int] = Threads,
 ) -> None:
     """Train an EAGLE head on the frozen target by self-distillation on its own greedy and sampled text."""
-    from .training.eagle import train_eagle
+    from ..training.eagle import train_eagle
 
     temps = _temps(temperatures)
-    _setup(threads)
+    setup_training(threads)
     cfg = EagleTrainConfig(target_dir=target_dir, out_dir=str(out_dir), corpus=corpus, steps=steps,
                            batch_size=batch_size, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
                            temperatures=temps, unroll=unroll, reuse=reuse, corpus_fraction=corpus_fraction,
                            intermediate_size=intermediate_size, chat=chat, draft_vocab=draft_vocab, lr=lr, seed=seed,
                            save_every=save_every, eval_every=eval_every, max_minutes=max_minutes, max_files=max_files)
-    with _user_errors([f.name for f in dataclasses.fields(cfg)]), HeadProgress("train eagle") as bar:
+    with user_errors([f.name for f in dataclasses.fields(cfg)]), HeadProgress("train eagle") as bar:
         last = train_eagle(cfg, bar)
     _done(out_dir, steps, last)
 
@@ -92,7 +87,7 @@ def medusa_cmd(
     out_dir: Path = typer.Option(..., "--out", help="Head directory (rerun to resume from its checkpoint)."),
     heads: int = _e("medusa_heads", "Medusa heads (draft depth).", min=1, max=8),
     corpus: str = _e("corpus", "Prompts: 'stdlib', a directory of .py files, or a .jsonl file.",
-                     callback=_check_corpus),
+                     callback=check_corpus),
     steps: int = _e("steps", "Optimizer steps.", min=1),
     batch_size: int = _e("batch_size", "Sequences per step.", min=1),
     prompt_tokens: int = _e("prompt_tokens", "Corpus tokens per prompt.", min=1),
@@ -110,16 +105,16 @@ def medusa_cmd(
     threads: Optional[int] = Threads,
 ) -> None:
     """Train Medusa-1 heads on the frozen target by self-distillation on its own greedy and sampled text."""
-    from .training.eagle import train_eagle
+    from ..training.eagle import train_eagle
 
     temps = _temps(temperatures)
-    _setup(threads)
+    setup_training(threads)
     cfg = EagleTrainConfig(target_dir=target_dir, out_dir=str(out_dir), corpus=corpus, steps=steps,
                            batch_size=batch_size, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
                            temperatures=temps, reuse=reuse, corpus_fraction=corpus_fraction, lr=lr, seed=seed,
                            save_every=save_every, eval_every=eval_every, max_minutes=max_minutes,
                            max_files=max_files, kind="medusa", medusa_heads=heads)
-    with _user_errors([f.name for f in dataclasses.fields(cfg)]), HeadProgress("train medusa") as bar:
+    with user_errors([f.name for f in dataclasses.fields(cfg)]), HeadProgress("train medusa") as bar:
         last = train_eagle(cfg, bar)
     _done(out_dir, steps, last)
 
@@ -134,10 +129,10 @@ def export_cmd(
 ) -> None:
     """Export an EAGLE head to the Speculators layout (vLLM's --speculative-config '{"model": OUT,
     "method": "eagle"}') or to the original EAGLE repositories' layout."""
-    from .heads.formats import export_head
-    from .models.loading import load_model
+    from ..heads.formats import export_head
+    from ..models.loading import load_model
 
-    with _user_errors(["head", "layout", "target_dir"]):
+    with user_errors(["head", "layout", "target_dir"]):
         target = load_model(target_dir, field="target_dir")
         export_head(head, out_dir, target, layout, speculative_tokens)
     out.print(f"wrote {layout} layout to {out_dir}")
@@ -153,10 +148,10 @@ def ship_cmd(
 ) -> None:
     """Store a trained head in bfloat16 with its log, config and card (loss and acceptance curves, acceptance
     table): what ships in the package."""
-    from .heads.ship import ship_head
+    from ..heads.ship import ship_head
 
-    with _user_errors(["head"]):
-        ship_head(head, out_dir, _acceptance_rows(acceptance), command)
+    with user_errors(["head"]):
+        ship_head(head, out_dir, acceptance_rows(acceptance), command)
     out.print(f"shipped {head} to {out_dir}")
 
 

@@ -1,4 +1,5 @@
-"""`leaplm train chatdata`: chat distillation data for any target (training/chat_ondata.py)."""
+"""`leaplm train chatdata` and `leaplm train distill-chat`: chat distillation data for any target
+(training/chat_ondata.py) and a small draft distilled from it (training/chat_distill.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,11 +7,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-    TimeRemainingColumn
 
-from .cli_train import Threads, _setup, _user_errors, err, out, train_app
-from .training.chat_ondata import ChatDataConfig
+from ..training.chat_ondata import ChatDataConfig
+from .common import StepProgress, counter, out, setup_training, user_errors
+from .train import Threads, report_done, train_app
 
 
 def _d(name: str):
@@ -37,10 +37,10 @@ def chatdata_cmd(
 ) -> None:
     """The target's own chat answers (greedy and sampled) to prompts derived from the standard library, with
     its top-k log-probs, as shards for `train distill --logits-dir`."""
-    from .models.catalog import resolve_model_name
-    from .training.chat_ondata import generate_chat_logits
+    from ..models.catalog import resolve_model_name
+    from ..training.chat_ondata import generate_chat_logits
 
-    _setup(threads)
+    setup_training(threads)
     try:
         temps = tuple(float(x) for x in temperatures.split(",") if x.strip())
     except ValueError:
@@ -48,16 +48,15 @@ def chatdata_cmd(
     cfg = ChatDataConfig(model=resolve_model_name(model), out_dir=str(out_dir), n_prompts=n_prompts,
                          new_tokens=new_tokens, top_k=top_k, batch_size=batch_size, shard_rows=shard_rows,
                          temperatures=temps, max_prompt_tokens=max_prompt_tokens, seed=seed, max_files=max_files)
-    with _user_errors([f.name for f in dataclasses.fields(cfg)]), \
-            Progress(TextColumn("chat answers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                     TimeRemainingColumn(), console=err) as prog:
+    with user_errors([f.name for f in dataclasses.fields(cfg)]), \
+            counter("chat answers") as prog:
         task = prog.add_task("gen", total=n_prompts)
         rows = generate_chat_logits(cfg, on_rows=lambda d, n: prog.update(task, completed=d, total=n))
     out.print(f"{rows} answers in {out_dir}")
 
 
 def _dd(name: str):
-    from .training.chat_distill import ChatDistillConfig
+    from ..training.chat_distill import ChatDistillConfig
 
     return {f.name: f.default for f in dataclasses.fields(ChatDistillConfig)}[name]
 
@@ -87,16 +86,15 @@ def distill_chat_cmd(
     threads: Optional[int] = Threads,
 ) -> None:
     """Distil a small reduced-vocabulary draft for any target from its chat shards; resumes from --out."""
-    from .cli_train import StepProgress, _report_done
-    from .models.catalog import resolve_model_name
-    from .training.chat_distill import ChatDistillConfig, distill_chat
+    from ..models.catalog import resolve_model_name
+    from ..training.chat_distill import ChatDistillConfig, distill_chat
 
-    _setup(threads)
+    setup_training(threads)
     try:
         temps = tuple(float(x) for x in temperatures.split(",") if x.strip())
     except ValueError:
         raise typer.BadParameter("expected comma-separated numbers", param_hint="--temperatures") from None
-    with _user_errors(["model", "logits_dir", "shape", "draft_vocab", "temperatures", "text_corpus"]):
+    with user_errors(["model", "logits_dir", "shape", "draft_vocab", "temperatures", "text_corpus"]):
         cfg = ChatDistillConfig(model=resolve_model_name(model), logits_dir=str(logits_dir), out_dir=str(out_dir),
                                 shape=shape, draft_vocab=draft_vocab, steps=steps, batch_size=batch_size,
                                 alpha=alpha, temperatures=temps, lr=lr, warmup_steps=warmup_steps,
@@ -104,5 +102,5 @@ def distill_chat_cmd(
                                 text_corpus=text_corpus)
         with StepProgress(f"distill-chat {shape}") as bar:
             last = distill_chat(cfg, bar)
-    _report_done(out_dir, last)
+    report_done(out_dir, last)
 

