@@ -36,7 +36,7 @@ def test_metrics_report_the_memory_the_draft_adds(checkpoint):
 
     from leaplm.config import ServerConfig
     from leaplm.server.app import create_app
-    from leaplm.tune.memory import kv_cache_bytes
+    from leaplm.models.footprint import kv_cache_bytes
 
     eng = Engine(checkpoint("llama_tied"), draft=checkpoint("llama_draft"), method="draft", k=2, max_model_len=64)
     want_weights = sum(p.numel() * p.element_size() for p in eng.draft.model.parameters())

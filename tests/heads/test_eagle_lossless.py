@@ -12,7 +12,8 @@ import torch
 
 from leaplm import Engine, SamplingParams
 from leaplm.propose import eagle as eagle_mod
-from leaplm.propose.eagle import TreeShape, _Node, _select
+from leaplm.propose.eagle import TreeShape
+from leaplm.propose.tree_select import Node, select_tree
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "engine"))
 from mc_bounds import tv_and_bound  # noqa: E402
@@ -65,16 +66,16 @@ def test_adaptive_k_and_end_of_context(eagle16):
 
 
 def test_select_keeps_a_tree_and_sends_chains_as_chains():
-    pool = [_Node(4, -1, -0.1, 1), _Node(5, -1, -2.0, 1), _Node(6, 0, -0.3, 2), _Node(7, 0, -0.2, 2),
-            _Node(8, 3, -0.25, 3), _Node(9, 1, -2.1, 2)]
-    p = _select(pool, 4)                      # best 4: nodes 0, 3, 4, 2 -> a tree (node 0 has two children)
+    pool = [Node(4, -1, -0.1, 1), Node(5, -1, -2.0, 1), Node(6, 0, -0.3, 2), Node(7, 0, -0.2, 2),
+            Node(8, 3, -0.25, 3), Node(9, 1, -2.1, 2)]
+    p = select_tree(pool, 4)                      # best 4: nodes 0, 3, 4, 2 -> a tree (node 0 has two children)
     assert p.tokens.tolist() == [4, 6, 7, 8] and p.parents == [-1, 0, 0, 2]
-    c = _select(pool, 3)                      # nodes 0, 3, 4: a chain
+    c = select_tree(pool, 3)                      # nodes 0, 3, 4: a chain
     assert c.tokens.tolist() == [4, 7, 8] and c.parents is None
-    assert _select(pool, 0).k == 0
+    assert select_tree(pool, 0).k == 0
     # a child never precedes its parent, even when scores tie
-    tie = [_Node(1, -1, -0.5, 1), _Node(2, 0, -0.5, 2), _Node(3, -1, -0.5, 1)]
-    t = _select(tie, 3)
+    tie = [Node(1, -1, -0.5, 1), Node(2, 0, -0.5, 2), Node(3, -1, -0.5, 1)]
+    t = select_tree(tie, 3)
     assert t.parents == [-1, -1, 0]
 
 

@@ -14,7 +14,8 @@ from leaplm import SamplingParams
 from leaplm.heads.loader import load_head_for
 from leaplm.numerics import sum_tolerance
 from leaplm.propose.base import ProposeContext
-from leaplm.propose.eagle import EagleProposer, TreeShape, _Node, _select
+from leaplm.propose.eagle import EagleProposer, TreeShape
+from leaplm.propose.tree_select import Node, select_tree
 from leaplm.sampling import LogitsProcessor, make_generator
 from leaplm.sampling.positional import ranked
 
@@ -63,7 +64,7 @@ class FullVocabReference(EagleProposer):
         pool, slot_of = [], {}
         q = self._dist(ctx, self._full(root.unsqueeze(0)))[0]                            # [V]
         for t in self._best(ctx, q, 0, b):
-            pool.append(_Node(t, -1, float(torch.log(q[t])), 1))
+            pool.append(Node(t, -1, float(torch.log(q[t])), 1))
         frontier = list(range(len(pool)))
         feats_of = {-1: root}
         depth, base = 1, self.n_cached
@@ -86,11 +87,11 @@ class FullVocabReference(EagleProposer):
             new = []
             for r, i in enumerate(frontier):
                 for t in self._best(ctx, qs[r], depth, b):
-                    pool.append(_Node(t, i, pool[i].score + float(torch.log(qs[r, t])), depth + 1))
+                    pool.append(Node(t, i, pool[i].score + float(torch.log(qs[r, t])), depth + 1))
                     new.append(len(pool) - 1)
             frontier = sorted(new, key=lambda j: -pool[j].score)[:b]
             depth += 1
-        return _select(pool, k)
+        return select_tree(pool, k)
 
 
 PARAMS = {"greedy": dict(temperature=0), "greedy-penalty": dict(temperature=0, repetition_penalty=1.3),

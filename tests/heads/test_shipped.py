@@ -76,12 +76,12 @@ def test_shipped_smollm2_head_is_well_formed():
     draft vocabulary's maps are valid, and it is matched to SmolLM2's file by hash like any shipped head."""
     from leaplm.heads.checkpoint import read_head
     from leaplm.heads.eagle_net import EagleConfig, EagleNet
-    from leaplm.heads.loader import _load_state
+    from leaplm.heads.runtime import load_weights
     from leaplm.heads.vocab import ids_of
 
     d = shipped_heads("eagle")["eagle-smollm2"]
     hf = read_head(d)
     assert (hf.target.hidden_size, hf.target.vocab_size, hf.target.num_hidden_layers) == (576, 49152, 30)
     net = EagleNet(EagleConfig(**hf.config))
-    _load_state(net, hf.state, d)
+    load_weights(net, hf.state, d)
     assert ids_of(net.d2t, net.t2d, 49152, str(d)).numel() == hf.config["draft_vocab_size"] == 4096

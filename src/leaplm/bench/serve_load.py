@@ -100,7 +100,8 @@ class RunResult:
         return [r for r in self.results if r.ok]
 
 
-def _pct(xs: list[float], q: float) -> float | None:
+def percentile(xs: list[float], q: float) -> float | None:
+    """The q-th percentile of xs (None when empty)."""
     if not xs:
         return None
     xs = sorted(xs)
@@ -144,7 +145,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Server:
+class ServerProcess:
+    """`python -m leaplm.server` in a subprocess on a free local port, with its log in a file."""
+
     def __init__(self, cfg: LoadBenchConfig, model: str | None, draft: str | None, log_path: Path):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -192,7 +195,8 @@ class _Server:
         self.log.close()
 
 
-async def _one(client, body: dict, timeout: float, on_first=None) -> RequestResult:
+async def send_one(client, body: dict, timeout: float, on_first=None) -> RequestResult:
+    """One streamed completion request, timed (first token, inter-token gaps, end to end)."""
     t0 = time.perf_counter()
     res = RequestResult(ok=False)
     try:
@@ -257,7 +261,7 @@ async def _run_level(url: str, concurrency: int, n_requests: int, speculative: b
                     body = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                results.append(await _one(client, body, cfg.timeout_s))
+                results.append(await send_one(client, body, cfg.timeout_s))
 
         t0 = time.perf_counter()
         await asyncio.gather(*[worker() for _ in range(concurrency)])
@@ -291,7 +295,7 @@ async def _run_long_prompt(url: str, cfg: LoadBenchConfig, long_ids: list[int] |
         body = {"model": "bench", "prompt": PROMPTS[(offset + i) % len(PROMPTS)], "max_tokens": cfg.max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-        return await _one(client, body, cfg.timeout_s, on_first=first_token)
+        return await send_one(client, body, cfg.timeout_s, on_first=first_token)
 
     async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=n + 4),
                                  timeout=cfg.timeout_s) as client:
@@ -302,7 +306,7 @@ async def _run_long_prompt(url: str, cfg: LoadBenchConfig, long_ids: list[int] |
             await asyncio.sleep(0.05)                  # a few decoding steps of every stream before it arrives
             body = {"model": "bench", "prompt": long_ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-            long_res = await _one(client, body, cfg.timeout_s)
+            long_res = await send_one(client, body, cfg.timeout_s)
         return list(await asyncio.gather(*tasks)), long_res
 
 
@@ -331,10 +335,10 @@ def summarize(runs: list[RunResult]) -> list[dict]:
             "requests": sum(len(r.results) for r in rs), "errors": sum(len(r.results) - len(r.ok) for r in rs),
             "requests_per_s": statistics.median(len(r.ok) / r.wall_s for r in rs),
             "tokens_per_s": statistics.median(sum(x.tokens for x in r.ok) / r.wall_s for r in rs),
-            "ttft_p50_s": _pct([x.ttft_s for x in ok if x.ttft_s is not None], 50),
-            "ttft_p99_s": _pct([x.ttft_s for x in ok if x.ttft_s is not None], 99),
-            "itl_p50_s": _pct([t for x in ok for t in x.itl_s], 50),
-            "itl_p99_s": _pct([t for x in ok for t in x.itl_s], 99),
+            "ttft_p50_s": percentile([x.ttft_s for x in ok if x.ttft_s is not None], 50),
+            "ttft_p99_s": percentile([x.ttft_s for x in ok if x.ttft_s is not None], 99),
+            "itl_p50_s": percentile([t for x in ok for t in x.itl_s], 50),
+            "itl_p99_s": percentile([t for x in ok for t in x.itl_s], 99),
             "acceptance_rate": sum(x.accepted_tokens for x in ok) / drafted if drafted else None,
             "k_at_end": [r.k_at_end for r in rs],
             "error_samples": sorted({x.error for r in rs for x in r.results if x.error})[:3],
@@ -373,13 +377,13 @@ def _long_prompt_scenario(url: str, cfg: LoadBenchConfig) -> dict:
             itl[with_long] += [t for r in streams if r.ok for t in r.itl_s]
             if long_res is not None and long_res.ttft_s is not None:
                 ttft.append(long_res.ttft_s)
-    p99 = {k: _pct(v, 99) for k, v in itl.items()}
+    p99 = {k: percentile(v, 99) for k, v in itl.items()}
     return {"streams": cfg.long_prompt_among, "prompt_tokens": tokens,
             "max_num_batched_tokens": cfg.max_num_batched_tokens, "rounds": cfg.rounds, "errors": errors,
-            "itl_p50_s": {"alone": _pct(itl[False], 50), "with_long_prompt": _pct(itl[True], 50)},
+            "itl_p50_s": {"alone": percentile(itl[False], 50), "with_long_prompt": percentile(itl[True], 50)},
             "itl_p99_s": {"alone": p99[False], "with_long_prompt": p99[True]},
             "itl_p99_ratio": p99[True] / p99[False] if p99[False] and p99[True] else None,
-            "long_prompt_ttft_p50_s": _pct(ttft, 50)}
+            "long_prompt_ttft_p50_s": percentile(ttft, 50)}
 
 
 def machine() -> dict:
@@ -404,7 +408,7 @@ def run_load_bench(cfg: LoadBenchConfig) -> dict:
             if model or draft:
                 raise ConfigError("synthetic", "give either --synthetic or --model/--draft")
             model, draft = build_synthetic_pair(Path(tmp))
-        server = _Server(cfg, model, draft, Path(tmp) / "server.log")
+        server = ServerProcess(cfg, model, draft, Path(tmp) / "server.log")
         try:
             server.wait_ready(cfg.startup_timeout_s)
             warm = LoadBenchConfig(**{**asdict(cfg), "max_tokens": min(cfg.max_tokens, 16)})

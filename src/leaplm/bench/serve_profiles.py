@@ -20,8 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .serve_load import (PROMPTS, LoadBenchConfig, RequestResult, RunResult, _one, _pct, _Server,
-                         build_synthetic_pair, machine, paired_speedup)
+from .serve_load import (PROMPTS, LoadBenchConfig, RequestResult, RunResult, ServerProcess, build_synthetic_pair,
+                         machine, paired_speedup, percentile, send_one)
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ async def _run_profile(url: str, p: Profile, speculative: bool, timeout_s: float
                                  timeout=timeout_s) as client:
         async def worker():
             while not queue.empty():
-                results.append(await _one(client, queue.get_nowait(), timeout_s))
+                results.append(await send_one(client, queue.get_nowait(), timeout_s))
 
         t0 = time.perf_counter()
         await asyncio.gather(*[worker() for _ in range(p.concurrency)])
@@ -98,10 +98,10 @@ def summarize_profiles(profiles: list[Profile], runs: dict[str, list[RunResult]]
                 "profile": p.name, "prompt_chars": p.prompt_chars, "max_tokens": p.max_tokens,
                 "concurrency": p.concurrency, "speculative": spec, "requests": sum(len(r.results) for r in rs),
                 "errors": sum(len(r.results) - len(r.ok) for r in rs),
-                "ttft_p50_s": _pct([x.ttft_s for x in ok if x.ttft_s is not None], 50),
-                "itl_p50_s": _pct([t for x in ok for t in x.itl_s], 50),
-                "itl_p99_s": _pct([t for x in ok for t in x.itl_s], 99),
-                "e2e_p50_s": _pct([x.e2e_s for x in ok], 50),
+                "ttft_p50_s": percentile([x.ttft_s for x in ok if x.ttft_s is not None], 50),
+                "itl_p50_s": percentile([t for x in ok for t in x.itl_s], 50),
+                "itl_p99_s": percentile([t for x in ok for t in x.itl_s], 99),
+                "e2e_p50_s": percentile([x.e2e_s for x in ok], 50),
                 # one client's view (its tokens over its own end-to-end time) and the server's (all over the wall)
                 "tokens_per_s_request": statistics.median(x.tokens / x.e2e_s for x in ok) if ok else None,
                 "tokens_per_s_total": statistics.median(sum(x.tokens for x in r.ok) / r.wall_s for r in rs),
@@ -125,7 +125,7 @@ def run_profiles(cfg: LoadBenchConfig, profiles: list[Profile]) -> dict:
             if model or draft:
                 raise ConfigError("synthetic", "give either --synthetic or --model/--draft")
             model, draft = build_synthetic_pair(Path(tmp))
-        server = _Server(cfg, model, draft, Path(tmp) / "server.log")
+        server = ServerProcess(cfg, model, draft, Path(tmp) / "server.log")
         runs: dict[str, list[RunResult]] = {p.name: [] for p in profiles}
         try:
             server.wait_ready(cfg.startup_timeout_s)

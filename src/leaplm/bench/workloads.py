@@ -9,14 +9,12 @@
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from ..training.corpus import stdlib_files
+from ..training.corpus import functions
 
 WORKLOADS = ("code", "copy", "chat-code", "chat-edit", "chat-question")
 CHAT_WORKLOADS = ("chat-code", "chat-edit", "chat-question")
-_DEF = re.compile(r"^( *)(async )?def \w+\(")
 
 
 @dataclass
@@ -25,29 +23,6 @@ class Workload:
     description: str
     prompts: list[str]
     chat: bool = False              # prompts are user messages: apply the target's chat template (as_chat)
-
-
-def functions(split: str = "heldout", min_lines: int = 8, max_lines: int = 40,
-              max_files: int | None = None) -> list[tuple[list[str], int, int]]:
-    """(file lines, start, end) of functions and methods in a stdlib split's files, in a fixed order.
-
-    Benchmarks read the held-out split; on-policy distillation data reads the training split."""
-    found = []
-    for path in stdlib_files(split)[:max_files]:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
-        for i, line in enumerate(lines):
-            m = _DEF.match(line)
-            if not m:
-                continue
-            ind = len(m.group(1))
-            j = i + 1
-            while j < len(lines) and (not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip(" ")) > ind):
-                j += 1
-            while j > i and not lines[j - 1].strip():
-                j -= 1
-            if min_lines <= j - i <= max_lines:
-                found.append((lines, i, j))
-    return found
 
 
 def _spread(items: list, n: int) -> list:

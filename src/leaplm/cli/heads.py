@@ -148,7 +148,7 @@ def ship_cmd(
 ) -> None:
     """Store a trained head in bfloat16 with its log, config and card (loss and acceptance curves, acceptance
     table): what ships in the package."""
-    from ..heads.ship import ship_head
+    from ..training.ship_head import ship_head
 
     with user_errors(["head"]):
         ship_head(head, out_dir, acceptance_rows(acceptance), command)

@@ -47,7 +47,7 @@ def weights_sha256(path: str | Path) -> str:
 
 
 def identity_of(loaded) -> TargetIdentity:
-    """The identity of a loaded target (models.loading.LoadedModel)."""
+    """The identity of a loaded target (models.base.LoadedModel)."""
     a = loaded.model.args
     return TargetIdentity(a.hidden_size, a.vocab_size, a.num_hidden_layers, weights_sha256(loaded.path))
 

@@ -100,22 +100,28 @@ def choose_path(module, paths=SIMD_PATHS) -> tuple[int, str]:
     return 0, "scalar path (no SIMD path passed its start-up check: " + "; ".join(failures) + ")"
 
 
-def probe_problems():
-    """Small problems covering both formats and every token-tile width: (x [T, 96], PackedWeight of 13 rows)."""
-    import torch
+@dataclass
+class ProbeWeight:
+    """A weight in the kernel's row-group layout (quant/linear.py PackedWeight): what the probe passes it."""
+    q: object               # uint8 [groups, blocks, 256] (int8) | [groups, blocks, 128] (int4 nibbles)
+    scale: object           # fp32 [groups, blocks, 8]
+    minv: object            # fp32 [groups, blocks, 8] for int4, None for int8
+    rows: int
 
-    from ..quant.formats import QuantizedWeight
-    from ..quant.linear import pack
+
+def probe_problems() -> list[tuple[object, ProbeWeight]]:
+    """Small problems covering both formats and every token-tile width: (x [T, 96], a weight of 13 rows in 2
+    groups of 8, 3 blocks of 32). Its bytes are random: the probe compares the paths, whatever the weights say."""
+    import torch
 
     g = torch.Generator().manual_seed(0)
     out = []
     for T in (1, 2, 3, 5, 9, 16):
         x = torch.randn(T, 96, generator=g)
-        s, m = torch.rand(13, 3, generator=g), torch.randn(13, 3, generator=g)
-        out.append((x, pack(QuantizedWeight("int8", torch.randint(-128, 128, (13, 96), dtype=torch.int8, generator=g),
-                                            s, None))))
-        out.append((x, pack(QuantizedWeight("int4", torch.randint(0, 256, (13, 48), dtype=torch.uint8, generator=g),
-                                            s, m))))
+        for width, int4 in ((256, False), (128, True)):
+            q = torch.randint(0, 256, (2, 3, width), dtype=torch.uint8, generator=g)
+            scale, minv = torch.rand(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
+            out.append((x, ProbeWeight(q, scale, minv if int4 else None, 13)))
     return out
 
 

@@ -1,5 +1,5 @@
 """Target and draft models behind one protocol (base.CausalLM), loaded from Hugging Face checkpoints."""
-from .base import CausalLM
-from .loading import LoadedModel, load_model
+from .base import CausalLM, LoadedModel
+from .loading import load_model
 
 __all__ = ["CausalLM", "LoadedModel", "load_model"]

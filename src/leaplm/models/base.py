@@ -1,6 +1,7 @@
 """The protocol every model behind the engine implements: native families and the transformers fallback."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
@@ -21,3 +22,17 @@ class CausalLM(Protocol):
         """input_ids [B, T] -> logits [B, T, V]; writes the T tokens' K/V after each row's cache length
         without moving it (the caller commits with cache.advance / truncate / compact)."""
         ...
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with its tokenizer (models/loading.py load_model, models/llamacpp.py)."""
+    model: object            # implements CausalLM
+    tokenizer: object        # transformers PreTrainedTokenizerBase
+    path: str                # resolved local directory
+    name: str                # what the user asked for
+    config: dict             # config.json
+    eos_token_ids: list[int]
+    n_params: int
+    bos_id: int | None = None   # BOS prepended to prompts (tokens.bos_to_add), None when the tokenizer adds none
+    backend: str = "torch"      # what runs the forward: "torch" (leaplm's PyTorch models) or "llamacpp" (libllama)

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
+from .base import LoadedModel
 from .llama import Scored
 
 log = logging.getLogger(__name__)
@@ -580,7 +581,6 @@ def load_llamacpp_model(name: str, field: str = "model", kv_cache_dtype: str = "
     """A GGUF file on libllama: checked, loaded with its own weight types, tokenizer built as the torch path
     builds it (transformers' GGUF converter), so both backends tokenize identically."""
     from .gguf import inspect_gguf, load_gguf_tokenizer, read_gguf_config
-    from .loading import LoadedModel
     from .tokens import bos_to_add
 
     info = inspect_gguf(name, field, check_types=False)

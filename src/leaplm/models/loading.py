@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..config import ConfigError
+from .base import LoadedModel
 from .draft_vocab import VocabMappedDraft, has_draft_vocab, read_d2t
 from .llama import native_blockers
 from .registry import native_family
@@ -56,19 +56,6 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> torch.dtype:
     if kv_cache_dtype not in DTYPES:
         raise ConfigError("kv_cache_dtype", f"must be auto or one of {', '.join(DTYPES)}, got {kv_cache_dtype!r}")
     return DTYPES[kv_cache_dtype]
-
-
-@dataclass
-class LoadedModel:
-    model: object            # implements base.CausalLM
-    tokenizer: object        # transformers PreTrainedTokenizerBase
-    path: str                # resolved local directory
-    name: str                # what the user asked for
-    config: dict             # config.json
-    eos_token_ids: list[int]
-    n_params: int
-    bos_id: int | None = None   # BOS prepended to prompts (tokens.bos_to_add), None when the tokenizer adds none
-    backend: str = "torch"      # what runs the forward: "torch" (leaplm's PyTorch models) or "llamacpp" (libllama)
 
 
 def resolve_path(name: str, field: str = "model") -> Path:

@@ -23,77 +23,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ConfigError, SpecConfig
-from ..heads.eagle_net import EagleNet
+from ..heads.runtime import EagleHead, HeadCache
 from ..sampling.positional import ranked
 from ..verify import VerifyResult
 from .base import Proposal, ProposeContext
 from .registry import register
+from .tree_select import Node, select_tree
 
 
 @dataclass
 class TreeShape:
     depth: int = 6          # levels expanded at most
     branch: int = 3         # children per expanded node, and frontier nodes expanded per level
-
-
-@dataclass
-class EagleHead:
-    """A trained head with the target tensors it reuses (shared by every request of an engine)."""
-    net: EagleNet
-    embed: torch.Tensor      # [V, hid] the target's embedding
-    lm_head: torch.Tensor    # [V, hid] the target's output projection, or [N, hid] the head's own (draft vocab)
-    vocab_ids: torch.Tensor | None = None   # [N] target id of each lm_head row (reduced draft vocabulary)
-
-    @torch.inference_mode()
-    def run(self, cache: "HeadCache", start: int, feats: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
-            mask: torch.Tensor | None) -> torch.Tensor:
-        """Entries (feats [T, hid], tokens [T]) at positions pos [T] written to cache slots [start, start + T);
-        mask [T, start + T] bool (None: all of [0, start) and causal among the new ones).
-        Returns the predicted features [T, hid]."""
-        net = self.net
-        T = tokens.numel()
-        x = net.fuse(F.embedding(tokens, self.embed), feats).unsqueeze(0)            # [1, T, hid]
-        q, k, v = net.qkv(x, pos.unsqueeze(0))
-        cache.k[:, :, start: start + T] = k
-        cache.v[:, :, start: start + T] = v
-        if mask is None:
-            mask = torch.ones(T, start + T, dtype=torch.bool).tril(start)
-        return net.finish(x, q, cache.k[:, :, : start + T], cache.v[:, :, : start + T], mask)[0]
-
-    def logits(self, feats: torch.Tensor) -> torch.Tensor:
-        """feats [T, hid] -> logits [T, N] over the head's rows (N = V without a draft vocabulary; row j is
-        target token vocab_ids[j]). Drafting ranks and normalises over these N rows alone: q is 0 outside them,
-        so a full [T, V] row is built only where a caller needs q over V (to_vocab)."""
-        return F.linear(feats, self.lm_head)
-
-    def to_vocab(self, rows: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-        """rows [T, N] over the head's rows -> [T, V], `fill` outside the draft vocabulary."""
-        if self.vocab_ids is None:
-            return rows
-        full = rows.new_full((rows.shape[0], self.embed.shape[0]), fill)                # [T, V]
-        return full.index_copy_(1, self.vocab_ids, rows)
-
-    def token_ids(self, rows: torch.Tensor) -> torch.Tensor:
-        """Head row indices [n] -> target token ids [n]."""
-        return rows if self.vocab_ids is None else self.vocab_ids[rows]
-
-
-class HeadCache:
-    def __init__(self, net: EagleNet, max_len: int):
-        c = net.config
-        self.k = torch.zeros(1, c.num_key_value_heads, max_len, c.head_dim)
-        self.v = torch.zeros_like(self.k)
-
-
-@dataclass
-class _Node:
-    token: int
-    parent: int              # index into the node pool, -1 = the root
-    score: float             # cumulative log q along the path
-    depth: int               # 1 for the root's children
 
 
 class EagleProposer:
@@ -202,12 +145,12 @@ class EagleProposer:
         (what is kept is the same as expanding every level)."""
         L = len(ctx.tokens)
         b = self.shape.branch
-        pool: list[_Node] = []
+        pool: list[Node] = []
         slots: dict[int, list[int]] = {-1: []}   # expanded node -> head cache slots of it and its drafted ancestors
         feats_of = {-1: root}
         w = self._weights(ctx, self.head.logits(root.unsqueeze(0)))                # [1, N]
         for t, lq in zip(*self._candidates(ctx, w[0], 0, b)):
-            pool.append(_Node(t, -1, lq, 1))
+            pool.append(Node(t, -1, lq, 1))
         frontier = _useful(pool, list(range(len(pool))), k)
         depth = 1
         base = self.n_cached                      # draft entries live in slots [base, ...)
@@ -233,38 +176,20 @@ class EagleProposer:
             for r, i in enumerate(frontier):
                 feats_of[i] = out[r]
                 for t, lq in zip(*self._candidates(ctx, w[r], depth, b)):
-                    pool.append(_Node(t, i, pool[i].score + lq, depth + 1))
+                    pool.append(Node(t, i, pool[i].score + lq, depth + 1))
                     new.append(len(pool) - 1)
             frontier = _useful(pool, sorted(new, key=lambda j: -pool[j].score)[:b], k)
             n0 += T
             depth += 1
-        return _select(pool, k)
+        return select_tree(pool, k)
 
 
-def _useful(pool: list[_Node], frontier: list[int], k: int) -> list[int]:
+def _useful(pool: list[Node], frontier: list[int], k: int) -> list[int]:
     """The frontier nodes whose descendants could still be among the k kept (see EagleProposer._tree)."""
     if len(pool) < k:
         return frontier
     kth = sorted(n.score for n in pool)[-k]
     return [i for i in frontier if pool[i].score > kth]
-
-
-def _select(pool: list[_Node], k: int) -> Proposal:
-    """The k best nodes by cumulative log q (ancestor-closed), in topological order; a chain when they form one."""
-    order = sorted(range(len(pool)), key=lambda j: (-pool[j].score, pool[j].depth, j))
-    kept: set[int] = set()
-    for j in order:
-        if len(kept) == k:
-            break
-        if pool[j].parent < 0 or pool[j].parent in kept:
-            kept.add(j)
-    nodes = sorted(kept, key=lambda j: (pool[j].depth, j))
-    index = {j: n for n, j in enumerate(nodes)}
-    parents = [index[pool[j].parent] if pool[j].parent >= 0 else -1 for j in nodes]
-    tokens = torch.tensor([pool[j].token for j in nodes], dtype=torch.long)
-    if all(p == i - 1 for i, p in enumerate(parents)):
-        return Proposal(tokens)                  # a chain: the batched forward scores it
-    return Proposal(tokens, parents=parents)
 
 
 def load_eagle_head(spec: SpecConfig, target) -> EagleHead:

@@ -10,29 +10,15 @@ at that position (coupled with the target's own sample). Verification is the eng
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
 from ..config import ConfigError, SpecConfig
-from ..heads.medusa_net import MedusaConfig, MedusaNet
+from ..heads.runtime import MedusaHeads
 from ..sampling.positional import ranked
 from ..verify import VerifyResult
 from .base import Proposal, ProposeContext
-from .eagle import _Node, _select
 from .registry import register
-
-
-@dataclass
-class MedusaHeads:
-    net: MedusaNet
-    lm_head: torch.Tensor    # [V, hid] the target's
-
-    @torch.inference_mode()
-    def logits(self, feat: torch.Tensor, n: int | None = None) -> torch.Tensor:
-        """feat [hid] -> [n, V] of the first n heads (default: all); the heads a step does not use cost nothing."""
-        return F.linear(self.net(feat, n), self.lm_head)
+from .tree_select import Node, select_tree
 
 
 class MedusaProposer:
@@ -76,28 +62,17 @@ class MedusaProposer:
                     c = torch.tensor([ctx.sample(w[d], d, j) for j in range(self.branch)])
                 lq = w[d, c].log()
             cands.append(list(zip(c.tolist(), lq.tolist())))
-        pool: list[_Node] = []
+        pool: list[Node] = []
         frontier = [-1]
         for d in range(depth):                       # expand the best `branch` paths one level deeper
             new = []
             for par in frontier:
                 base = pool[par].score if par >= 0 else 0.0
                 for t, lq in cands[d]:
-                    pool.append(_Node(t, par, base + lq, d + 1))
+                    pool.append(Node(t, par, base + lq, d + 1))
                     new.append(len(pool) - 1)
             frontier = sorted(new, key=lambda j: -pool[j].score)[: self.branch]
-        return _select(pool, ctx.k)
-
-
-def build_medusa(hf, target, where) -> MedusaHeads:
-    from ..heads.loader import _load_state, target_head_weight
-
-    try:
-        net = MedusaNet(MedusaConfig(**hf.config))
-    except TypeError as e:
-        raise ConfigError("head", f"{where}: head config is malformed ({e})") from None
-    _load_state(net, hf.state, where)
-    return MedusaHeads(net.eval().float(), target_head_weight(target.model))
+        return select_tree(pool, ctx.k)
 
 
 @register("medusa")

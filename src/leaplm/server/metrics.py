@@ -77,7 +77,7 @@ class ServerMetrics:
             self.budget_tokens.set_function(lambda: admission.budget_tokens or 0)
         draft = getattr(scheduler.engine, "draft", None)
         if draft is not None:
-            from ..tune.memory import draft_footprint
+            from ..models.footprint import draft_footprint
 
             weights, per_row = draft_footprint(draft, scheduler.max_len)
             self.spec_memory.labels("draft_weights").set(weights)

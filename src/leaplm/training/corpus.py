@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,3 +99,29 @@ class TokenStream:
             raise ValueError(f"corpus has {len(self)} tokens, fewer than seq_len={seq_len}")
         starts = [rng.randrange(hi) for _ in range(batch_size)]
         return torch.stack([self.ids[s : s + seq_len] for s in starts]).long()
+
+
+_DEF = re.compile(r"^( *)(async )?def \w+\(")
+
+
+def functions(split: str = "heldout", min_lines: int = 8, max_lines: int = 40,
+              max_files: int | None = None) -> list[tuple[list[str], int, int]]:
+    """(file lines, start, end) of functions and methods in a stdlib split's files, in a fixed order.
+
+    Benchmarks read the held-out split; on-policy distillation data reads the training split."""
+    found = []
+    for path in stdlib_files(split)[:max_files]:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        for i, line in enumerate(lines):
+            m = _DEF.match(line)
+            if not m:
+                continue
+            ind = len(m.group(1))
+            j = i + 1
+            while j < len(lines) and (not lines[j].strip() or len(lines[j]) - len(lines[j].lstrip(" ")) > ind):
+                j += 1
+            while j > i and not lines[j - 1].strip():
+                j -= 1
+            if min_lines <= j - i <= max_lines:
+                found.append((lines, i, j))
+    return found

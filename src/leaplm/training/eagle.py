@@ -33,6 +33,7 @@ from ..config import ConfigError
 from ..heads.checkpoint import identity_of, save_head
 from ..heads.eagle_net import EagleConfig, EagleNet
 from .corpus import TokenStream, corpus_texts
+from .head_data import PassStats, TargetBatch
 
 log = logging.getLogger(__name__)
 
@@ -117,15 +118,6 @@ class EagleStepLog:
     eval_agree: float | None = None                       # held-out greedy agreement at pass 1
 
 
-@dataclass
-class TargetBatch:
-    ids: torch.Tensor                 # [B, S] long: prompt + the target's continuation
-    feats: torch.Tensor               # [B, S, hid] the target's features (its logits are lm_head(feats))
-    lse: torch.Tensor | None = None   # [B, S] logsumexp of the target's logits (p over a draft vocabulary)
-    top: torch.Tensor | None = None   # [B, S] long: the target's argmax
-    loss_mask: torch.Tensor | None = None   # [B, S] bool: features trained as targets (None: all; chat: answers)
-
-
 def target_batch(model, prompts: torch.Tensor, new_tokens: int, temperature: float,
                  generator: torch.Generator) -> TargetBatch:
     """The target continues prompts [B, P]; one forward over every token, features and log p kept."""
@@ -168,14 +160,6 @@ def unroll_mask(L: int, d: int, device=None) -> torch.Tensor:
     j = torch.arange(L, device=device).view(1, L)
     parts = [j <= t - d + 1] + [j == t - d + k for k in range(2, d + 1)]
     return torch.cat(parts, 1)
-
-
-@dataclass
-class PassStats:
-    loss: torch.Tensor
-    kl: float
-    agree: float
-    accept: float                    # mean 1 - TV(p, q)
 
 
 def head_losses(net: EagleNet, embed: torch.Tensor, lm_head: torch.Tensor, b: TargetBatch, unroll: int,
@@ -364,7 +348,7 @@ def train_eagle(cfg: EagleTrainConfig, on_step: Callable[[EagleStepLog], None] |
     def export(step: int) -> None:
         save_head(out, cfg.kind, hcfg.to_dict(), identity_of(loaded), net.state_dict(),
                   {"trained_steps": step, "target_name": loaded.name, **extra})
-        from ..heads.card import write_head_card
+        from .head_card import write_head_card
 
         write_head_card(out)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
-from .eagle import TargetBatch
+from .head_data import TargetBatch
 
 
 def chat_messages(corpus: str, seed: int, max_files: int | None = None) -> list[str]:

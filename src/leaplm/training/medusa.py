@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..heads.medusa_net import MedusaNet
-from .eagle import PassStats, TargetBatch
+from .head_data import PassStats, TargetBatch
 
 
 def medusa_losses(net: MedusaNet, lm_head: torch.Tensor, b: TargetBatch) -> list[PassStats]:

@@ -103,7 +103,7 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _hms(seconds: float) -> str:
+def hms(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     h, m = divmod(m, 60)
     return f"{h}h {m:02d}m {s:02d}s"
@@ -162,7 +162,7 @@ def card_text(record: TrainRecord, name: str, perplexity: Perplexity | None = No
         ("held-out modules (never trained on)", held),
         ("steps", f"{last.get('step', 0)} of {last.get('steps', '?')}"),
         ("tokens seen", f"{last.get('tokens_seen', 0):,}"),
-        ("wall time", _hms(last.get("elapsed_s", 0.0))),
+        ("wall time", hms(last.get("elapsed_s", 0.0))),
         ("batch x sequence", f"{c.get('batch_size')} x (prompt + generated)" if cached
          else f"{c.get('batch_size')} x {c.get('seq_len')}"),
         ("learning rate", f"{c.get('lr')} -> {c.get('min_lr')} (warm-up {c.get('warmup_steps')} steps, cosine)"),

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .corpus import TokenStream, corpus_texts
+from .corpus import TokenStream, corpus_texts, functions
 
 
 def generate_target_corpus(target_dir: str, out_path: str | Path, n_seqs: int = 2048, prompt_tokens: int = 64,
@@ -69,8 +69,6 @@ def def_line_prompts(tokenizer, length: int, seed: int, context_lines: int = 40,
                      max_files: int | None = None) -> list[list[int]]:
     """Token windows of exactly `length` tokens that end with a `def` line of a training-split function,
     shuffled by seed; functions with too little context before them are skipped."""
-    from ..bench.workloads import functions
-
     out = []
     for lines, i, _ in functions("train", min_lines=4, max_lines=200, max_files=max_files):
         text = "".join(lines[max(0, i - context_lines) : i + 1])

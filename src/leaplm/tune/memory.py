@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models import LoadedModel
-
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from ..models.footprint import draft_footprint
 
 
 @dataclass
@@ -19,25 +18,6 @@ class MemoryCost:
     @property
     def total_mb(self) -> float:
         return (self.weights_bytes + self.cache_bytes) / 2 ** 20
-
-
-def kv_cache_bytes(config: dict, rows: int, context: int, dtype: str = "float32") -> int:
-    """K and V per layer: [rows, kv_heads, context, head_dim]."""
-    layers = config["num_hidden_layers"]
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return 2 * layers * rows * kv * context * head_dim * _BYTES.get(dtype, 4)
-
-
-def draft_footprint(draft: LoadedModel, context: int) -> tuple[int, int]:
-    """(weights bytes, KV-cache bytes per request row at `context` positions) of a loaded draft, from its actual
-    parameters' element size (the dtype it was loaded in)."""
-    params = list(draft.model.parameters()) if hasattr(draft.model, "parameters") else []
-    weights = sum(p.numel() * p.element_size() for p in params) if params else draft.n_params * 4
-    elem = params[0].element_size() if params else 4
-    dtype = {2: "float16", 4: "float32"}.get(elem, "float32")
-    return weights, kv_cache_bytes(draft.config, 1, context, dtype)
 
 
 def option_memory(method: str, draft: LoadedModel | None, rows: int, context: int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..training.modelcard import _hms, markdown_table, read_train_record
+from .modelcard import hms, markdown_table, read_train_record
 
 PLOT = "loss_curve.png"
 
@@ -56,7 +56,7 @@ def write_head_card(head_dir: str | Path, acceptance: list[dict] | None = None, 
              ("head", ", ".join(f"{k}={v}" for k, v in meta["head"].items())),
              ("steps", f"{last.get('step')} of {rec.config.get('steps')}"),
              ("tokens trained on (replays counted)", f"{last.get('tokens_seen', 0):,}"),
-             ("wall time", _hms(last.get("elapsed_s", 0.0))),
+             ("wall time", hms(last.get("elapsed_s", 0.0))),
              ("data", f"chat prompts of {rec.config.get('corpus')} through the target's chat template, answered "
                       f"by the target at temperatures {rec.config.get('temperatures')} (loss on the answers)"
               if rec.config.get("chat") else

@@ -1,6 +1,6 @@
 """Shipping a trained head in the package (src/leaplm/embedded/<name>): weights stored in bfloat16 (the maps of
 a draft vocabulary stay integers; loading computes in fp32), the run's log and config kept for the card, and
-the card (heads/card.py) rewritten with the measured acceptance and the training command."""
+the card (training/head_card.py) rewritten with the measured acceptance and the training command."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from .card import write_head_card
-from .checkpoint import read_head
+from ..heads.checkpoint import read_head
+from .head_card import write_head_card
 
 
 def ship_head(run_dir: str | Path, out_dir: str | Path, acceptance: list[dict] | None = None,
