@@ -14,8 +14,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from ..config import ConfigError, SamplingParams
-from .common import err
-from .common import fail as _fail
+from .common import EngineOptions, engine_options, err, fail, set_threads
 
 bench_app = typer.Typer(add_completion=False, invoke_without_command=True,
                         help="Benchmark methods side by side; `leaplm bench serve` for the server load test.")
@@ -40,7 +39,7 @@ def parse_methods(text: str, k: int) -> list[tuple[str, str, dict]]:
                 try:
                     opts[key] = int(val)
                 except ValueError:
-                    _fail(f"--methods: option {key!r} of {method!r} needs an integer, got {val!r}")
+                    fail(f"--methods: option {key!r} of {method!r} needs an integer, got {val!r}")
         extra = ";".join(x for x in rest.split(";") if x and not x.startswith("k="))
         label = method if method == "none" else f"{method} k={opts['k']}" + (f" {extra}" if extra else "")
         out.append((label, method, opts))
@@ -50,9 +49,9 @@ def parse_methods(text: str, k: int) -> list[tuple[str, str, dict]]:
 
 
 @bench_app.callback()
+@engine_options(without=("device", "kv_cache_dtype"))
 def bench(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target (default: embedded)."),
     draft: Optional[str] = typer.Option(None, "--draft", help="Draft for method draft (default: embedded)."),
     methods: str = typer.Option("none,draft", help="Comma list; options after ':' separated by ';', e.g. "
                                                    "'none,draft,draft:k=8;adaptive_k=0,ngram:ngram_max=3'."),
@@ -74,12 +73,6 @@ def bench(
                                                  "written as GGUF: f32, or q8_0 with --quantization int8)."),
     llamacpp_draft: Optional[str] = typer.Option(None, "--llamacpp-draft", help="GGUF draft for llama.cpp's "
                                                  "speculative row (default: the draft written as q8_0 GGUF)."),
-    dtype: str = typer.Option("float32", help="float32|bfloat16|float16|auto (auto: the checkpoint's dtype)."),
-    quantization: Optional[str] = typer.Option(None, "--quantization", help="int8 | int4 | gguf for target and "
-                                               "draft (see `leaplm generate --help`)."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context per request "
-                                                "(default: min(the model's, 4096))."),
-    threads: Optional[int] = typer.Option(None),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all figures and samples here."),
     plot: Optional[Path] = typer.Option(None, help="Write a speedup bar chart (PNG) here."),
     roofline: bool = typer.Option(False, "--roofline", help="Bytes read per forward, measured streaming bandwidth, "
@@ -88,6 +81,7 @@ def bench(
     k_sweep: Optional[int] = typer.Option(None, "--k-sweep", help="For each method: adaptive K (at most this K) "
                                           "and every fixed K from 1 to this, with a table of adaptive vs the best "
                                           "fixed K."),
+    *, options: EngineOptions,
 ):
     """Decode tokens/s, speedup over `none`, acceptance and mean accepted length, per workload."""
     if ctx.invoked_subcommand is not None:
@@ -100,23 +94,23 @@ def bench(
     from ..bench.workloads import as_chat, fit_to_context, get_workload
 
     logging.basicConfig(level=logging.WARNING)
-    if threads is not None:
-        torch.set_num_threads(threads)
+    set_threads(options.threads)
     if k_sweep is not None and not 1 <= k_sweep <= 16:
-        _fail(f"--k-sweep: must be in [1, 16], got {k_sweep}")
+        fail(f"--k-sweep: must be in [1, 16], got {k_sweep}")
     for name, v in (("prompts", prompts), ("rounds", rounds), ("max-new-tokens", max_new_tokens)):
         if v < 1:
-            _fail(f"--{name}: must be >= 1, got {v}")
+            fail(f"--{name}: must be >= 1, got {v}")
     if roofline:
         from .bench_roofline import run_roofline
 
-        return run_roofline(model=model, draft=draft, configs=parse_methods(methods, k), k=k, workloads=workloads, prompts=prompts,
-                            max_new_tokens=max_new_tokens, rounds=rounds, dtype=dtype, quantization=quantization,
-                            json_out=json_out, fail=_fail)
+        return run_roofline(model=options.model, draft=draft, configs=parse_methods(methods, k), k=k,
+                            workloads=workloads, prompts=prompts, max_new_tokens=max_new_tokens, rounds=rounds,
+                            dtype=options.dtype, quantization=options.quantization,
+                            json_out=json_out, fail=fail)
     kinds_of_baseline = [b.strip() for b in (baselines or "").split(",") if b.strip()]
     for b in kinds_of_baseline:
         if b not in ("hf", "llamacpp"):
-            _fail(f"--baselines: 'hf' and/or 'llamacpp', got {b!r}")
+            fail(f"--baselines: 'hf' and/or 'llamacpp', got {b!r}")
     llamacpp_bins = None
     if "llamacpp" in kinds_of_baseline:
         from ..bench.llamacpp import find_binaries
@@ -124,26 +118,27 @@ def bench(
         try:
             llamacpp_bins = find_binaries(llamacpp_dir)
         except ConfigError as e:
-            _fail(f"--{e.field.replace('_', '-')}: {e.message}")
+            fail(f"--{e.field.replace('_', '-')}: {e.message}")
         if temperature > 0:
-            _fail("--temperature: the llamacpp baseline is greedy only (its identity check needs greedy output)")
+            fail("--temperature: the llamacpp baseline is greedy only (its identity check needs greedy output)")
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, ignore_eos=True)
         wls = [get_workload(w.strip(), prompts) for w in workloads.split(",") if w.strip()]
-        target_name = model or embedded.default_target()
-        target = load_model(target_name, dtype=dtype, field="model", quantization=quantization)
+        target_name = options.model or embedded.default_target()
+        target = load_model(target_name, dtype=options.dtype, field="model", quantization=options.quantization)
         from ..models.loading import resolve_max_model_len
 
-        context = resolve_max_model_len(max_model_len, target.model.max_len, target_name)
+        context = resolve_max_model_len(options.max_model_len, target.model.max_len, target_name)
         room = context - max_new_tokens - max(k, 8) - 2
         if room < 8:
-            _fail(f"--max-new-tokens: {max_new_tokens} leaves no room for a prompt in the context of {context}")
+            fail(f"--max-new-tokens: {max_new_tokens} leaves no room for a prompt in the context of {context}")
         wls = [fit_to_context(as_chat(w, target.tokenizer, target_name), target.tokenizer, room) for w in wls]
         configs = parse_methods(methods, k)
         if k_sweep is not None:
             configs = sweep_configs(configs, k_sweep)
         # no --draft: the embedded default, or the shipped draft trained for this target (matched by tokenizer)
-        draft_name = draft or (embedded.default_draft() if model is None else embedded.draft_for(target.tokenizer))
+        draft_name = draft or (embedded.default_draft() if options.model is None
+                               else embedded.draft_for(target.tokenizer))
         drafts: dict[str, object] = {}
         contenders = []
         for label, method, opts in configs:
@@ -151,15 +146,15 @@ def bench(
             if method == "draft":
                 dn = opts.pop("draft", None) or draft_name
                 if dn is None:
-                    _fail("--draft: method draft needs a draft model")
+                    fail("--draft: method draft needs a draft model")
                 if dn not in drafts:
-                    drafts[dn] = load_model(dn, dtype=dtype, field="draft",
-                                            quantization=draft_quantization(quantization, dn))
+                    drafts[dn] = load_model(dn, dtype=options.dtype, field="draft",
+                                            quantization=draft_quantization(options.quantization, dn))
                 d = drafts[dn]
             eng = Engine(target, draft=d, method=method, max_model_len=context, **opts)
             contenders.append(leaplm_contender(label, eng, params))
     except ConfigError as e:
-        _fail(f"--{e.field.replace('_', '-')}: {e.message}")
+        fail(f"--{e.field.replace('_', '-')}: {e.message}")
     import tempfile
 
     tmp = tempfile.TemporaryDirectory(prefix="leaplm-bench-")
@@ -170,15 +165,16 @@ def bench(
         # llama.cpp's speculative row runs when leaplm's draft method does (same draft, as GGUF)
         with_draft = draft_name if any(m == "draft" for _, m, _ in configs) else None
         dpath = (drafts[with_draft].path if with_draft in drafts else None) if with_draft else None
-        llama_setup = llamacpp_setup(llamacpp_bins, target, quantization, dpath, llamacpp_model,
-                                     llamacpp_draft, torch.get_num_threads(), context, tmp.name, wls, _fail)
+        llama_setup = llamacpp_setup(llamacpp_bins, target, options.quantization, dpath, llamacpp_model,
+                                     llamacpp_draft, torch.get_num_threads(), context, tmp.name, wls, fail)
         from ..bench.llamacpp import llamacpp_contenders
 
         contenders += llamacpp_contenders(llama_setup, k, tmp.name)
     if "hf" in kinds_of_baseline:
         kinds = ["plain", "lookup"] + (["assisted"] if draft_name else [])
         contenders += hf_contenders(target.path, draft_name and (drafts.get(draft_name) or load_model(draft_name)).path,
-                                    k, kinds, ignore_eos=True, dtype=getattr(torch, dtype), temperature=temperature,
+                                    k, kinds, ignore_eos=True, dtype=getattr(torch, options.dtype),
+                                    temperature=temperature,
                                     seed=seed)
     total = rounds * sum(len(w.prompts) for w in wls) * len(contenders)
     with Progress(console=err, transient=True) as prog:
@@ -191,7 +187,7 @@ def bench(
 
             if not isinstance(e, LlamaCppOutputError):
                 raise
-            _fail(f"--baselines llamacpp: {e}")
+            fail(f"--baselines llamacpp: {e}")
     summaries = summarize(samples, "none", frozenset(target.eos_token_ids))
     reference = None
     if llama_setup is not None:
@@ -204,8 +200,8 @@ def bench(
             s.identical = None
     settings = dict(model=target_name, draft=draft_name, methods=methods, k=k, workloads=workloads,
                     prompts=prompts, max_new_tokens=max_new_tokens, rounds=rounds, temperature=temperature,
-                    dtype=dtype, quantization=quantization, baselines=baselines, timing="end to end incl. prefill; speedup = median of "
-                                                          "per-(round, prompt) ratios vs none")
+                    dtype=options.dtype, quantization=options.quantization, baselines=baselines,
+                    timing="end to end incl. prefill; speedup = median of per-(round, prompt) ratios vs none")
     if llama_setup is not None:
         settings["llamacpp"] = dict(model=llama_setup.model, draft=llama_setup.draft, threads=llama_setup.threads,
                                     no_repack=llama_setup.no_repack, binaries=str(llama_setup.binaries.completion.parent),
@@ -295,7 +291,7 @@ def bench_memory(
     from ..bench.memory import SHAPES, figures_dict, run_memory_bench
 
     if shape not in SHAPES:
-        _fail(f"--shape: one of {', '.join(SHAPES)}, got {shape!r}")
+        fail(f"--shape: one of {', '.join(SHAPES)}, got {shape!r}")
     figs = run_memory_bench(model_dir, shape, dtype, prompt_tokens, new_tokens, port, requests)
     t = Table(title=f"peak RSS, {shape} shape ({dtype}, random weights), {prompt_tokens} prompt + {new_tokens} "
                     f"new tokens")

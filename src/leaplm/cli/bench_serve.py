@@ -7,8 +7,7 @@ from typing import Optional
 import typer
 
 from ..config import ConfigError
-from .common import err
-from .common import fail as _fail
+from .common import err, fail
 
 
 def bench_serve(
@@ -50,18 +49,18 @@ def bench_serve(
         try:
             print_profiles(run_profiles(cfg, parse_profiles(profile)))
         except ConfigError as e:
-            _fail(f"--{e.field.replace('_', '-')}: {e.message}")
+            fail(f"--{e.field.replace('_', '-')}: {e.message}")
         err.print(f"wrote {out}")
         return
 
     try:
         levels = [int(x) for x in concurrency.split(",") if x.strip()]
     except ValueError:
-        _fail(f"--concurrency: expected comma-separated integers, got {concurrency!r}")
+        fail(f"--concurrency: expected comma-separated integers, got {concurrency!r}")
     if (not levels and not long_prompt_among) or any(c < 1 for c in levels):
-        _fail("--concurrency: levels must be >= 1")
+        fail("--concurrency: levels must be >= 1")
     if long_prompt_among < 0 or long_prompt_tokens < 2:
-        _fail("--long-prompt-among must be >= 0 and --long-prompt-tokens >= 2")
+        fail("--long-prompt-among must be >= 0 and --long-prompt-tokens >= 2")
     cfg = LoadBenchConfig(model=model, draft=draft, method=method, k=k, synthetic=synthetic, concurrency=levels,
                           requests=requests, max_tokens=max_tokens, rounds=rounds, max_batch=max_batch,
                           threads=threads, timeout_s=timeout, out=out, max_num_batched_tokens=max_num_batched_tokens,
@@ -70,7 +69,7 @@ def bench_serve(
     try:
         report = run_load_bench(cfg)
     except ConfigError as e:
-        _fail(f"--{e.field.replace('_', '-')}: {e.message}")
+        fail(f"--{e.field.replace('_', '-')}: {e.message}")
     print_report(report)
     err.print(f"wrote {out}")
     if plot and report["summary"]:

@@ -1,11 +1,16 @@
-"""What every command shares: the consoles, errors (`fail`, library errors as usage errors), progress bars and
-the torch thread setting. Commands print through these consoles; the library never prints."""
+"""What every command shares: the consoles, errors (`fail`, library errors as usage errors), progress bars, the
+torch thread setting, and EngineOptions: the options of every command that builds an engine, declared once.
+Commands print through these consoles; the library never prints."""
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import logging
 import sys
+import typing
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -127,3 +132,81 @@ class StepProgress:
             extra += f", sampled overlap {overlap:.3f}" if overlap is not None else ""
             self.progress.console.log(f"step {s.step}/{s.steps}: train {s.loss:.4f}, held-out CE {s.eval_loss:.4f}"
                                       f"{extra}, {s.tokens_seen:,} tokens")
+
+
+# ---- the options of every command that builds an engine --------------------------------------------------------
+
+def _option(default, *names: str, help: str):
+    """An EngineOptions field: its default and the typer option that sets it."""
+    return dataclasses.field(default=default, metadata={"option": typer.Option(default, *names, help=help)})
+
+
+@dataclasses.dataclass
+class EngineOptions:
+    """The options of every command that builds an engine (generate, serve, bench, tune). A command declares them
+    once with @engine_options and receives them as one argument, `options: EngineOptions`.
+
+    A new option is one field here: every engine command then takes it, except those that list it in their
+    `without=` (a command that cannot honour an option does not offer it, rather than ignore it)."""
+    model: Optional[str] = _option(None, "--model", "-m", help="Target: a local Hugging Face checkpoint directory, "
+                                   "a .gguf file, or a hub id (default: the embedded model).")
+    dtype: str = _option("float32", "--dtype", help="float32|bfloat16|float16|auto (auto: the checkpoint's dtype).")
+    quantization: Optional[str] = _option(None, "--quantization", help="Weight-only quantization of target and "
+                                          "draft: int8 | int4 (blocks of 32, quantized at load) | gguf (a GGUF "
+                                          "file's own Q8_0/Q4_0/Q4_1 blocks). Default: none.")
+    kv_cache_dtype: str = _option("auto", "--kv-cache-dtype", help="KV-cache dtype: auto (the model's)|float32|"
+                                  "bfloat16|float16.")
+    max_model_len: Optional[int] = _option(None, "--max-model-len", "-c", "--ctx-size", help="Context (prompt + "
+                                           "output) per request (default: min(the model's, 4096)).")
+    device: str = _option("cpu", "--device", help="Target device: cpu|cuda|cuda:N|mps.")
+    threads: Optional[int] = _option(None, "--threads", "-t", help="torch CPU threads (default: torch's choice).")
+
+
+def engine_options(*, without: tuple[str, ...] = ()) -> Callable:
+    """Decorate a command taking `options: EngineOptions`: its command line gets every EngineOptions option except
+    those in `without` (which keep their defaults), and the values arrive as that one argument."""
+    fields = {f.name: f for f in dataclasses.fields(EngineOptions)}
+    unknown = set(without) - set(fields)
+    if unknown:
+        raise ValueError(f"without: no EngineOptions field {sorted(unknown)}")
+    types = typing.get_type_hints(EngineOptions)
+    taken = [name for name in fields if name not in without]
+
+    def wrap(fn: Callable) -> Callable:
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.name != "options"]
+        if len(own) == len(sig.parameters):
+            raise TypeError(f"{fn.__name__}: a command with @engine_options takes `options: EngineOptions`")
+        clash = set(taken) & {p.name for p in own}
+        if clash:
+            raise TypeError(f"{fn.__name__}: declares {sorted(clash)}, which EngineOptions declares")
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=fields[name].metadata["option"],
+                                   annotation=types[name]) for name in taken]
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            options = EngineOptions(**{name: kwargs.pop(name) for name in taken})
+            return fn(*args, options=options, **kwargs)
+
+        # the command's arguments, then the engine's options (what runs), then the command's own options
+        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+        arguments = [p for p in own if isinstance(p.default, typer.models.ArgumentInfo)]
+        params = arguments + added + [p for p in own if p not in arguments]
+        command.__signature__ = sig.replace(parameters=params)
+        command.__annotations__ = {p.name: p.annotation for p in params if p.annotation is not p.empty}
+        return command
+
+    return wrap
+
+
+# ---- speculation options that generate and serve share (vLLM's and llama.cpp's spellings: cli/aliases.py) -------
+DRAFT = typer.Option(None, "--draft", "--speculative-model", "-md", "--model-draft",
+                     help="Draft model for --method draft (default: the embedded draft).")
+K = typer.Option(5, "--k", "-k", "--num-speculative-tokens", "--draft-max",
+                 help="Most speculative tokens per step (tree nodes for tree methods); measured costs may lower it.")
+SPECULATIVE_CONFIG = typer.Option(None, "--speculative-config", help="vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+                                  "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' or "
+                                  "'{\"model\": DRAFT}'.")
+DRAFT_MIN = typer.Option(None, "--draft-min", hidden=True)                      # llama.cpp's: refused
+N_GPU_LAYERS = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", hidden=True)   # llama.cpp's: 0 accepted
+ADAPTIVE_K = typer.Option(True, "--adaptive-k/--fixed-k", help="Let measured costs lower K per step.")

@@ -10,7 +10,8 @@ import typer
 
 from ..config import ConfigError, SamplingParams
 from .aliases import ALIAS_FLAGS, check_llama_cpp_only, check_samples, parse_speculative_config
-from .common import err, fail, set_threads, write
+from .common import (ADAPTIVE_K, DRAFT, DRAFT_MIN, K, N_GPU_LAYERS, SPECULATIVE_CONFIG, EngineOptions, engine_options,
+                     err, fail, set_threads, write)
 
 
 def _skip_layers(text: Optional[str]) -> Optional[list[int]]:
@@ -22,34 +23,15 @@ def _skip_layers(text: Optional[str]) -> Optional[list[int]]:
         fail(f"--skip-layers: expected comma-separated layer indices, got {text!r}")
 
 
-# Options shared by generate and bench: names as vLLM / llama.cpp users know them.
-ModelOpt = typer.Option(None, "--model", "-m", help="Target: local HF checkpoint dir, a .gguf file, or hub id (default: embedded).")
-DraftOpt = typer.Option(None, "--draft", "-md", "--model-draft",
-                        help="Draft model for --method draft (default: the embedded draft).")
-KOpt = typer.Option(5, "--k", "-k", "--draft-max", "--num-speculative-tokens",
-                    help="Speculative tokens per step (tree nodes for tree methods).")
-SpecConfigOpt = typer.Option(None, "--speculative-config", help="vLLM's JSON, e.g. '{\"method\": \"ngram\", "
-                             "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' or '{\"model\": DRAFT}'.")
-DraftMinOpt = typer.Option(None, "--draft-min", hidden=True)          # llama.cpp's: refused with leaplm's name
-NglOpt = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", hidden=True)   # llama.cpp's: 0 accepted
-QuantOpt = typer.Option(None, "--quantization", help="Weight-only quantization of target and draft: int8 | int4 "
-                                                     "(blocks of 32, quantized at load) | gguf (a GGUF file's own "
-                                                     "Q8_0/Q4_0/Q4_1 blocks). Default: none.")
-DtypeOpt = typer.Option("float32", help="float32|bfloat16|float16|auto (auto: the checkpoint's dtype).")
-KVDtypeOpt = typer.Option("auto", "--kv-cache-dtype", help="KV-cache dtype: auto (the model's)|float32|bfloat16|float16.")
-MaxLenOpt = typer.Option(None, "--max-model-len", "-c", "--ctx-size", help="Context (prompt + output) per request "
-                                                       "(default: min(the model's, 4096)).")
-
-
+@engine_options()
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text; read from stdin when omitted."),
-    model: Optional[str] = ModelOpt,
-    draft: Optional[str] = DraftOpt,
+    draft: Optional[str] = DRAFT,
     method: Optional[str] = typer.Option(None, help="none|draft|ngram|suffix|lookahead|layerskip|eagle|medusa "
                                                     "(default: draft when a draft is known, else none)."),
     head: Optional[str] = typer.Option(None, "--head", help="eagle/medusa: head directory (default: the head "
                                                             "shipped for the target)."),
-    k: int = KOpt,
+    k: int = K,
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "--max-tokens", "--n-predict"),
     temperature: float = typer.Option(0.0, help="0 = greedy (the default here), > 0 samples."),
     top_k: int = typer.Option(0, "--top-k"),
@@ -64,7 +46,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object."),
     chat: bool = typer.Option(False, "--chat", help="PROMPT is a user message: apply the model's chat template."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
-    adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k", help="Let measured costs lower K per step."),
+    adaptive_k: bool = ADAPTIVE_K,
     ngram_min: int = typer.Option(1, "--ngram-min"),
     ngram_max: int = typer.Option(4, "--ngram-max"),
     window: int = typer.Option(5, "--window", help="lookahead: Jacobi window W."),
@@ -74,22 +56,17 @@ def generate(
     skip_confidence: float = typer.Option(0.5, "--skip-confidence",
                                           help="layerskip: stop drafting when the draft's top probability drops below this."),
     corpus: Optional[str] = typer.Option(None, "--corpus", help="suffix: extra text file or directory."),
-    device: str = typer.Option("cpu", help="cpu|cuda|mps"),
-    dtype: str = DtypeOpt,
-    kv_cache_dtype: str = KVDtypeOpt,
-    max_model_len: Optional[int] = MaxLenOpt,
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="torch CPU threads (default: torch's choice)."),
-    speculative_config: Optional[str] = SpecConfigOpt,
-    draft_min: Optional[int] = DraftMinOpt,
-    n_gpu_layers: Optional[int] = NglOpt,
-    quantization: Optional[str] = QuantOpt,
+    speculative_config: Optional[str] = SPECULATIVE_CONFIG,
+    draft_min: Optional[int] = DRAFT_MIN,
+    n_gpu_layers: Optional[int] = N_GPU_LAYERS,
+    *, options: EngineOptions,
 ):
     """Generate a continuation of PROMPT, with speculation, and report acceptance and speed."""
     from ..engine.engine import Engine
     from ..engine.stats import GenerationStats
 
     logging.basicConfig(level=logging.WARNING)
-    set_threads(threads)
+    set_threads(options.threads)
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             fail("prompt: give PROMPT or pipe it on stdin")
@@ -109,12 +86,13 @@ def generate(
                                  min_p=min_p, repetition_penalty=repetition_penalty,
                                  seed=None if seed is None else seed + i, stop=list(stop or []),
                                  ignore_eos=ignore_eos) for i in range(n)]
-        engine = Engine(model=model, draft=draft, method=method, k=k, device=device, dtype=dtype,
-                        kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, adaptive_k=adaptive_k,
+        engine = Engine(model=options.model, draft=draft, method=method, k=k, device=options.device,
+                        dtype=options.dtype, kv_cache_dtype=options.kv_cache_dtype,
+                        max_model_len=options.max_model_len, adaptive_k=adaptive_k,
                         ngram_min=ngram_min, ngram_max=ngram_max, window=window,
                         ngram_size=ngram_size, guess_set=guess_set, skip_layers=_skip_layers(skip_layers),
                         skip_confidence=skip_confidence,
-                        corpus=corpus, quantization=quantization, head=head)
+                        corpus=corpus, quantization=options.quantization, head=head)
         if chat:
             from ..models.tokens import chat_prompt
 

@@ -13,24 +13,21 @@ import typer
 
 from ..config import ConfigError, ServerConfig
 from ..server.runner import run_server
-from .common import fail as _fail
+from .common import (ADAPTIVE_K, DRAFT, DRAFT_MIN, K, N_GPU_LAYERS, SPECULATIVE_CONFIG, EngineOptions, engine_options,
+                     fail, set_threads)
 
 log = logging.getLogger(__name__)
 
 
+@engine_options()
 def serve(
     model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", help="Target, as `vllm serve MODEL` "
                                               "(same as --model)."),
-    model: Optional[str] = typer.Option(None, "--model", "-m",
-                                        help="Target: local HF checkpoint dir, a .gguf file or hub id (default: the "
-                                             "embedded model)."),
-    draft: Optional[str] = typer.Option(None, "--draft", "--speculative-model", "-md", "--model-draft",
-                                        help="Draft model for --method draft (default: the embedded draft)."),
+    draft: Optional[str] = DRAFT,
     method: Optional[str] = typer.Option(None, "--method", "--speculative-method",
                                          help="none|draft|ngram|suffix|lookahead|layerskip (default: draft when a "
                                               "draft is known, else none). Requests may override it."),
-    k: int = typer.Option(5, "--k", "-k", "--num-speculative-tokens", "--draft-max",
-                          help="Most speculative tokens per step; the server lowers it (to 0) as the batch fills."),
+    k: int = K,
     host: str = typer.Option("127.0.0.1", help="Bind address (loopback by default)."),
     port: int = typer.Option(8000, help="TCP port."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LEAPLM_API_KEY",
@@ -38,10 +35,6 @@ def serve(
     max_batch: int = typer.Option(8, "--max-batch", "--max-num-seqs", help="Requests decoded together."),
     max_queue: int = typer.Option(64, "--max-queue", help="Waiting sequences (prompts x n) beyond the batch's rows: "
                                   "over max_batch + max_queue in flight, new requests get 429."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", "-c", "--ctx-size",
-                                                help="Context (prompt + output) per request (default: min(the "
-                                                     "model's, 4096)); the cache grows with the requests, up to "
-                                                     "this per row."),
     max_num_batched_tokens: Optional[int] = typer.Option(
         None, "--max-num-batched-tokens", help="Tokens a step may feed the model: longer prompts are prefilled in "
                                                "chunks between decoding steps of running streams (default: whole)."),
@@ -60,26 +53,18 @@ def serve(
         None, "--kv-cache-bytes", "--kv-cache-memory", "--kv-cache-memory-bytes", help="KV-cache memory admitted sequences may reserve (prompt + max_tokens each); "
                                        "400 for a request that never fits, 429 for one that does not fit now "
                                        "(default: what the cache rows hold)."),
-    adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k", help="Choose K per step from measured costs."),
-    device: str = typer.Option("cpu", help="cpu|cuda|mps"),
+    adaptive_k: bool = ADAPTIVE_K,
     draft_device: Optional[str] = typer.Option(None, "--draft-device",
                                                help="Device of the draft model (default: --device), e.g. cpu "
                                                     "while the target is on cuda."),
-    dtype: str = typer.Option("float32", help="float32|bfloat16|float16|auto (auto: the checkpoint's dtype)."),
-    quantization: Optional[str] = typer.Option(None, "--quantization", help="int8 | int4 | gguf: weight-only "
-                                               "quantization of target and draft (see `leaplm generate --help`)."),
-    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype",
-                                       help="KV-cache dtype: auto (the model's)|float32|bfloat16|float16."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="torch CPU threads (default: torch's choice)."),
-    speculative_config: Optional[str] = typer.Option(
-        None, "--speculative-config", help="vLLM's JSON: method (ngram|draft_model|suffix|...), "
-                                           "num_speculative_tokens, prompt_lookup_max/min, model (the draft)."),
-    draft_min: Optional[int] = typer.Option(None, "--draft-min", hidden=True),      # llama.cpp's: refused
-    n_gpu_layers: Optional[int] = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", hidden=True),
+    speculative_config: Optional[str] = SPECULATIVE_CONFIG,
+    draft_min: Optional[int] = DRAFT_MIN,
+    n_gpu_layers: Optional[int] = N_GPU_LAYERS,
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
     replicas: int = typer.Option(1, "--replicas", help="Engine replicas behind one HTTP endpoint (needs --backend ray)."),
     backend: str = typer.Option("local", "--backend", help="local (this process) | ray (Ray Serve replicas, "
                                                            "pip install 'leaplm[ray]')."),
+    *, options: EngineOptions,
 ) -> None:
     """Serve the OpenAI API (completions, chat, models) with speculative decoding and continuous batching."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
@@ -87,12 +72,12 @@ def serve(
     from .aliases import ALIAS_FLAGS, check_llama_cpp_only, parse_speculative_config, pick
 
     try:
-        model = pick(model, model_arg, "--model", "MODEL")
+        model = pick(options.model, model_arg, "--model", "MODEL")
         check_llama_cpp_only(draft_min, n_gpu_layers)
         sc = parse_speculative_config(speculative_config)
         method, draft = pick(method, sc.method, "--method", "--speculative-config method"), sc.draft or draft
     except ConfigError as e:
-        _fail(f"{ALIAS_FLAGS.get(e.field, '--' + e.field.replace('_', '-'))}: {e.message}")
+        fail(f"{ALIAS_FLAGS.get(e.field, '--' + e.field.replace('_', '-'))}: {e.message}")
     try:                              # bad paths and files refused now, not after the server has started
         from ..models.loading import check_source
 
@@ -100,50 +85,48 @@ def serve(
             if name is not None:
                 check_source(name, field)
     except ConfigError as e:
-        _fail(f"--{e.field}: {e.message}")
+        fail(f"--{e.field}: {e.message}")
     k = sc.k if sc.k is not None else k
     spec_options = {n: v for n, v in (("ngram_min", sc.ngram_min), ("ngram_max", sc.ngram_max)) if v is not None}
     try:
         config = ServerConfig(host=host, port=port, api_key=api_key, served_model_name=served_model_name,
-                              max_batch=max_batch, max_queue=max_queue, max_model_len=max_model_len,
+                              max_batch=max_batch, max_queue=max_queue, max_model_len=options.max_model_len,
                               max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout,
                               allowed_hosts=allowed_hosts, request_read_timeout_s=request_read_timeout,
                               keep_alive_timeout_s=keep_alive_timeout, kv_cache_bytes=kv_cache_bytes)
     except ConfigError as e:
-        _fail(f"--{e.field.replace('_', '-')}: {e.message}")
+        fail(f"--{e.field.replace('_', '-')}: {e.message}")
     if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
-        _fail("--max-num-batched-tokens: must be >= 1")
-    if threads is not None:
-        if threads < 1:
-            _fail("--threads: must be >= 1")
-        import torch
-
-        torch.set_num_threads(threads)
+        fail("--max-num-batched-tokens: must be >= 1")
+    set_threads(options.threads)
     if draft_device is not None:
         from ..devices import check_device
 
         try:
             check_device(draft_device, "draft_device")
         except ConfigError as e:
-            _fail(f"--draft-device: {e.message}")
-    if quantization is not None:
+            fail(f"--draft-device: {e.message}")
+    if options.quantization is not None:
         from ..quant.apply import check_quantization
 
         try:
-            check_quantization(quantization)
+            check_quantization(options.quantization)
         except ConfigError as e:
-            _fail(f"--quantization: {e.message}")
+            fail(f"--quantization: {e.message}")
     if replicas != 1 or backend != "local":
-        if quantization is not None:
-            _fail("--quantization: not yet passed to Ray Serve replicas (use --backend local)")
+        if options.quantization is not None:
+            fail("--quantization: not yet passed to Ray Serve replicas (use --backend local)")
+        if options.kv_cache_dtype != "auto":
+            fail("--kv-cache-dtype: not yet passed to Ray Serve replicas (use --backend local)")
         from ..deploy.ray import serve_from_cli
 
-        raise typer.Exit(serve_from_cli(_fail, replicas=replicas, backend=backend, model=model, draft=draft,
+        raise typer.Exit(serve_from_cli(fail, replicas=replicas, backend=backend, model=model, draft=draft,
                                         method=method, k=k, host=host, port=port, api_key=api_key,
-                                        max_batch=max_batch, max_queue=max_queue, max_model_len=max_model_len,
+                                        max_batch=max_batch, max_queue=max_queue, max_model_len=options.max_model_len,
                                         served_model_name=served_model_name, drain_timeout_s=drain_timeout,
-                                        adaptive_k=adaptive_k, device=device, draft_device=draft_device,
-                                        dtype=dtype, threads=threads or 1, allowed_hosts=allowed_hosts,
+                                        adaptive_k=adaptive_k, device=options.device, draft_device=draft_device,
+                                        dtype=options.dtype, threads=options.threads or 1,
+                                        allowed_hosts=allowed_hosts,
                                         kv_cache_bytes=kv_cache_bytes))
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server is reachable beyond this machine%s%s", host,
@@ -153,10 +136,10 @@ def serve(
     def load():
         from ..engine.engine import Engine
 
-        return Engine(model, draft=draft, method=method, k=k, device=device, dtype=dtype, draft_device=draft_device,
-                      quantization=quantization,
-                      max_model_len=max_model_len, adaptive_k=adaptive_k,
-                      max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
+        return Engine(model, draft=draft, method=method, k=k, device=options.device, dtype=options.dtype,
+                      draft_device=draft_device, quantization=options.quantization,
+                      max_model_len=options.max_model_len, adaptive_k=adaptive_k,
+                      max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=options.kv_cache_dtype,
                       **spec_options)
 
     code = run_server(config, load, model_name=model or "leaplm-embedded")

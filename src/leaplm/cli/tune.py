@@ -14,8 +14,7 @@ from rich.table import Table
 
 from ..config import ConfigError
 from ..tune.result import ALL_METHODS, build_result
-from .common import err
-from .common import fail as _fail
+from .common import EngineOptions, engine_options, err, fail, set_threads
 from .common import wide as console
 
 
@@ -23,14 +22,14 @@ def _int_list(text: str, option: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        _fail(f"{option}: expected comma-separated integers, got {text!r}")
+        fail(f"{option}: expected comma-separated integers, got {text!r}")
     if not out:
-        _fail(f"{option}: give at least one value")
+        fail(f"{option}: give at least one value")
     return out
 
 
+@engine_options(without=("quantization", "kv_cache_dtype"))
 def tune(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target (default: the embedded model)."),
     draft: Optional[list[str]] = typer.Option(None, "--draft", help="Draft model to try (repeatable; default: "
                                                                     "every shipped draft that fits the target)."),
     methods: str = typer.Option(",".join(ALL_METHODS), help="Comma list of methods to try."),
@@ -47,21 +46,15 @@ def tune(
     max_rounds: int = typer.Option(5, "--max-rounds", help="Most timed rounds (fewer when the budget ends)."),
     adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k", help="Measure as served: K is a cap that "
                                                                         "measured costs may lower."),
-    device: str = typer.Option("cpu", help="Target device: cpu|cuda|cuda:N|mps."),
     draft_device: Optional[str] = typer.Option(None, "--draft-device", help="Device of the draft (default: the "
                                                                            "target's)."),
-    dtype: str = typer.Option("float32", help="float32|bfloat16|float16|auto (auto: the checkpoint's dtype)."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context per request (default: "
-                                                "min(the model's, 4096); tuning uses what its prompts need)."),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Directory for speedup-vs-K and acceptance plots."),
+    *, options: EngineOptions,
 ):
     """Measure the baseline and every method/draft over a K grid, then recommend a configuration per
     concurrency level (or 'off'), with the flags to serve it."""
     started = time.perf_counter()
-    import torch
-
     from ..devices import check_device
     from ..models import embedded, load_model
     from ..tune.candidates import build_candidates
@@ -73,29 +66,26 @@ def tune(
     grid = _int_list(k_grid, "--k-grid") if k_grid else None
     for name, v, lo in (("prompts", prompts, 1), ("max-new-tokens", max_new_tokens, 2), ("max-rounds", max_rounds, 1)):
         if v < lo:
-            _fail(f"--{name}: must be >= {lo}, got {v}")
+            fail(f"--{name}: must be >= {lo}, got {v}")
     if not (budget_s > 0 and budget_s < 1e7):
-        _fail(f"--budget-s: must be a positive number of seconds below 1e7, got {budget_s}")
+        fail(f"--budget-s: must be a positive number of seconds below 1e7, got {budget_s}")
     if not (0 <= min_gain < 10):
-        _fail(f"--min-gain: must be in [0, 10), got {min_gain}")
+        fail(f"--min-gain: must be in [0, 10), got {min_gain}")
     if not (0 <= temperature <= 100):
-        _fail(f"--temperature: must be in [0, 100], got {temperature}")
+        fail(f"--temperature: must be in [0, 100], got {temperature}")
     if grid and any(k < 1 or k > 8 for k in grid):
-        _fail(f"--k-grid: Ks must be in [1, 8], got {grid}")
+        fail(f"--k-grid: Ks must be in [1, 8], got {grid}")
     wanted = [m.strip() for m in methods.split(",") if m.strip()]
     bad = [m for m in wanted if m not in ALL_METHODS]
     if bad or not wanted:
-        _fail(f"--methods: unknown {bad or methods!r}; choose from {', '.join(ALL_METHODS)}")
-    if threads is not None:
-        if threads < 1:
-            _fail("--threads: must be >= 1")
-        torch.set_num_threads(threads)
+        fail(f"--methods: unknown {bad or methods!r}; choose from {', '.join(ALL_METHODS)}")
+    set_threads(options.threads)
     try:
         check_levels(levels)
-        check_device(device, "device")
-        check_device(draft_device or device, "draft_device")
+        check_device(options.device, "device")
+        check_device(draft_device or options.device, "draft_device")
         w = tune_workload(workload, prompts)
-        target = load_model(model or embedded.default_target(), device, dtype, "model")
+        target = load_model(options.model or embedded.default_target(), options.device, options.dtype, "model")
         drafts: dict = {}
         draft_paths: dict[str, str] = {}
         if "draft" in wanted:
@@ -104,7 +94,7 @@ def tune(
             for n in names:
                 label = Path(n).name or n
                 try:
-                    drafts[label] = load_model(n, draft_device or device, dtype, "draft")
+                    drafts[label] = load_model(n, draft_device or options.device, options.dtype, "draft")
                     draft_paths[label] = n
                 except ConfigError as e:
                     if draft:            # the user named it: a path that does not load is an error
@@ -112,14 +102,14 @@ def tune(
                     drafts[label] = e.message
         from ..models.loading import resolve_max_model_len
 
-        context = resolve_max_model_len(max_model_len, target.model.max_len, target.name)
+        context = resolve_max_model_len(options.max_model_len, target.model.max_len, target.name)
     except ConfigError as e:
-        _fail(f"--{e.field.replace('_', '-')}: {e.message}")
+        fail(f"--{e.field.replace('_', '-')}: {e.message}")
     from ..bench.workloads import fit_to_context
 
     room = context - max_new_tokens - 12
     if room < 8:
-        _fail(f"--max-new-tokens: {max_new_tokens} leaves no room for a prompt in the context of {context}")
+        fail(f"--max-new-tokens: {max_new_tokens} leaves no room for a prompt in the context of {context}")
     w = fit_to_context(w, target.tokenizer, min(room, 384))
     longest = max(len(target.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in w.prompts)
     max_len = min(context, longest + max_new_tokens + 12)
@@ -127,7 +117,8 @@ def tune(
     loaded_drafts = {k: v for k, v in drafts.items() if not isinstance(v, str)}
     settings = TuneSettings(levels=levels, prompts=len(w.prompts), max_new_tokens=max_new_tokens,
                             temperature=temperature, seed=seed, adaptive_k=adaptive_k, budget_s=budget_s,
-                            max_rounds=max_rounds, dtype=dtype, device=device, draft_device=draft_device)
+                            max_rounds=max_rounds, dtype=options.dtype, device=options.device,
+                            draft_device=draft_device)
     meas = Measurer(target, loaded_drafts, w.prompts, settings, max_len)
     for line in cset.skipped:
         err.print(f"[yellow]skipped[/] {line}")
@@ -137,7 +128,7 @@ def tune(
             try:
                 plan = meas.plan(cset.baseline, started)
             except BudgetTooSmall as e:
-                _fail(f"--budget-s: {budget_s:g} s is too short: {e.detail}; the minimum for this model, workload "
+                fail(f"--budget-s: {budget_s:g} s is too short: {e.detail}; the minimum for this model, workload "
                       f"and --concurrency is about {e.minimum_s:.0f} s")
             prog.update(task, description="measuring", total=None, completed=0)
 
@@ -147,8 +138,8 @@ def tune(
             samples, positions = meas.measure(plan, cset.ordered, cset.baseline, started, on_sample)
     finally:
         meas.close()
-    result = build_result(target, model, loaded_drafts, draft_paths, cset, plan, samples, positions, settings,
-                          min_gain, w, max_len, started)
+    result = build_result(target, options.model, loaded_drafts, draft_paths, cset, plan, samples, positions,
+                          settings, min_gain, w, max_len, started)
     if as_json:
         print(json.dumps(result, default=str))
     else:
