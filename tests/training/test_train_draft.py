@@ -202,3 +202,27 @@ def test_libllama_chat_data_equals_the_engines_greedy_answers(chat_target, tmp_p
     with pytest.raises(ConfigError, match="GGUF") as e:
         ChatDataConfig(model=chat_target, out_dir=str(tmp_path / "x"), backend="llamacpp").resolved_backend()
     assert e.value.field == "backend"
+
+
+def test_cli_train_draft_runs_resumes_and_names_bad_options(chat_target, tmp_path):
+    from typer.testing import CliRunner
+
+    from leaplm.cli import app
+
+    args = ["train", "draft", "--target", chat_target, "--out", str(tmp_path / "r"), "--shape", "tiny",
+            "--draft-vocab", "32", "--n-prompts", "4", "--new-tokens", "6", "--steps", "2", "--batch-size", "2",
+            "--max-prompt-tokens", "200", "--max-files", "20", "--threads", "1"]
+    run = CliRunner()
+    r = run.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "r" / "draft" / "draft_vocab.safetensors").is_file()
+    r = run.invoke(app, args)
+    assert r.exit_code == 0 and "nothing to do" in r.output
+    r = run.invoke(app, [*args[:-2], "--draft-vocab", "40"])
+    assert r.exit_code == 2 and "--out" in r.output and "draft_vocab" in r.output
+    r = run.invoke(app, [*args[:5], str(tmp_path / "r2"), *args[6:], "--loss", "js"])
+    assert r.exit_code == 2 and "--loss" in r.output
+    r = run.invoke(app, [*args[:5], str(tmp_path / "r3"), *args[6:], "--data-temperatures", "0,x"])
+    assert r.exit_code == 2 and "--data-temperatures" in r.output
+    r = run.invoke(app, ["train", "draft", "--target", str(tmp_path / "nothing.gguf"), "--out", str(tmp_path / "r4")])
+    assert r.exit_code == 2 and "--target" in r.output
