@@ -123,10 +123,11 @@ class LlamaCppLM:
     dtype = torch.float32                      # of the logits and hidden states it returns
 
     def __init__(self, path: str | Path, *, kv_cache_dtype: str = "auto", threads: int | None = None,
-                 repack: bool = True, flash_attn: bool | None = False, field: str = "model"):
+                 repack: bool = True, flash_attn: bool | None = None, field: str = "model"):
         """kv_cache_dtype: KV_TYPES; threads: None = torch's thread count (--threads sets it); repack: llama.cpp's
-        repacked CPU weight layouts; flash_attn: None = llama.cpp's choice (on for the CPU; it rounds q to f16),
-        False = attention in f32 with an f32 KV cache (what a comparison with the torch path needs)."""
+        repacked CPU weight layouts; flash_attn: True / False, or None = chosen at the first cache by the
+        start-up check (see batch_variance): llama.cpp's flash attention where it is batch-invariant, else
+        without it where that is, else with it (llama.cpp's own default on the CPU)."""
         lc = libllama(field)
         if kv_cache_dtype not in KV_TYPES:
             raise ConfigError("kv_cache_dtype", f"must be one of {', '.join(KV_TYPES)}, got {kv_cache_dtype!r}")
@@ -138,8 +139,10 @@ class LlamaCppLM:
         self.threads = threads
         self.repack = repack
         self._tensors: dict[str, torch.Tensor] = {}          # dequantized tensors heads read (embedding, head)
-        self.flash_attn = {None: lc.LLAMA_FLASH_ATTN_TYPE_AUTO, True: lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        self.flash_attn = {None: lc.LLAMA_FLASH_ATTN_TYPE_ENABLED, True: lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                            False: lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash_attn]
+        self._choose_attention = flash_attn is None
+        self._variance: float | None = None
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0
         mp.use_extra_bufts = repack            # llama.cpp's repacked CPU layouts (see docs: batch invariance)
@@ -159,20 +162,48 @@ class LlamaCppLM:
         n_head, n_head_kv = int(lc.llama_model_n_head(model)), int(lc.llama_model_n_head_kv(model))
         self.kv_width = self.hidden_size // max(1, n_head) * n_head_kv     # per layer, K and V each
 
-    @functools.cached_property
+    @property
     def batch_invariant(self) -> bool:
-        """Measured once per model: a row's logits are bit for bit the same scored one token at a time, inside a
-        block of 9 and beside another row. llama.cpp's block kernels for some weight types (F32 and F16 through
-        llamafile's sgemm, the repacked K-quant and IQ layouts) round differently from its one-token kernels;
-        Q4_0, Q4_1 and Q8_0 do not (docs/backends.md). Where this is False, speculation's greedy output equals
-        plain decoding's only up to that rounding (a near-tie may break the other way)."""
+        """Whether a row's logits are bit for bit the same however it is batched (batch_variance == 0)."""
+        return self.batch_variance == 0.0
+
+    @property
+    def batch_variance(self) -> float:
+        """The largest logit difference measured once per model between a row scored one token at a time and the
+        same tokens inside blocks of 2, 3 and 18 batch entries, after a context long enough (2 rows x 140 tokens)
+        for llama.cpp's one-token flash attention to split the KV cells across threads. llama.cpp's block and
+        one-token kernels round differently for some weight types (F32 and F16 through llamafile's sgemm) and
+        for attention (without flash attention: f16 products through different kernels; with it, at 2 or more
+        threads: the split KV), so where this is not 0, speculation's greedy output equals plain decoding's only
+        up to that rounding: a near-tie may break the other way (docs/backends.md)."""
+        if self._variance is None:
+            if self._choose_attention:
+                self._choose_attention = False
+                tried = {}
+                for fa in (self.lc.LLAMA_FLASH_ATTN_TYPE_ENABLED, self.lc.LLAMA_FLASH_ATTN_TYPE_DISABLED):
+                    self.flash_attn = fa
+                    tried[fa] = self._measure_variance()
+                    if tried[fa] == 0.0:
+                        break
+                self.flash_attn = min(tried, key=lambda fa: (tried[fa] != 0.0, -fa))   # invariant, else FA on
+                self._variance = tried[self.flash_attn]
+            else:
+                self._variance = self._measure_variance()
+            log.info("%s: llama.cpp is %s on this CPU (flash attention %s, %s threads)", self.path,
+                     "batch-invariant" if self._variance == 0 else f"NOT batch-invariant (logits move by up to "
+                     f"{self._variance:.3g})", "on" if self.flash_attn == self.lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
+                     else "off", self.threads or torch.get_num_threads())
+        return self._variance
+
+    def _measure_variance(self) -> float:
         g = torch.Generator().manual_seed(0)
-        ctx = torch.randint(0, self.vocab_size, (2, 16), generator=g)                    # [2, 16]
+        n_ctx = 140
+        ctx = torch.randint(0, self.vocab_size, (2, n_ctx), generator=g)                 # [2, 140]
         block = torch.randint(0, self.vocab_size, (2, 9), generator=g)                   # [2, 9]
-        cache = self.new_cache(2, 32)
+        cache = LlamaCppCache(self, 2, n_ctx + 16)
         self(ctx, cache, last_only=True)
-        cache.advance(16, 0)
-        cache.advance(16, 1)
+        cache.advance(n_ctx, 0)
+        cache.advance(n_ctx, 1)
         # row 0's tokens in batches of 18, 2 and 3 entries (llama.cpp picks kernels by the batch's size), then
         # one at a time (1 entry)
         ways = [self(block, cache)[0], self(block[:, :1], cache)[0], self(block[:1, :3], cache)[0]]
@@ -181,9 +212,24 @@ class LlamaCppLM:
             alone.append(self(block[:1, t: t + 1], cache)[0, 0])
             cache.advance(1, 0)
         alone = torch.stack(alone)                                                       # [9, V]
-        same = all(torch.equal(w, alone[: w.shape[0]]) for w in ways)
-        log.info("%s: llama.cpp %s batch-invariant on this CPU", self.path, "is" if same else "is NOT")
-        return same
+        diff = max(float((w - alone[: w.shape[0]]).abs().max()) for w in ways)
+        # a tree block on row 1, its path [root, node 0, node 2] kept: the next token as after a fresh prefill
+        # (the kept cells are not contiguous; attention must not depend on the gaps)
+        from ..cache.tree import tree_layout
+
+        lay = tree_layout([-1, -1, 0, 1])
+        row1 = cache.row_view(1)
+        tree = torch.cat([ctx[1, -1:], block[1, :4]]).unsqueeze(0)                       # [1, 5]
+        cache.truncate(n_ctx - 1, 1)
+        row1.lengths[0] = n_ctx - 1
+        self(tree, row1, tree_mask=lay.mask, position_offsets=lay.depths)
+        cache.compact([0, 1, 3], 1)
+        cache.advance(3, 1)
+        nxt = self(block[1:, 8:9], cache.row_view(1))[0, 0]
+        fresh = LlamaCppCache(self, 1, n_ctx + 16)
+        self(torch.cat([ctx[1], block[1, [0, 2]]]).unsqueeze(0), fresh, last_only=True)
+        fresh.advance(n_ctx + 2)
+        return max(diff, float((nxt - self(block[1:, 8:9], fresh)[0, 0]).abs().max()))
 
     def embed_weight(self) -> torch.Tensor:
         """[V, hidden] fp32: the token embedding, dequantized from the file (EAGLE heads read it)."""
@@ -193,6 +239,20 @@ class LlamaCppLM:
         """[V, hidden] fp32: the output projection (the embedding when tied), dequantized from the file as
         libllama computes with it (Medusa heads and EAGLE heads without their own vocabulary read it)."""
         return self._tensor("output.weight") if "output.weight" in self._tensor_names() else self.embed_weight()
+
+    def bytes_per_forward(self) -> int:
+        """Bytes one forward of one token reads: every matrix as stored and one embedding row (the whole
+        embedding when the output projection is tied to it)."""
+        from gguf import GGUFReader
+
+        total = embd = 0
+        tied = True
+        for t in GGUFReader(self.path).tensors:
+            total += int(t.n_bytes)
+            if t.name == "token_embd.weight":
+                embd = int(t.n_bytes)
+            tied &= t.name != "output.weight"
+        return total if tied else total - embd + embd // max(1, self.vocab_size)
 
     def _tensor_names(self) -> set[str]:
         from gguf import GGUFReader
@@ -220,6 +280,8 @@ class LlamaCppLM:
         return 2 * self.num_layers * self.kv_width * KV_BYTES.get(self.kv_type, 2)
 
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> "LlamaCppCache":
+        if self._choose_attention:
+            self.batch_variance                # chooses flash attention before the first context is made
         return LlamaCppCache(self, batch_size, max_len or self.max_len)
 
     def parameters(self):                      # what callers count; libllama holds the weights

@@ -1,0 +1,94 @@
+"""The cost of verifying on libllama: one forward over T = 1..16 tokens, per weight type, for `bench --roofline`.
+
+A verify block of T tokens costs what llama.cpp's kernels make it cost for that T, and on quantized weights that
+is far from flat (its one-token kernel reads each weight once; its block kernels do more work per weight). The
+K policy learns the curve of the model it runs from the engine's calibration (engine/step.calibrate) and live
+steps; this module reports it: the model's own file, and the same model requantized by libllama to the other
+block types (Q4_0, Q4_1, Q8_0 and F32 where the file has the precision for it), each a `BlockCurve` beside
+leaplm's int8 kernel's curves. The curve is of a whole forward (every layer, attention and the output
+projection), after `ctx` cached tokens, one row and several rows.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}
+
+
+def block_costs(model, tokens=tuple(range(1, 17)), rows: int = 1, ctx: int = 64, reps: int = 7) -> list[float]:
+    """Median ms of one libllama forward over `rows` rows of T tokens each after `ctx` cached tokens per row, for
+    each T in tokens; the T values interleaved per repeat (order reversed every other one), rolled back after
+    each forward."""
+    cache = model.new_cache(rows, ctx + max(tokens) + 1)
+    g = torch.Generator().manual_seed(0)
+    model(torch.randint(0, model.vocab_size, (rows, ctx), generator=g), cache, last_only=True)
+    for b in range(rows):
+        cache.advance(ctx, b)
+    blocks = {T: torch.randint(0, model.vocab_size, (rows, T), generator=g) for T in tokens}
+    for T in tokens:                                             # warm-up
+        model(blocks[T], cache)
+    times: dict[int, list[float]] = {T: [] for T in tokens}
+    for r in range(reps):
+        for T in (tokens if r % 2 == 0 else tokens[::-1]):
+            t = time.perf_counter()
+            model(blocks[T], cache)
+            times[T].append(time.perf_counter() - t)
+    return [statistics.median(times[T]) * 1e3 for T in tokens]
+
+
+def main_weight_type(path: str) -> str:
+    """The type holding most of the file's matrix bytes (what a 'Q4_1 file' means)."""
+    from gguf import GGUFReader
+
+    sizes: dict[str, int] = {}
+    for t in GGUFReader(path).tensors:
+        if len(t.shape) > 1 and t.name != "token_embd.weight":
+            sizes[t.tensor_type.name] = sizes.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    return max(sizes, key=sizes.get) if sizes else "F32"
+
+
+def requantize(path: str, weight_type: str, out: str) -> str:
+    """The GGUF file at `path` written with its matrices in `weight_type` by libllama's own quantizer."""
+    from ..models.llamacpp import libllama
+
+    lc = libllama()
+    p = lc.llama_model_quantize_default_params()
+    p.ftype = FTYPES[weight_type]
+    p.allow_requantize = True
+    p.nthread = torch.get_num_threads()
+    rc = lc.llama_model_quantize(str(path).encode(), str(out).encode(), ctypes.byref(p))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize to {weight_type} failed ({rc})")
+    return out
+
+
+def libllama_curves(path: str, bandwidth_GBps: float, weight_types=("Q4_0", "Q4_1", "Q8_0"),
+                    tokens=tuple(range(1, 17)), rows=(1, 4)) -> list:
+    """BlockCurves of libllama's whole forward for the file's own weight type and `weight_types` (requantized),
+    one per rows count (kernel 'llama.cpp forward' / 'llama.cpp forward, 4 rows')."""
+    from ..models.llamacpp import LlamaCppLM
+    from .roofline import BlockCurve
+
+    own = main_weight_type(path)
+    out = []
+    with tempfile.TemporaryDirectory(prefix="leaplm-requant-") as tmp:
+        for wt in dict.fromkeys([own, *weight_types]):
+            f = path if wt == own else requantize(path, wt, str(Path(tmp) / f"{wt}.gguf"))
+            lm = LlamaCppLM(f)
+            nbytes = lm.bytes_per_forward()
+            for n in rows:
+                ms = block_costs(lm, tokens, rows=n)
+                out.append(BlockCurve(f"llama.cpp forward{'' if n == 1 else f', {n} rows'}", wt, list(tokens),
+                                      [round(m, 3) for m in ms], [round(m / ms[0], 3) for m in ms], nbytes,
+                                      round(nbytes / (bandwidth_GBps * 1e9) * 1e3, 3), []))
+            del lm
+    return out
