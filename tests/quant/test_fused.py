@@ -118,3 +118,20 @@ def test_reasons_it_does_not_apply(tmp_path):
     m = load_model(path, quantization="int8").model
     m.args.hidden_act = "gelu"
     assert "SiLU" in why_not_fused(m)
+
+
+def test_every_path_gives_the_same_bits(model):
+    """The layer loop on the scalar path (baseline-built element-wise code, scalar kernel) equals the chosen path."""
+    from leaplm.quant.fused import build_fused
+
+    ext = next(iter(model.quantized.values())).ext
+    fast = logits(model, IDS)
+    chosen = ext.path
+    try:
+        ext.path = 0
+        model._fused = build_fused(model)
+        slow = logits(model, IDS)
+    finally:
+        ext.path = chosen
+        model._fused = False
+    assert torch.equal(slow, fast)

@@ -49,7 +49,9 @@ struct Act {
   int G;
 };
 
-void quantize_act(const float* x, int T, int64_t K, Act& out) {
+#define LEAPLM_INLINE __attribute__((always_inline)) inline
+
+LEAPLM_INLINE void quantize_act_body(const float* x, int T, int64_t K, Act& out) {
   const int G = int(K / QK);
   out.T = T, out.K = K, out.G = G;
   out.qa.resize(size_t(T) * K);
@@ -59,22 +61,46 @@ void quantize_act(const float* x, int T, int64_t K, Act& out) {
   for (int t = 0; t < T; ++t)
     for (int g = 0; g < G; ++g) {
       const float* xb = x + t * K + g * QK;
+      float lanes[8] = {};                                 // |x| max in 8 lanes (max is exact in any order)
+      for (int j = 0; j < QK; ++j) lanes[j % 8] = std::max(lanes[j % 8], std::fabs(xb[j]));
       float amax = 0.f;
-      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      for (int l = 0; l < 8; ++l) amax = std::max(amax, lanes[l]);
       const float a = amax / 127.f;
       const float inv = a > 0.f ? 1.f / a : 0.f;
       int8_t* qb = out.qa.data() + t * K + g * QK;
+      int32_t q[QK];
+      for (int j = 0; j < QK; ++j) {
+        // round half to even by the fp32 magic number 1.5 * 2^23 (exact for |v| < 2^22; |v| <= 127.5 here)
+        float v = std::min(127.f, std::max(-127.f, xb[j] * inv));
+        v = (v + 12582912.f) - 12582912.f;
+        q[j] = int32_t(v);
+      }
       int sum = 0;
       for (int j = 0; j < QK; ++j) {
-        float v = std::nearbyint(xb[j] * inv);            // round half to even (the default rounding mode)
-        v = std::min(127.f, std::max(-127.f, v));
-        qb[j] = int8_t(v);
-        sum += qb[j];
+        qb[j] = int8_t(q[j]);
+        sum += q[j];
       }
       out.a[t * G + g] = a;
       out.sq[t * G + g] = sum;
       out.sa[t * G + g] = a * float(sum);
     }
+}
+
+// The element-wise and reduction code outside the dot-product kernels is plain C++ in a fixed order, built twice:
+// for the baseline instruction set and with AVX2 enabled (wider vectors, no FMA contraction: the same operations,
+// so the same bits); the AVX2 build runs where the kernel's AVX2 or VNNI path was chosen.
+void quantize_act_base(const float* x, int T, int64_t K, Act& out) { quantize_act_body(x, T, K, out); }
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void quantize_act_avx2(const float* x, int T, int64_t K, Act& out) {
+  quantize_act_body(x, T, K, out);
+}
+#endif
+
+void quantize_act(const float* x, int T, int64_t K, Act& out, int path = 0) {
+#if defined(__x86_64__)
+  if (path > 0) return quantize_act_avx2(x, T, K, out);
+#endif
+  quantize_act_base(x, T, K, out);
 }
 
 // One packed weight matrix.
@@ -261,7 +287,7 @@ void linear_raw(const float* x, int64_t M, int64_t K, const W& w, const float* b
   const int64_t NG = (w.N + RG - 1) / RG;
   for (int64_t m0 = 0; m0 < M; m0 += MAX_T) {
     const int T = int(std::min<int64_t>(MAX_T, M - m0));
-    quantize_act(x + m0 * K, T, K, act);
+    quantize_act(x + m0 * K, T, K, act, path);
     float* yc = y + m0 * w.N;
     at::parallel_for(0, NG, 4, [&](int64_t g0, int64_t g1) { run_groups(w, act, path, g0, g1, yc); });
   }
@@ -291,7 +317,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::
   path = SCALAR;
 #endif
   Act act;
-  quantize_act(x.data_ptr<float>(), int(T), K, act);
+  quantize_act(x.data_ptr<float>(), int(T), K, act, int(path));
   const W w{qp.data_ptr<uint8_t>(), sp.data_ptr<float>(), int4 ? mp->data_ptr<float>() : nullptr, N, int(G), int4};
   auto y = torch::empty({T, N}, x.options());
   float* yp = y.data_ptr<float>();
@@ -369,7 +395,7 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
 
 // e^v for v in [-87, 88]: 2^round(v log2 e) times a degree-6 polynomial (relative error ~3e-7); a plain loop the
 // compiler vectorizes.
-inline void exp_inplace(float* x, int64_t n) {
+LEAPLM_INLINE void exp_inplace(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float v = std::min(88.f, std::max(-87.f, x[i]));
     float r = v * 1.44269504088896341f + 12582912.f;         // round to nearest by the fp32 magic number
@@ -384,12 +410,12 @@ inline void exp_inplace(float* x, int64_t n) {
   }
 }
 
-inline float lane_sum(const float* v) {   // fixed tree over 8 lanes: ((0+4)+(2+6)) + ((1+5)+(3+7))
+LEAPLM_INLINE float lane_sum(const float* v) {   // fixed tree over 8 lanes: ((0+4)+(2+6)) + ((1+5)+(3+7))
   const float s04 = v[0] + v[4], s15 = v[1] + v[5], s26 = v[2] + v[6], s37 = v[3] + v[7];
   return (s04 + s26) + (s15 + s37);
 }
 
-inline float dot8(const float* a, const float* b, int64_t n) {   // n a multiple of 8; 8 lanes, fixed tree
+LEAPLM_INLINE float dot8(const float* a, const float* b, int64_t n) {   // n a multiple of 8; 8 lanes, fixed tree
   float acc[8] = {};
   for (int64_t i = 0; i < n; i += 8)
     for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
@@ -403,6 +429,45 @@ void rms_norm(const float* x, const float* w, int64_t M, int64_t n, float eps, f
     for (int64_t i = 0; i < n; ++i) y[m * n + i] = (xm[i] * r) * w[i];
   }
 }
+
+// softmax(q k^T * scale) v for one query over its n allowed keys (in key order); p [n], o [D] scratch
+LEAPLM_INLINE void attend_body(const float* q, const float* kb, const float* vb, const int64_t* keys, int64_t n,
+                               int64_t D, float scale, float* p, float* o, float* dst) {
+  float mx = -INFINITY;
+  for (int64_t k = 0; k < n; ++k) {
+    p[k] = dot8(q, kb + keys[k] * D, D) * scale;
+    mx = std::max(mx, p[k]);
+  }
+  for (int64_t k = 0; k < n; ++k) p[k] -= mx;
+  exp_inplace(p, n);
+  float sum = 0.f;
+  for (int64_t k = 0; k < n; ++k) sum += p[k];
+  for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+  for (int64_t k = 0; k < n; ++k) {
+    const float* v = vb + keys[k] * D;
+    const float pk = p[k];
+    for (int64_t d = 0; d < D; ++d) o[d] += pk * v[d];
+  }
+  const float inv = n ? 1.f / sum : 0.f;
+  for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
+}
+
+void attend_base(const float* q, const float* kb, const float* vb, const int64_t* keys, int64_t n, int64_t D,
+                 float scale, float* p, float* o, float* dst) {
+  attend_body(q, kb, vb, keys, n, D, scale, p, o, dst);
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void attend_avx2(const float* q, const float* kb, const float* vb, const int64_t* keys,
+                                                 int64_t n, int64_t D, float scale, float* p, float* o, float* dst) {
+  attend_body(q, kb, vb, keys, n, D, scale, p, o, dst);
+}
+#else
+void attend_avx2(const float* q, const float* kb, const float* vb, const int64_t* keys, int64_t n, int64_t D,
+                 float scale, float* p, float* o, float* dst) {
+  attend_body(q, kb, vb, keys, n, D, scale, p, o, dst);
+}
+#endif
 
 struct PackedLinear {
   torch::Tensor q, s, m, bias;   // m, bias: empty when absent
@@ -526,6 +591,7 @@ class Decoder {
     const float* kp = ck.data_ptr<float>();
     const float* vp = cv.data_ptr<float>();
     const float scale = 1.f / std::sqrt(float(D));
+    const bool wide = path > 0;
     const int64_t work = B * H * T * S * D;
     at::parallel_for(0, B * H, work > (1 << 18) ? 1 : B * H, [&](int64_t i0, int64_t i1) {
       std::vector<float> p(S), o(D);
@@ -539,24 +605,9 @@ class Decoder {
           int64_t n = 0;
           for (int64_t j = 0; j < S; ++j)
             if (mask ? mask[(b * T + t) * S + j] : j <= lens[b] + t) keys[n++] = j;
-          float mx = -INFINITY;
-          for (int64_t k = 0; k < n; ++k) {
-            p[k] = dot8(q, kb + keys[k] * D, D) * scale;
-            mx = std::max(mx, p[k]);
-          }
-          for (int64_t k = 0; k < n; ++k) p[k] -= mx;
-          exp_inplace(p.data(), n);
-          float sum = 0.f;
-          for (int64_t k = 0; k < n; ++k) sum += p[k];
-          std::fill(o.begin(), o.end(), 0.f);
-          for (int64_t k = 0; k < n; ++k) {
-            const float* v = vb + keys[k] * D;
-            const float pk = p[k];
-            for (int64_t d = 0; d < D; ++d) o[d] += pk * v[d];
-          }
           float* dst = out + (b * T + t) * H * D + hh * D;
-          const float inv = n ? 1.f / sum : 0.f;
-          for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
+          if (wide) attend_avx2(q, kb, vb, keys.data(), n, D, scale, p.data(), o.data(), dst);
+          else attend_base(q, kb, vb, keys.data(), n, D, scale, p.data(), o.data(), dst);
         }
       }
     });
