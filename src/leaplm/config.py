@@ -56,7 +56,16 @@ class SamplingParams:
     logprobs: int | None = None
     """Return the target's log-probability of each generated token and this many top alternatives
     (0..20); None returns none. Computed from the target's raw logits, so exact under speculation."""
+    verifier: str = "auto"
+    """How a sampled request's drafts are verified (a greedy one's: always against the argmax), one of VERIFIERS;
+    all are lossless. 'rejection': speculative rejection sampling, a draft token x kept with probability
+    min(1, p(x) / q(x)), the most any verifier keeps (1 - TV(p, q) per token); 'race': the exponential race, which
+    keeps a draft token when it equals the target's own sample under the seed's per-position exponentials (fewer
+    kept, but the output is a function of the seed alone, the same whatever K and batch); 'auto': the race for
+    seeded requests and for trees of sampling proposers (eagle, medusa: their candidates are drawn by the race),
+    rejection sampling otherwise."""
 
+    VERIFIERS = ("auto", "rejection", "race")
     MAX_TEMPERATURE = 100.0
     GREEDY_BELOW = 1e-5          # a temperature below this is greedy (see temperature)
     MAX_NEW_TOKENS = 1 << 20
@@ -100,6 +109,8 @@ class SamplingParams:
         lp = self.logprobs
         _check(lp is None or (_is_int(lp) and 0 <= lp <= self.MAX_LOGPROBS), "logprobs",
                f"must be null or an integer in [0, {self.MAX_LOGPROBS}], got {lp!r}")
+        _check(isinstance(self.verifier, str) and self.verifier in self.VERIFIERS, "verifier",
+               f"must be one of {', '.join(self.VERIFIERS)}, got {self.verifier!r}")
 
 
 METHODS = ("none", "draft", "ngram", "suffix", "lookahead", "layerskip", "eagle", "medusa")
@@ -136,6 +147,9 @@ class SpecConfig:
     """eagle/medusa: head directory (leaplm, Speculators or EAGLE layout); None = the head shipped for the target."""
     adaptive_k: bool = True
     """Lower K (to 0) when measured acceptance says speculation costs more than it saves."""
+    verifier: str = "auto"
+    """The verifier of sampled requests whose SamplingParams.verifier is 'auto' (see there): 'auto', 'rejection'
+    or 'race'."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -161,6 +175,8 @@ class SpecConfig:
                                                              "make the draft the target itself)")
         c = self.skip_confidence
         _check(_is_real(c) and 0 <= c < 1, "skip_confidence", f"must be in [0, 1), got {c!r}")
+        _check(isinstance(self.verifier, str) and self.verifier in SamplingParams.VERIFIERS, "verifier",
+               f"must be one of {', '.join(SamplingParams.VERIFIERS)}, got {self.verifier!r}")
         if self.head is not None:
             _check(isinstance(self.head, str) and os.path.exists(self.head), "head",
                    f"no such head directory: {self.head!r}")

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from leaplm.engine.adaptive import AcceptanceEstimate, BatchAdaptiveK, Counts, RowSpec, expected_tokens, with_proposal
+from leaplm.engine.acceptance import AcceptanceEstimate, Counts, expected_tokens
+from leaplm.engine.adaptive import BatchAdaptiveK, RowSpec, with_proposal
 from leaplm.engine.costs import BatchCostModel
 
 

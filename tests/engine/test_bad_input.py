@@ -165,7 +165,7 @@ def test_unsupported_architecture_masked_lm(byte_tokenizer, tmp_path):
 @pytest.mark.parametrize("field,value", [
     ("top_k", -1), ("top_k", 2.5), ("min_p", 1.5), ("min_p", -0.1), ("repetition_penalty", 0),
     ("repetition_penalty", float("nan")), ("seed", 1.5), ("stop", 5), ("stop", [""]), ("stop_token_ids", 5),
-    ("stop_token_ids", [-1]), ("logprobs", 21), ("logprobs", True),
+    ("stop_token_ids", [-1]), ("logprobs", 21), ("logprobs", True), ("verifier", "exact"), ("verifier", None),
 ])
 def test_other_sampling_fields(field, value):
     with raises_field(field):

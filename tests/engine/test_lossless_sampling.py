@@ -10,7 +10,9 @@ The bound: cells of the exact distribution with probability >= 0.01 are kept, th
 before sampling (k cells in all). Weissman et al. (2003): P(||p_hat - p||_1 >= e) <= (2^k - 2) exp(-N e^2 / 2),
 so with TV = ||.||_1 / 2, P(TV >= t) <= 2^k exp(-2 N t^2) = DELTA gives t = sqrt((k ln 2 + ln(1 / DELTA)) / 2N).
 A correct engine exceeds it with probability below DELTA = 1e-6; the seeds are fixed, so the outcome is too.
-The negative control runs the same test with a verifier that accepts every draft token and must exceed it.
+Both sampled verifiers run through it: the exponential race (seeded requests) and rejection sampling (requests
+without a seed, here asked for by SamplingParams.verifier with a seed so the run is reproducible). Each has a
+negative control: the same test with a broken verifier, which must exceed the bound.
 """
 from __future__ import annotations
 
@@ -56,7 +58,8 @@ def exact_positions_2_3(path: str, params: SamplingParams, reference_probs) -> t
 
 
 def sample_positions_2_3(engine: Engine, params: dict, n: int = N) -> tuple[torch.Tensor, float]:
-    """Empirical joint [V, V] of positions 2 and 3 over seeds 0..n-1, and the acceptance rate seen."""
+    """Empirical joint [V, V] of positions 2 and 3 over seeds 0..n-1, and the acceptance rate seen (params may
+    name the verifier)."""
     V = engine.model.vocab_size
     counts = torch.zeros(V, V, dtype=torch.float64)
     drafted = accepted = 0
@@ -83,18 +86,29 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("verifier", ["race", "rejection"])
 @pytest.mark.parametrize("method", ["none", "draft"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_positions_2_and_3_follow_the_target(case, method, tiny_vocab, ref_probs):
+def test_positions_2_and_3_follow_the_target(case, method, verifier, tiny_vocab, ref_probs):
     params, draft, k = CASES[case]
     exact = exact_positions_2_3(tiny_vocab["target"].path, SamplingParams(**params), ref_probs)
     eng = engine(tiny_vocab, method, draft, k)
-    got, acceptance = sample_positions_2_3(eng, params)
+    got, acceptance = sample_positions_2_3(eng, dict(params, verifier=verifier))
     if method == "draft":                # the regimes the drafts were built for: both branches well exercised
-        # (acceptance is the exponential race's coupling, P(argmax q/E = argmax p/E): see sampling/positional.py)
-        assert (0.05 < acceptance < 0.4) if draft == "far" else (0.4 < acceptance < 0.95), acceptance
+        # (the race keeps P(argmax q/E = argmax p/E), see sampling/positional.py; rejection 1 - TV(p, q))
+        assert (0.05 < acceptance < 0.5) if draft == "far" else (0.4 < acceptance < 0.97), acceptance
     tv, bound = tv_and_bound(got, exact, N)
-    assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f} ({case}, {method})"
+    assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f} ({case}, {method}, {verifier})"
+
+
+def test_rejection_keeps_more_drafts_than_the_race(tiny_vocab):
+    """Why rejection sampling is the default without a seed: on the same draft it keeps at least as many tokens
+    (1 - TV(p, q) per token against the race's coupling probability), here clearly more."""
+    params, draft, k = CASES["processed-near-k3"]
+    eng = engine(tiny_vocab, "draft", draft, k)
+    _, race_acc = sample_positions_2_3(eng, dict(params, verifier="race"), n=300)
+    _, rejection_acc = sample_positions_2_3(eng, dict(params, verifier="rejection"), n=300)
+    assert rejection_acc > race_acc + 0.03, (rejection_acc, race_acc)
 
 
 def always_accept(draft, p, seed, base) -> VerifyResult:
@@ -121,6 +135,37 @@ def test_negative_control_always_accept_fails_the_bound(tiny_vocab, ref_probs, m
     assert tv > bound, f"the wrong verifier passed: TV {tv:.4f} < bound {bound:.4f}"
 
 
+def recover_from_p(draft, q, p, generator) -> VerifyResult:
+    """A wrong rejection sampler: keeps x with probability min(1, p(x) / q(x)) as it should, but samples the
+    token after a rejection from p instead of the residual max(0, p - q), so tokens q over-proposes come twice."""
+    recover_from_p.calls += 1
+    K = draft.numel()
+    kept = []
+    for i in range(K):
+        x = int(draft[i])
+        qx = float(q[i, x]) if q is not None else 1.0
+        if float(torch.rand(1, generator=generator)) * qx >= float(p[i, x]):
+            return VerifyResult(kept + [int(torch.multinomial(p[i], 1, generator=generator))], i)
+        kept.append(x)
+    return VerifyResult(kept + [int(torch.multinomial(p[K], 1, generator=generator))], K)
+
+
+def test_negative_control_rejection_recovering_from_p_fails_the_bound(tiny_vocab, ref_probs, monkeypatch):
+    """The rejection path of plain-far-k2/draft with the residual replaced by p wherever the engine looks it up."""
+    patched = [m for name, m in list(sys.modules.items())
+               if name.startswith("leaplm.engine") and hasattr(m, "verify_rejection")]
+    assert patched
+    for m in patched:
+        monkeypatch.setattr(m, "verify_rejection", recover_from_p)
+    recover_from_p.calls = 0
+    params, draft, k = CASES["plain-far-k2"]
+    exact = exact_positions_2_3(tiny_vocab["target"].path, SamplingParams(**params), ref_probs)
+    got, _ = sample_positions_2_3(engine(tiny_vocab, "draft", draft, k), dict(params, verifier="rejection"))
+    tv, bound = tv_and_bound(got, exact, N)
+    assert recover_from_p.calls >= N                                # the wrong verifier really ran
+    assert tv > bound, f"the wrong verifier passed: TV {tv:.4f} < bound {bound:.4f}"
+
+
 def test_the_exact_distribution_is_not_trivial(tiny_vocab, ref_probs):
     """Control on the statistic: the cases spread mass over enough cells, and the processors change it."""
     plain = exact_positions_2_3(tiny_vocab["target"].path, SamplingParams(**PLAIN), ref_probs)
@@ -130,8 +175,19 @@ def test_the_exact_distribution_is_not_trivial(tiny_vocab, ref_probs):
     assert 0.5 * float((plain - processed).abs().sum()) > 0.1
 
 
-def test_a_seed_reproduces_a_speculative_sample(tiny_vocab):
+@pytest.mark.parametrize("verifier", ["auto", "rejection"])
+def test_a_seed_reproduces_a_speculative_sample(tiny_vocab, verifier):
     eng = engine(tiny_vocab, "draft", "far", 2)
-    runs = [eng.generate(PROMPT, SamplingParams(max_new_tokens=12, seed=s, ignore_eos=True)).token_ids
-            for s in (7, 7, 8)]
+    runs = [eng.generate(PROMPT, SamplingParams(max_new_tokens=12, seed=s, ignore_eos=True,
+                                                verifier=verifier)).token_ids for s in (7, 7, 8)]
     assert runs[0] == runs[1] != runs[2]
+
+
+def test_the_verifier_each_request_runs():
+    """auto: the race with a seed (output independent of K and batch), rejection sampling without one."""
+    from leaplm.engine.verification import request_verifier
+    assert request_verifier(SamplingParams(temperature=0)) == "greedy"
+    assert request_verifier(SamplingParams(seed=1)) == "race"
+    assert request_verifier(SamplingParams()) == "rejection"
+    assert request_verifier(SamplingParams(seed=1, verifier="rejection")) == "rejection"
+    assert request_verifier(SamplingParams(verifier="race")) == "race"

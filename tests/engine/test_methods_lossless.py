@@ -30,7 +30,7 @@ from leaplm.cache.tree import children
 from leaplm.config import ConfigError, SamplingParams
 from leaplm.engine.engine import Engine
 from leaplm.propose import registry
-from leaplm.propose.base import Proposal
+from leaplm.propose.base import Proposal, ProposerBase
 from leaplm.sampling.positional import race
 from leaplm.verify import VerifyResult
 from mc_bounds import DELTA, MIN_CELL, tv_and_bound  # noqa: F401  (shared bound, see its docstring)
@@ -133,7 +133,7 @@ def test_logprobs_equal_plain_decoding(name, target):
 
 
 # --- oracle proposers: trees of several shapes, nothing accepted, nothing proposed ------------------------------
-class OracleTree:
+class OracleTree(ProposerBase):
     """Plants the correct greedy continuation (known from a reference run) to a random depth in a tree of the
     given shape; every other node, and with `wrong` every node, carries a token that is not the continuation."""
     name = "oracle"
@@ -210,7 +210,7 @@ def test_oracle_trees_equal_none(shape, wrong, target, reference, oracle_method)
 
 def test_empty_chain_proposals_are_plain_decoding(target, reference, oracle_method):
     """A proposer with nothing to say returns 0 tokens (parents None: the chain path with no drafts)."""
-    class Silent:
+    class Silent(ProposerBase):
         name, samples = "silent", False
 
         def propose(self, ctx):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from leaplm import Engine, SamplingParams
-from leaplm.engine.adaptive import expected_tokens
+from leaplm.engine.acceptance import expected_tokens
 from leaplm.engine.scheduler import BatchScheduler, QueueFull, SchedulerClosed, SeqRequest
 from leaplm.verify import VerifyResult
 

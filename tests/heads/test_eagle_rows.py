@@ -109,7 +109,7 @@ def _context(tokens, k, params, seed, V):
         presence[torch.tensor(tokens)] = True
     sampled = not sp.greedy
     return ProposeContext(tokens, k, sp, LogitsProcessor(sp), make_generator(seed) if sampled else None, presence,
-                          seed=seed if sampled else None)
+                          seed=seed if sampled else None, wants_q=sampled)      # q checked against the reference
 
 
 @pytest.mark.parametrize("which", ["reduced", "reduced-random", "head", "random"])

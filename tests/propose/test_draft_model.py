@@ -29,8 +29,8 @@ class CountingModel:
 def contexts(prompts, k, params):
     proc = LogitsProcessor(params)
     gen = None if params.greedy else torch.Generator().manual_seed(0)
-    return [ProposeContext(list(p), k, params, proc, gen, None, None, None if params.greedy else 11 + i)
-            for i, p in enumerate(prompts)]
+    return [ProposeContext(list(p), k, params, proc, gen, None, None, None if params.greedy else 11 + i,
+                           wants_q=not params.greedy) for i, p in enumerate(prompts)]      # q: compared below
 
 
 def tolerance(model, logits_len: int) -> float:

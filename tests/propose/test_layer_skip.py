@@ -21,7 +21,8 @@ def prefilled(model, context):
 def ctx(tokens, k, cache, temperature=0.0, seed=0) -> ProposeContext:
     params = SamplingParams(temperature=temperature)
     gen = make_generator(seed) if temperature > 0 else None
-    return ProposeContext(tokens, k, params, LogitsProcessor(params), gen, None, cache)
+    return ProposeContext(tokens, k, params, LogitsProcessor(params), gen, None, cache,
+                          wants_q=temperature > 0)                                  # as rejection sampling asks
 
 
 def test_drafts_are_the_layer_subset_model_and_the_cache_length_is_restored(tiny_llama):

@@ -33,7 +33,7 @@ def parse_methods(text: str, k: int) -> list[tuple[str, str, dict]]:
                 opts[key] = val.lower() in ("1", "true", "yes")
             elif key == "skip_layers":
                 opts[key] = [int(v) for v in val.split("/") if v]
-            elif key in ("draft", "corpus", "head"):
+            elif key in ("draft", "corpus", "head", "verifier"):
                 opts[key] = val
             else:
                 try:

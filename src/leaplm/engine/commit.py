@@ -1,7 +1,6 @@
 """The per-request halves of a step, shared by Engine (one request) and BatchScheduler (many rows).
 
   new_request   build a request's state: stop ids, detokenizer, stats, generator, presence
-  verify_chain  stage 3 for one row: the scored block's logits [K+1, V] -> VerifyResult
   commit        stage 4 for one row: append the verified tokens (cut at a stop token, a stop string or
                 max_new_tokens), move that row's cache length, record stats and logprobs
   finish_chunk  the last chunk of a request: release the held-back text, attach finish_reason and stats
@@ -15,18 +14,19 @@ import secrets
 import torch
 
 from ..config import SamplingParams
-from ..propose.base import Proposal
-from ..sampling import LogitsProcessor, block_presence, make_generator
+from ..sampling import make_generator
 from ..sampling.positional import check_seed, fold_seed
-from ..verify import VerifyResult, verify_coupled, verify_greedy
+from ..verify import VerifyResult
 from .detok import IncrementalDetokenizer
 from .request import Request, StreamChunk, TokenLogprob
 from .stats import GenerationStats
+from .verification import request_verifier
 
 
 def new_request(ids: list[int], params: SamplingParams, *, tokenizer, eos_token_ids: list[int],
-                vocab_size: int, device, method: str, k: int) -> Request:
-    """A fresh Request for prompt `ids`; `k` is the configured K recorded in its stats (0 without a proposer)."""
+                vocab_size: int, device, method: str, k: int, verifier: str = "auto") -> Request:
+    """A fresh Request for prompt `ids`; `k` is the configured K recorded in its stats (0 without a proposer);
+    verifier: the engine's default for sampled requests that leave it to 'auto' (SpecConfig.verifier)."""
     stop_ids = set(params.stop_token_ids)
     if not params.ignore_eos:
         stop_ids.update(eos_token_ids)
@@ -42,19 +42,9 @@ def new_request(ids: list[int], params: SamplingParams, *, tokenizer, eos_token_
         detok=IncrementalDetokenizer(tokenizer, params.stop),
         stats=GenerationStats(method, k, prompt_tokens=len(ids)),
         generator=None if seed is None else make_generator(fold_seed(seed), device), seed=seed,
-        presence=presence, logprobs=[] if params.logprobs is not None else None)
-
-
-def verify_chain(req: Request, proposal: Proposal | None, proc: LogitsProcessor,
-                 logits: torch.Tensor) -> VerifyResult:
-    """Verify a chain of drafts (or none) against logits [K+1, V] of the block [last token, drafts...]."""
-    device = logits.device
-    drafts = proposal.tokens if proposal is not None else torch.empty(0, dtype=torch.long, device=device)  # [K]
-    presence = block_presence(req.presence, drafts) if req.presence is not None else None  # [K+1, V]
-    if req.generator is None:
-        return verify_greedy(drafts, proc.greedy(logits, presence))
-    p = proc.probs(logits, presence)                                                   # [K+1, V]
-    return verify_coupled(drafts, p, req.seed, len(req.tokens))
+        presence=presence, logprobs=[] if params.logprobs is not None else None,
+        verifier=request_verifier(params, verifier),
+        explicit_verifier=(params.verifier, verifier) != ("auto", "auto"))
 
 
 def commit(req: Request, result: VerifyResult, logits: torch.Tensor, drafted: int, cache,

@@ -19,10 +19,11 @@ from ..models import embedded
 from ..models.tokens import encode_prompt
 from ..propose.base import Proposer
 from ..propose.registry import make_proposer_factory
-from .adaptive import Estimates
+from .estimates import Estimates
 from .commit import token_logprobs  # noqa: F401  (re-exported: its home before the refactor)
 from .request import StreamChunk, TokenLogprob
-from .step import Batch, calibrate
+from .calibrate import calibrate
+from .step import Batch
 from .stats import GenerationStats
 
 log = logging.getLogger(__name__)
@@ -121,11 +122,39 @@ class Engine:
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> GenerationOutput:
         params = params or SamplingParams()
         chunks = list(self._run(self.encode(prompt, params), params))
+        return self._output(chunks, params, self._last_prompt_ids)
+
+    def generate_batch(self, prompt: str | list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
+        """len(params) sequences of the same prompt (`leaplm generate -n N`: sample i with seed + i), run as the
+        rows of one batch through the one step: one batched target forward per step for all of them. A model
+        without batched forwards runs them one after another, each a batch of one."""
+        ids = self.encode(prompt, params[0])
+        for sp in params[1:]:
+            self.encode(ids, sp)
+        self._last_prompt_ids = ids
+        if len(params) == 1 or not self.model.supports_batch:
+            return [self.generate(ids, sp) for sp in params]
+        batch = Batch(self, len(params))
+        chunks: list[list[StreamChunk]] = [[] for _ in params]
+        try:
+            for i, sp in enumerate(params):
+                batch.join(ids, sp, tag=i)
+            while batch.rows:
+                for out in batch.step().outputs:
+                    if out.error is not None:
+                        raise RuntimeError(out.error)
+                    chunks[out.row.tag].append(out.chunk)
+        finally:
+            while batch.rows:
+                batch.remove(len(batch.rows) - 1)
+        return [self._output(cs, sp, ids) for cs, sp in zip(chunks, params)]
+
+    @staticmethod
+    def _output(chunks: list[StreamChunk], params: SamplingParams, ids: list[int]) -> GenerationOutput:
         last = chunks[-1]
-        req_ids = [t for c in chunks for t in c.token_ids]
         lps = [lp for c in chunks for lp in (c.logprobs or [])] if params.logprobs is not None else None
-        return GenerationOutput("".join(c.text for c in chunks), req_ids, last.finish_reason, last.stats,
-                                self._last_prompt_ids, lps)
+        return GenerationOutput("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
+                                last.finish_reason, last.stats, ids, lps)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         params = params or SamplingParams()

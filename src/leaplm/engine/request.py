@@ -30,6 +30,8 @@ class Request:
     presence: torch.Tensor | None = None             # [V] bool, only with a repetition penalty
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None                 # "length" | "stop"
+    verifier: str = "greedy"                         # "greedy" | "rejection" | "race" (engine/verification.py)
+    explicit_verifier: bool = False                  # the request or the engine named it (not 'auto')
 
     @property
     def output_ids(self) -> list[int]:

@@ -21,8 +21,9 @@ from typing import Callable
 
 from ..config import ConfigError, SamplingParams
 from ..propose.base import Proposer
+from .calibrate import calibrate
 from .request import StreamChunk, TokenLogprob
-from .step import Batch, Row, StepReport, calibrate, prompt_token_logprobs  # noqa: F401  (StepReport: re-exported)
+from .step import Batch, Row, StepReport, prompt_token_logprobs  # noqa: F401  (StepReport: re-exported)
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """Per-request speculation figures, as data: the CLI, server, logs and benchmarks only read them."""
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
 
@@ -72,3 +73,49 @@ class GenerationStats:
         d.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
                  tokens_per_s=self.tokens_per_s, acceptance_by_position=self.acceptance_by_position)
         return d
+
+
+@dataclass
+class StepClock:
+    """Seconds of one batched step by stage, charged to its rows' stats (each row: its own proposing, verifying,
+    committing and tree forward; every row: the batched forward and the whole step as decode time)."""
+    start: float = field(default_factory=time.perf_counter)
+    decode_start: float = 0.0            # when decoding began (after this step's prefill)
+    stop: float = 0.0                    # when the step ended
+    propose: float = 0.0
+    batched: float = 0.0                 # the batched target forward
+    score: float = 0.0                   # target forwards: the batched one and every tree row's own
+    verify: float = 0.0
+    commit: float = 0.0
+
+    def decoding(self) -> None:
+        self.decode_start = time.perf_counter()
+
+    def batched_score(self, seconds: float) -> None:
+        self.batched = seconds
+        self.score += seconds
+
+    def row(self, stats: GenerationStats, score_s: float, verify_s: float, commit_s: float) -> None:
+        """One row's own stages (score_s: its tree forward, 0 for a chain row)."""
+        stats.score_s += score_s
+        stats.verify_s += verify_s
+        stats.commit_s += commit_s
+        self.score += score_s
+        self.verify += verify_s
+        self.commit += commit_s
+
+    def end(self, rows) -> None:
+        """The step is over: every row's stats get the batched forward and the step's time."""
+        self.stop = time.perf_counter()
+        for r in rows:
+            r.req.stats.score_s += self.batched
+            r.req.stats.decode_s += self.total
+
+    @property
+    def total(self) -> float:
+        return self.stop - self.start
+
+    def policy_seconds(self) -> float:
+        """What the K policy measures: the decoding part of the step without its commits (paid per token,
+        drafted or not: they do not make drafting dearer)."""
+        return self.stop - self.decode_start - self.commit

@@ -1,18 +1,18 @@
 """The one batched step: propose, score, verify, commit over the rows of a batch.
 
-Every caller goes through `Batch.step`: Engine.generate and Engine.stream (a batch of one), `leaplm generate -n N`,
-`leaplm bench` and the server's scheduler (a batch of up to max_batch rows, which requests join and leave between
-steps). A step over the n running rows:
+Every caller goes through `Batch.step`: Engine.generate and Engine.stream (a batch of one), `leaplm generate -n N`
+(N rows), `leaplm bench` and the server's scheduler (a batch of up to max_batch rows, which requests join and
+leave between steps). A step over the n running rows:
 
-  1. propose  each row's own proposer drafts k_i = min(K, its cap, its room) tokens; K is chosen per step by the
-              one K policy (adaptive.BatchAdaptiveK) from measured costs and each row's measured acceptance.
-              Proposers that share a group (the draft model) draft for all their rows in one call, one batched
-              draft forward per draft position; the others row by row. Cheap proposers (n-gram, suffix) propose
-              at their row's cap before K is chosen, so the policy knows what they have; then trimmed to K
+  1. propose  the K policy (engine/kpolicy.py) plans the step: one K, each row drafting k_i = min(K, its cap, its
+              room); cheap proposers (n-gram, suffix) propose at their cap inside the plan, so the policy knows
+              what they have, and are trimmed to K after. Proposers that share a group (the draft model) draft for
+              all their rows in one call, one batched draft forward per draft position; the others row by row
   2. score    ONE target forward over [n, 1 + max k_i] for the chain rows: row i is [its last token, its drafts,
               padding]; a tree row (Proposal.parents set) is scored by its own forward with the tree mask over a
-              batch-1 view of its cache row (when every row is a tree row the batched forward is skipped)
-  3. verify   per row, the pure verifiers on that row's logits
+              batch-1 view of its cache row (engine/tree_step.py; when every row is a tree row the batched forward
+              is skipped)
+  3. verify   per row, the verifier its request runs (engine/verification.py) on that row's logits
   4. commit   per row, engine/commit.py: tokens, stop ids and strings, max_new_tokens, logprobs, stats, and the
               row's cache length. Only commit changes state.
 
@@ -27,8 +27,6 @@ chunk per step instead of by its whole prefill.
 
 Rows: decoding rows occupy cache rows [0, decoding), rows still prefilling [decoding, n). A row that leaves has
 another moved into its place (KVCache.move_row) so both ranges stay dense.
-
-Costs and acceptance are the engine's (adaptive.Estimates): one calibration, shared by every batch of an engine.
 """
 from __future__ import annotations
 
@@ -36,22 +34,40 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from ..config import SamplingParams
-from ..propose.base import Proposal, ProposeContext, Proposer
+from ..config import SamplingParams, SpecConfig
+from ..propose.base import Proposal, ProposeContext, Proposer, ProposerFactory
 from ..sampling import LogitsProcessor
-from .adaptive import (AcceptanceEstimate, BatchAdaptiveK, Estimates, RowSpec, expected_tokens, rows_bucket,
-                       with_proposal)
-from .commit import commit, finish_chunk, new_request, verify_chain
+from .acceptance import AcceptanceEstimate
+from .calibrate import calibrate  # noqa: F401  (re-exported: the engine's and the scheduler's calibration)
+from .commit import commit, finish_chunk, new_request
+from .estimates import Estimates
+from .kpolicy import KPolicy, RowStep, StepPlan
 from .request import Request, StreamChunk, TokenLogprob
-from .tree_step import extra_logits, tree_block, verify_tree
+from .stats import StepClock
+from .tree_step import extra_logits, score_tree
+from .verification import verify_chain, wants_q
 
 log = logging.getLogger(__name__)
 
 MIN_CHUNK = 32     # prompt tokens a step prefills at least, however many the decoding rows take of the budget
 PAD_SLACK = 64     # cache slots (and positions) past max_len for the padding of a row near its end: the largest K
+
+
+class StepHost(Protocol):
+    """What a Batch takes from its engine (engine.Engine is one): read once, when the batch is made."""
+    model: object                               # the target CausalLM (models/base.py)
+    target: object                              # its LoadedModel (eos_token_ids)
+    tokenizer: object
+    spec: SpecConfig                            # the default method, K and adaptive_k
+    max_model_len: int
+    max_num_batched_tokens: int | None
+    estimates: Estimates                        # costs and acceptance, shared by every batch of the engine
+
+    def proposer_factory(self, method: str) -> ProposerFactory | None: ...
 
 
 @dataclass
@@ -78,7 +94,7 @@ class Row:
     proposer: Proposer | None
     cap: int                                         # this request's own K (0: no speculation)
     fixed_k: bool = False                            # draft cap tokens every step (the request asked adaptive_k off)
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)   # the K policy's, for this row
     extra_tokens: float = 0.0                        # EMA of tokens a proposal adds beyond its K (lookahead)
     tag: object = None                               # the caller's handle (the scheduler's SeqRequest)
     prefilled: int = 0                               # prompt tokens in the cache (all but the last: prefill done)
@@ -86,6 +102,11 @@ class Row:
     @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.req.prompt_ids) - 1
+
+    @property
+    def reads_hidden(self) -> bool:
+        """Its proposer reads the target's features (EAGLE, Medusa): forwards return the hidden states too."""
+        return self.proposer is not None and self.proposer.reads_hidden
 
 
 @dataclass
@@ -107,29 +128,39 @@ class StepOutcome:
     time: float                      # perf_counter at the end of the step
 
 
-class Batch:
-    """Rows of one target KV cache stepped together. engine: a leaplm Engine (target, draft, tokenizer, spec,
-    max_model_len, proposer factories, estimates)."""
+@dataclass
+class Scored:
+    """The batched forward of a step's chain rows."""
+    logits: torch.Tensor | None      # [n, T, V] (None: every row was a tree row)
+    hidden: torch.Tensor | None      # [n, T, hid] when a row's proposer reads the target's features
+    T: int                           # 1 + the longest chain draft
 
-    def __init__(self, engine, max_rows: int = 1):
-        self.engine = engine
+
+class Batch:
+    """Rows of one target KV cache stepped together (see the module docstring)."""
+
+    def __init__(self, engine: StepHost, max_rows: int = 1):
         self.model = engine.model
+        self.tokenizer = engine.tokenizer
+        self.eos_token_ids = engine.target.eos_token_ids
+        self.spec = engine.spec
+        self.proposer_factory = engine.proposer_factory
+        self.estimates: Estimates = engine.estimates
         self.max_rows = max_rows
         self.max_len = engine.max_model_len
-        # slots past max_len for padding (positions too, where the model has them): see the step's K
+        # slots past max_len for padding (positions too, where the model has them): see the plan's room
         self.cache = self.model.new_cache(max_rows, min(self.max_len + PAD_SLACK, self.model.max_len))
-        self.estimates: Estimates = engine.estimates
-        self.policy = BatchAdaptiveK(self.estimates.costs, enabled=engine.spec.adaptive_k)
+        self.policy = KPolicy(self.estimates, enabled=self.spec.adaptive_k, max_len=self.max_len)
         self.rows: list[Row] = []                        # row i of the cache <-> rows[i]
         self.decoding = 0                                # rows [0, decoding) decode, the rest still prefill
-        self.max_num_batched_tokens: int | None = getattr(engine, "max_num_batched_tokens", None)
-        full_step = max_rows * (1 + engine.spec.k) + MIN_CHUNK
+        self.max_num_batched_tokens = engine.max_num_batched_tokens
+        full_step = max_rows * (1 + self.spec.k) + MIN_CHUNK
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < full_step:
             # every running row decodes each step; prompts get only what is left (at least MIN_CHUNK), so a full
             # batch admits new requests a few prompt tokens per step (measured: minute-long TTFTs at 64 rows / 96)
             log.warning("max_num_batched_tokens=%d is below what %d decoding rows with K=%d take plus a chunk (%d): "
                         "a full batch prefills new prompts %d tokens per step", self.max_num_batched_tokens,
-                        max_rows, engine.spec.k, full_step, MIN_CHUNK)
+                        max_rows, self.spec.k, full_step, MIN_CHUNK)
         self.groups: dict[str, object] = {}              # method -> ProposerGroup of rows that draft together
         self.current_k = 0
         self.steps = 0
@@ -144,12 +175,12 @@ class Batch:
              adaptive_k: bool | None = None) -> tuple[Row, list[TokenLogprob | None] | None]:
         """Prefill a request into row n (all prompt tokens but the last, which opens its first step).
         Returns the row and, when asked for, the prompt's logprobs (position 0 has none)."""
-        eng = self.engine
-        method = method or eng.spec.method
-        factory = eng.proposer_factory(method)
-        cap = (k if k is not None else eng.spec.k) if factory is not None else 0
-        req = new_request(ids, params, tokenizer=eng.tokenizer, eos_token_ids=eng.target.eos_token_ids,
-                          vocab_size=self.model.vocab_size, device=self.model.device, method=method, k=cap)
+        method = method or self.spec.method
+        factory = self.proposer_factory(method)
+        cap = (k if k is not None else self.spec.k) if factory is not None else 0
+        req = new_request(ids, params, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
+                          vocab_size=self.model.vocab_size, device=self.model.device, method=method, k=cap,
+                          verifier=self.spec.verifier)
         i = len(self.rows)
         self.cache.truncate(0, i)
         t0 = time.perf_counter()
@@ -160,7 +191,7 @@ class Batch:
         try:
             if len(ids) > 1 and whole:
                 want = prompt_logprobs is not None
-                feats = reads_hidden(proposer)
+                feats = proposer is not None and proposer.reads_hidden
                 out = self._forward(torch.tensor([ids[:-1]], device=self.model.device), self._row_cache(i),
                                     feats, last_only=not want)
                 logits = out.logits if feats else out
@@ -173,14 +204,12 @@ class Batch:
                 prompt_lps = [None]
         except Exception:
             self.cache.truncate(0, i)
-            close = getattr(proposer, "close", None)
-            if close is not None:
-                close()
+            if proposer is not None:
+                proposer.close()
             raise
         req.stats.prefill_s = time.perf_counter() - t0
-        seen = self.estimates.method_acceptance.get(method)
-        acceptance = AcceptanceEstimate.seeded(seen) if seen is not None else AcceptanceEstimate()
-        row = Row(req, LogitsProcessor(params), proposer, cap, adaptive_k is False, acceptance, tag=tag,
+        row = Row(req, LogitsProcessor(params), proposer, cap, adaptive_k is False,
+                  self.policy.new_acceptance(method, proposer is not None and proposer.bursty), tag=tag,
                   prefilled=len(ids) - 1 if whole else 0)
         self.rows.append(row)
         if not row.prefilling and self.decoding == i:
@@ -192,9 +221,8 @@ class Batch:
         rows = self.rows
         last = len(rows) - 1
         row = rows[i]
-        close = getattr(row.proposer, "close", None)
-        if close is not None:                            # a grouped proposer frees its row of the group
-            close()
+        if row.proposer is not None:                     # a grouped proposer frees its row of the group
+            row.proposer.close()
         hole = i
         if i < self.decoding:
             d = self.decoding - 1
@@ -214,120 +242,122 @@ class Batch:
             self.cache.move_row(src, dst)
             self.rows[dst] = self.rows[src]
 
+
     # --- the step ----------------------------------------------------------------------------------------------
     def step(self) -> StepOutcome | None:
         """One step over every row; rows that finished or failed are removed. None when no row runs."""
         if not self.rows:
             return None
-        ts = time.perf_counter()
+        clock = StepClock()
         failed = self._prefill()
         rows = self.rows[: self.decoding]
         n = len(rows)
         if not n:
             return StepOutcome(failed, None, time.perf_counter())
-        td = time.perf_counter()                 # decoding starts (the policy measures steps from here)
+        clock.decoding()                         # the policy measures steps from here
 
         # 1. propose: one K for the step, each row drafts up to min(K, its own cap). A sampled row's tokens are
         # fixed by its seed and their positions (sampling/positional.py): K never changes what a seed produces.
-        # Cheap proposers (n-gram, suffix) propose first, at their row's cap: the policy then knows which rows
-        # have a proposal, how long, and of what match length (adaptive.with_proposal).
-        drafting = self._drafting_rows(rows)
-        specs = [self._row_spec(r, drafting) for r in rows]
-        early, early_s = self._propose_early(rows, specs)
-        chosen = self.policy.choose([sp for sp, r in zip(specs, rows) if not r.fixed_k])
-        K = max([chosen] + [sp.cap for sp, r in zip(specs, rows) if r.fixed_k])   # a fixed-K row drafts its K
-        # Every row gets 1 + K slots written, padding included: K must fit the fullest row's cache. Each row's
-        # drafts are capped by its own room (its spec), so with PAD_SLACK slots past max_len a row near its end
-        # caps only itself; only where the model has no positions left for the padding does it cap the step.
-        K = min(K, self.cache.max_len - 1 - max(len(r.req.tokens) - 1 for r in rows))
-        asked = [min(K, spec.cap) for spec in specs]
-        proposals, propose_s = self._propose_all([0 if i in early else k for i, k in enumerate(asked)])
-        for i, p in early.items():
-            proposals[i] = self._trim(p, asked[i]) if p is not None and asked[i] else None
-        propose_s += early_s
-        self.policy.probed(any(p is not None for p in proposals))
-        tp = time.perf_counter()
+        plan = self.policy.plan(rows, lambda i, cap: self._propose(i, rows[i], cap, clock)[0], self._room(rows))
+        proposals = self._proposals(plan, clock)
+        self.policy.proposed(proposals)
 
         # 2. score: one forward over [n, T] for the chains; a tree row's block there is its last token alone
-        chain = [p if p is not None and p.parents is None else None for p in proposals]
-        T = 1 + max((p.k for p in chain if p is not None), default=0)
-        logits = None
-        if any(p is None or p.parents is None for p in proposals):
-            block = torch.zeros(n, T, dtype=torch.long)                                  # [n, T]
-            for i, (r, p) in enumerate(zip(rows, chain)):
-                block[i, 0] = r.req.tokens[-1]
-                if p is not None:
-                    block[i, 1: 1 + p.k] = p.tokens.to("cpu")
-            feats = any(reads_hidden(r.proposer) for r in rows)
-            # a model taking ragged rows (libllama) skips the padding, and a tree row's block (scored below)
-            ragged = {"row_tokens": [0 if p is not None and p.parents is not None else 1 + (c.k if c is not None else 0)
-                                     for p, c in zip(proposals, chain)]} if getattr(self.model, "ragged", False) else {}
-            out = self._forward(block.to(self.model.device), self.cache, feats, **ragged)
-            logits, hidden = (out.logits, out.hidden) if feats else (out, None)       # [n, T, V], [n, T, hid]
-            self.estimates.costs.observe(n, T, time.perf_counter() - tp)
-        tv = time.perf_counter()
+        scored = self._score_chains(rows, proposals, clock)
 
         # 3. verify + 4. commit, row by row (tree rows: scored and verified here, one forward each)
-        drafted, accepted, emitted, outputs = [], [], [], []
-        tree_score_s = verify_s = commit_s = 0.0
+        outputs, done = [], []
         for i, (r, p) in enumerate(zip(rows, proposals)):
-            d = p.k if p is not None else 0
-            out = RowOutput(r)
-            t0 = time.perf_counter()
-            row_score_s = 0.0
-            try:
-                if p is not None and p.parents is not None:
-                    result, row_logits, row_hidden, row_score_s = self._score_verify_tree(i, r, p)  # [T_tree, V]
-                    rows_kept = [0] + [j + 1 for j in result.path]
-                else:
-                    row_logits = logits[i, : 1 + d]                                   # [1 + k_i, V]
-                    result = verify_chain(r.req, p, r.proc, row_logits)
-                    row_hidden, rows_kept = (hidden[i] if hidden is not None else None), None
-                t1 = time.perf_counter()
-                if reads_hidden(r.proposer):    # the target's features of the committed block tokens
-                    kept = rows_kept or list(range(1 + result.accepted))
-                    r.proposer.observe_hidden(len(r.req.tokens) - 1, row_hidden[kept])
-                if p is not None:
-                    r.proposer.observe(p, result, extra_logits(p, row_logits))
-                    self._observe_acceptance(r, d, result.accepted, row_logits.shape[0], asked[i],
-                                             p.match, known=i in early)
-                elif asked[i] and p is None:                 # asked, but the proposer found nothing to draft
-                    self._observe_acceptance(r, 0, 0, 1, asked[i])
-                out.chunk = commit(r.req, result, row_logits, d, self.cache, row=i)
-                t2 = time.perf_counter()
-                st = r.req.stats
-                st.score_s += row_score_s
-                st.verify_s += t1 - t0 - row_score_s
-                st.commit_s += t2 - t1
-                tree_score_s += row_score_s
-                verify_s += t1 - t0 - row_score_s
-                commit_s += t2 - t1
-            except Exception as e:  # noqa: BLE001 - one request's failure is its own
-                log.exception("a request failed in a step")
-                out.error = f"engine error: {type(e).__name__}: {e}"
-                d, result = 0, None
-            drafted.append(d)
-            accepted.append(result.accepted if result is not None else 0)
-            emitted.append(len(out.chunk.token_ids) if out.chunk is not None else 0)
+            out, d = self._verify_commit(i, r, p, scored, clock)
             outputs.append(out)
-        te = time.perf_counter()
-        for r in rows:
-            r.req.stats.score_s += tv - tp
-            r.req.stats.decode_s += te - ts
-        self.current_k = K
+            done.append(d)
+        clock.end(rows)
+        self.current_k = plan.k
         self.steps += 1
-        # the step's time without its commits (paid per token, drafted or not: they do not make drafting dearer)
-        self.policy.observe_step(n, sum(drafted), te - td - commit_s, n + sum(accepted), chosen=K == chosen,
-                                 catchup_s=sum(p.catchup_s for p in proposals if p is not None))
+        self.policy.observe(rows, plan, done, clock.policy_seconds(),
+                            catchup_s=sum(p.catchup_s for p in proposals if p is not None))
         for i in reversed(range(n)):
             out = outputs[i]
             if out.chunk is not None:
                 finish_chunk(out.row.req, out.chunk)
             if out.finished:
                 self.remove(i)
-        report = StepReport(n, K, T, drafted, accepted, emitted, propose_s, tv - tp + tree_score_s, verify_s, commit_s,
-                            te - ts)
-        return StepOutcome(failed + outputs, report, te)
+        report = StepReport(n, plan.k, scored.T, [d.drafted if d else 0 for d in done],
+                            [d.accepted if d else 0 for d in done],
+                            [len(o.chunk.token_ids) if o.chunk is not None else 0 for o in outputs],
+                            clock.propose, clock.score, clock.verify, clock.commit, clock.total)
+        return StepOutcome(failed + outputs, report, clock.stop)
+
+    def _room(self, rows: list[Row]) -> int:
+        """The largest K the cache fits: every row gets 1 + K slots written, padding included, so K must fit the
+        fullest row. Each row's drafts are capped by its own room (the plan), so with PAD_SLACK slots past max_len
+        a row near its end caps only itself; only where the model has no positions left for the padding does it
+        cap the step."""
+        return self.cache.max_len - 1 - max(len(r.req.tokens) - 1 for r in rows)
+
+    def _proposals(self, plan: StepPlan, clock: StepClock) -> list[Proposal | None]:
+        """Each row's proposal of at most plan.asked[i] tokens: the rows that proposed in the plan trimmed to it,
+        the others asked now."""
+        proposals, seconds = self._propose_all([0 if i in plan.early else k for i, k in enumerate(plan.asked)])
+        clock.propose += seconds
+        for i, p in plan.early.items():
+            proposals[i] = self._trim(p, plan.asked[i]) if p is not None and plan.asked[i] else None
+        return proposals
+
+    def _score_chains(self, rows: list[Row], proposals: list[Proposal | None], clock: StepClock) -> Scored:
+        """The one batched target forward over [n, T]: row i is [its last token, its chain's drafts, padding]."""
+        t = time.perf_counter()
+        chain = [p if p is not None and p.parents is None else None for p in proposals]
+        T = 1 + max((p.k for p in chain if p is not None), default=0)
+        if all(p is not None and p.parents is not None for p in proposals):
+            return Scored(None, None, T)
+        block = torch.zeros(len(rows), T, dtype=torch.long)                              # [n, T]
+        for i, (r, p) in enumerate(zip(rows, chain)):
+            block[i, 0] = r.req.tokens[-1]
+            if p is not None:
+                block[i, 1: 1 + p.k] = p.tokens.to("cpu")
+        feats = any(r.reads_hidden for r in rows)
+        # a model taking ragged rows (libllama) skips the padding, and a tree row's block (scored apart)
+        ragged = {"row_tokens": [0 if p is not None and p.parents is not None else 1 + (c.k if c is not None else 0)
+                                 for p, c in zip(proposals, chain)]} if getattr(self.model, "ragged", False) else {}
+        out = self._forward(block.to(self.model.device), self.cache, feats, **ragged)
+        logits, hidden = (out.logits, out.hidden) if feats else (out, None)           # [n, T, V], [n, T, hid]
+        seconds = time.perf_counter() - t
+        self.estimates.costs.observe(len(rows), T, seconds)
+        clock.batched_score(seconds)
+        return Scored(logits, hidden, T)
+
+    def _verify_commit(self, i: int, r: Row, p: Proposal | None, scored: Scored,
+                       clock: StepClock) -> tuple[RowOutput, RowStep | None]:
+        """Stages 3 and 4 for row i (a tree row scored here first). Returns its output and what it did (None: it
+        failed, its error in the output)."""
+        out = RowOutput(r)
+        d = p.k if p is not None else 0
+        t0 = time.perf_counter()
+        try:
+            if p is not None and p.parents is not None:
+                tree = score_tree(self._forward, self._row_cache(i), r.req, p, r.proc, r.reads_hidden,
+                                  r.proposer.samples)
+                self.estimates.costs.observe(1, tree.block_len, tree.score_s)
+                result, row_logits, row_hidden, score_s = tree.result, tree.logits, tree.hidden, tree.score_s
+                kept = [0] + [j + 1 for j in result.path]
+            else:
+                row_logits = scored.logits[i, : 1 + d]                                    # [1 + k_i, V]
+                result = verify_chain(r.req, p, r.proc, row_logits)
+                row_hidden = scored.hidden[i] if scored.hidden is not None else None
+                kept, score_s = list(range(1 + result.accepted)), 0.0
+            t1 = time.perf_counter()
+            if r.reads_hidden:              # the target's features of the committed block tokens
+                r.proposer.observe_hidden(len(r.req.tokens) - 1, row_hidden[kept])
+            if p is not None:
+                r.proposer.observe(p, result, extra_logits(p, row_logits))
+            out.chunk = commit(r.req, result, row_logits, d, self.cache, row=i)
+            clock.row(r.req.stats, score_s, t1 - t0 - score_s, time.perf_counter() - t1)
+        except Exception as e:  # noqa: BLE001 - one request's failure is its own
+            log.exception("a request failed in a step")
+            out.error = f"engine error: {type(e).__name__}: {e}"
+            return out, None
+        return out, RowStep(d, result.accepted, row_logits.shape[0], p.match if p is not None else None)
 
     def _prefill(self) -> list[RowOutput]:
         """Spend this step's prefill budget on the rows still prefilling, in order; a row whose prompt is in is
@@ -349,7 +379,7 @@ class Batch:
             if n > 0:
                 t0 = time.perf_counter()
                 try:
-                    feats = reads_hidden(r.proposer)
+                    feats = r.reads_hidden
                     out = self._forward(torch.tensor([ids[r.prefilled: r.prefilled + n]], device=self.model.device),
                                         self._row_cache(i), feats, last_only=True)
                     if feats:
@@ -365,81 +395,24 @@ class Batch:
                 self.decoding += 1
         return failed
 
-    @staticmethod
-    def _drafting_rows(rows: list[Row]) -> dict[str, int]:
-        """method -> rows that would draft together in this step (a group's cost per token depends on it)."""
-        out: dict[str, int] = {}
-        for r in rows:
-            if r.proposer is not None and getattr(r.proposer, "group", None) is not None:
-                out[r.req.stats.method] = out.get(r.req.stats.method, 0) + 1
-        return out
-
-    def _row_spec(self, r: Row, drafting: dict[str, int] | None = None) -> RowSpec:
-        # Under the adaptive policy a row's first step drafts nothing: its first token then costs one target
-        # forward, not the draft's catching up with the prompt as well (time to first token). A fixed K drafts
-        # from the first step.
-        room = max(0, self.max_len - len(r.req.tokens) - 1)
-        first = r.req.stats.target_forwards == 0 and self.policy.enabled and not r.fixed_k
-        cap = max(0, min(r.cap, room, r.req.remaining - 1)) if r.proposer is not None and not first else 0
-        method = r.req.stats.method
-        return RowSpec(cap, r.acceptance.rate, self.estimates.propose_cost(method, (drafting or {}).get(method, 1)),
-                       self.catchup_s(r), extra_tokens=r.extra_tokens, tokens_by_k=r.acceptance.tokens_by_k(cap),
-                       match=r.acceptance.match, tokens_by_k_after_hit=r.acceptance.tokens_by_k_after_hit(cap))
-
-    def _propose_early(self, rows: list[Row], specs: list[RowSpec]) -> tuple[dict[int, Proposal | None], float]:
-        """Rows whose proposer is cheap propose at their cap before K is chosen; their specs (in place) then say
-        what they have. Returns row -> its proposal (None: it had nothing), and the seconds it took."""
-        early: dict[int, Proposal | None] = {}
-        total = 0.0
-        for i, (r, sp) in enumerate(zip(rows, specs)):
-            if sp.cap <= 0 or not getattr(r.proposer, "cheap", False):
-                continue
-            p, dt = self._propose(i, r, sp.cap)
-            total += dt
-            early[i] = p
-            r.acceptance.observe_match(p is not None)
-            self.estimates.acceptance(r.req.stats.method).observe_match(p is not None)
-            specs[i] = with_proposal(sp, r.acceptance, p.k if p is not None else 0,
-                                     p.match if p is not None else None)
-        return early, total
-
-    def _observe_acceptance(self, r: Row, drafted: int, accepted: int, scored: int, asked: int,
-                            match: int | None = None, known: bool = False) -> None:
-        """drafted 0: the row was asked for drafts and its proposer had none (counts only towards `match`).
-        known: the proposal was made before K was chosen, of context match length `match`."""
-        r.acceptance.observe(drafted, accepted, max(asked, drafted), match, known)
-        self.estimates.observe_acceptance(r.req.stats.method, drafted, accepted, max(asked, drafted), match, known)
-        if not drafted:
-            return
-        extra = max(0, scored - drafted - 1)
-        r.extra_tokens = extra if r.extra_tokens == 0 else 0.9 * r.extra_tokens + 0.1 * extra
 
     def catchup_s(self, r: Row) -> float:
-        """Seconds a draft model needs to prefill what it has not seen (a row that has not drafted yet: its whole
-        context), spread over the steps the request has left: near the end of a request it does not pay."""
-        lag = getattr(r.proposer, "lag", None)
-        per_token = self.estimates.draft_prefill_s_per_token
-        if lag is None or not per_token:
-            return 0.0
-        steps_left = max(1.0, r.req.remaining / expected_tokens(r.acceptance.rate, max(1, r.cap)))
-        return lag(len(r.req.tokens)) * per_token / steps_left
+        """The K policy's price of row r's draft model catching up (kpolicy.KPolicy.catchup_s)."""
+        return self.policy.catchup_s(r)
 
     def _row_cache(self, i: int):
         """Row i as a batch-1 cache (the cache itself when it has one row)."""
         return self.cache if self.cache.batch_size == 1 else self.cache.row_view(i)
 
-    def _new_proposer(self, method: str, factory) -> Proposer:
+    def _new_proposer(self, method: str, factory: ProposerFactory) -> Proposer:
         """A proposer for a joining row; one that can draft for many rows at once shares this batch's group."""
-        new_group = getattr(factory, "new_group", None)
-        if new_group is None:
-            return factory(self.max_len)
         if method not in self.groups:
-            self.groups[method] = new_group(self.max_rows, self.max_len)
+            self.groups[method] = factory.new_group(self.max_rows, self.max_len)
         return factory(self.max_len, self.groups[method])
 
     def _context(self, i: int, r: Row, k: int) -> ProposeContext:
         return ProposeContext(r.req.tokens, k, r.req.params, r.proc, r.req.generator, r.req.presence,
-                              self._row_cache(i), r.req.seed)
+                              self._row_cache(i), r.req.seed, wants_q(r.req))
 
     def _propose_all(self, asked: list[int]) -> tuple[list[Proposal | None], float]:
         """Every row's proposal (None: nothing drafted) of at most asked[i] tokens, and the seconds proposing took.
@@ -450,7 +423,7 @@ class Batch:
         for i, (r, k) in enumerate(zip(self.rows, asked)):
             if k <= 0:
                 continue
-            if getattr(r.proposer, "group", None) is not None:
+            if r.proposer.group is not None:
                 groups.setdefault(id(r.proposer.group), []).append(i)
             else:
                 proposals[i], dt = self._propose(i, r, k)
@@ -477,14 +450,14 @@ class Batch:
     @staticmethod
     def _trim(prop: Proposal, k: int) -> Proposal | None:
         """At most k tokens of prop: a chain's first k, a tree's first k nodes (parents come first, so they are a
-        tree; a tree with extra tokens is kept whole)."""
+        tree; a tree with extra tokens is kept whole). Proposals are cut to the step's K here, and only here."""
         if prop.k > k and prop.extra is None:
             parents = prop.parents[:k] if prop.parents is not None else None
             prop = dataclasses.replace(prop, tokens=prop.tokens[:k], q=prop.q[:k] if prop.q is not None else None,
                                        parents=parents)
         return prop if prop.k > 0 else None
 
-    def _propose(self, i: int, r: Row, k: int) -> tuple[Proposal | None, float]:
+    def _propose(self, i: int, r: Row, k: int, clock: StepClock | None = None) -> tuple[Proposal | None, float]:
         """Row i's proposal of at most k tokens (None: nothing drafted) and the seconds it took."""
         if k <= 0:
             return None, 0.0
@@ -492,24 +465,13 @@ class Batch:
         prop = self._trim(r.proposer.propose(self._context(i, r, k)), k)
         dt = time.perf_counter() - t
         r.req.stats.propose_s += dt
+        if clock is not None:
+            clock.propose += dt
         if prop is None:
             return None, dt
         # seconds per drafted token, per method, without catching up on unseen tokens (priced apart: catchup_s)
         self.estimates.observe_propose(r.req.stats.method, max(0.0, dt - prop.catchup_s) / prop.k)
         return prop, dt
-
-    def _score_verify_tree(self, i: int, r: Row, p: Proposal):
-        """A tree proposal of row i: its own forward with the tree mask (after the batched one, whose slots for this
-        row it overwrites), then the tree verifier. Returns (result, logits [T_tree, V], hidden or None, forward seconds)."""
-        tb = tree_block(r.req, p)
-        t = time.perf_counter()
-        feats = reads_hidden(r.proposer)
-        out = self._forward(tb.ids.unsqueeze(0), self._row_cache(i), feats, tree_mask=tb.layout.mask,
-                            position_offsets=tb.layout.depths)
-        logits, hidden = (out.logits[0], out.hidden[0]) if feats else (out[0], None)   # [T_tree, V | hid]
-        dt = time.perf_counter() - t
-        self.estimates.costs.observe(1, tb.ids.numel(), dt)
-        return verify_tree(r.req, p, r.proc, logits, tb.layout), logits, hidden, dt
 
     def _forward(self, ids: torch.Tensor, cache, feats: bool, **kw):
         """The target's logits, or (with feats, for proposers reading the target's features) a Scored with the
@@ -521,11 +483,6 @@ class Batch:
         return self.model(ids, cache, **kw)
 
 
-def reads_hidden(proposer) -> bool:
-    """Proposers reading the target's features (EAGLE) get them through observe_hidden(start, hidden)."""
-    return getattr(proposer, "reads_hidden", False)
-
-
 def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:
     """logits [L, V] at prompt positions 0..L-1 -> the target's logprob of targets[j] (the token at j + 1)."""
     lp = torch.log_softmax(logits.float(), -1)                                 # [L, V]
@@ -535,64 +492,3 @@ def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top: int) ->
         vals, idx = lp.topk(top, dim=-1)
         tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
     return [TokenLogprob(t, c, tp) for t, c, tp in zip(targets, chosen, tops)]
-
-
-def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> None:
-    """The one cost calibration: batched forward costs at n in 1, 2, 4, ... max_rows rows and T = 1 .. K + 1
-    tokens (live steps keep refreshing them), a draft model's prefill cost per token and its one-token forward
-    (the prior of the draft's cost per drafted token). Sizes already measured on this engine are skipped."""
-    est: Estimates = engine.estimates
-    model = engine.model
-    ctx = max(1, min(ctx, engine.max_model_len // 2))
-    k = engine.spec.k
-    ns = sorted({min(max_rows, 1 << i) for i in range(max_rows.bit_length() + 1)} - est.calibrated_rows)
-    dev = model.device
-    if ns:
-        cache = model.new_cache(max(ns), engine.max_model_len)
-        Ts = list(range(1, min(k + 1, engine.max_model_len - ctx) + 1))
-        for n in ns:
-            cache.lengths[:n] = [ctx] * n
-            forward = lambda T: model(torch.zeros(n, T, dtype=torch.long, device=dev), cache)  # noqa: E731
-            forward(Ts[-1])                              # warm-up: the first forward of a shape is not its cost
-            # rounds of every T back to back, the order reversed every other round (a trend in the machine's
-            # speed within a round cancels); the cost model keeps their paired ratios (shape) and level
-            rounds = [{T: _timed(lambda: forward(T)) for T in (Ts if j % 2 == 0 else Ts[::-1])}
-                      for j in range(max(2, repeats))]
-            est.costs.calibrated(n, rounds)
-            cache.lengths[:n] = [0] * n
-        est.calibrated_rows.update(ns)
-    if engine.draft is not None and not est.draft_prefill_s_per_token:
-        draft = engine.draft.model
-        n_tok = max(1, min(ctx, draft.max_len - 2))
-        cache = draft.new_cache(1, n_tok + 1)
-        best = one = float("inf")
-        for _ in range(repeats + 1):
-            cache.lengths[0] = 0
-            t = time.perf_counter()
-            draft(torch.zeros(1, n_tok, dtype=torch.long, device=draft.device), cache, last_only=True)
-            best = min(best, time.perf_counter() - t)
-            cache.lengths[0] = n_tok
-            t = time.perf_counter()
-            draft(torch.zeros(1, 1, dtype=torch.long, device=draft.device), cache, last_only=True)
-            one = min(one, time.perf_counter() - t)
-        est.draft_prefill_s_per_token = best / n_tok
-        est.propose_s.setdefault("draft", one)
-    if engine.draft is not None:
-        # the draft's one-token forward over n rows at once (a batch's draft rows draft together): per drafted token
-        draft = engine.draft.model
-        n_ctx = max(1, min(ctx, draft.max_len - 2))
-        todo = [n for n in sorted({min(max_rows, 1 << i) for i in range(max_rows.bit_length() + 1)})
-                if ("draft", rows_bucket(n)) not in est.propose_s_rows]
-        if todo and (max(todo) == 1 or getattr(draft, "supports_batch", False)):
-            cache = draft.new_cache(max(todo), n_ctx + 1)
-            for n in todo:
-                cache.lengths[:n] = [n_ctx] * n
-                best = min(_timed(lambda: draft(torch.zeros(n, 1, dtype=torch.long, device=draft.device), cache,
-                                                last_only=True)) for _ in range(repeats + 1))
-                est.propose_s_rows[("draft", rows_bucket(n))] = best / n
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t

@@ -1,4 +1,4 @@
-"""Stages 2 and 3 for a tree proposal, one row: build the block, verify the tree from its scored logits.
+"""Stages 2 and 3 for a tree proposal, one row: build the block, score it with the tree mask, verify the tree.
 
 The block is [last committed token, K tree nodes, A extra tokens] (cache/tree.py gives its mask and
 positions). Only the root and the nodes are verified; the extra tokens' logits go back to the proposer.
@@ -6,21 +6,33 @@ Commit is the chain's (commit.commit): it compacts the cache along result.path, 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ..cache.tree import TreeLayout, tree_layout
 from ..propose.base import Proposal
-from ..sampling import LogitsProcessor, tree_presence
-from ..verify import VerifyResult, verify_tree_coupled, verify_tree_greedy
+from ..sampling import LogitsProcessor
+from ..verify import VerifyResult
 from .request import Request
+from .verification import verify_tree
 
 
 @dataclass
 class TreeBlock:
     ids: torch.Tensor        # [T] long: root, nodes, extra tokens
     layout: TreeLayout
+
+
+@dataclass
+class ScoredTree:
+    result: VerifyResult
+    logits: torch.Tensor            # [T, V] the block's
+    hidden: torch.Tensor | None     # [T, hid] when the proposer reads the target's features
+    score_s: float                  # the tree forward's seconds
+    block_len: int                  # T
 
 
 def tree_block(req: Request, proposal: Proposal) -> TreeBlock:
@@ -35,16 +47,17 @@ def tree_block(req: Request, proposal: Proposal) -> TreeBlock:
     return TreeBlock(torch.cat(parts), layout)                                       # ids [T]
 
 
-def verify_tree(req: Request, proposal: Proposal, proc: LogitsProcessor, logits: torch.Tensor,
-                layout: TreeLayout) -> VerifyResult:
-    """logits [T, V] of the block; rows [0, 1 + K) are the root and the nodes."""
-    n = layout.n_tree
-    nodes = proposal.tokens                                                          # [K]
-    presence = tree_presence(req.presence, nodes, layout.mask[:n, :n]) if req.presence is not None else None
-    if req.generator is None:
-        return verify_tree_greedy(nodes, proposal.parents, proc.greedy(logits[:n], presence))
-    p = proc.probs(logits[:n], presence)                                             # [K+1, V]
-    return verify_tree_coupled(nodes, proposal.parents, p, req.seed, len(req.tokens))
+def score_tree(forward: Callable, cache, req: Request, proposal: Proposal, proc: LogitsProcessor, feats: bool,
+               sampled: bool) -> ScoredTree:
+    """The tree's own forward over the row's batch-1 cache view (after the batched one, whose slots for this row
+    it overwrites), then its verifier. forward(ids, cache, feats, **kw): the step's target forward."""
+    tb = tree_block(req, proposal)
+    t = time.perf_counter()
+    out = forward(tb.ids.unsqueeze(0), cache, feats, tree_mask=tb.layout.mask, position_offsets=tb.layout.depths)
+    logits, hidden = (out.logits[0], out.hidden[0]) if feats else (out[0], None)     # [T, V | hid]
+    dt = time.perf_counter() - t
+    result = verify_tree(req, proposal, proc, logits, tb.layout, sampled)
+    return ScoredTree(result, logits, hidden, dt, tb.ids.numel())
 
 
 def extra_logits(proposal: Proposal | None, logits: torch.Tensor) -> torch.Tensor | None:

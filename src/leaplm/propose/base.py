@@ -1,9 +1,14 @@
 """The Proposer protocol: propose K tokens (with q, or None when deterministic; optionally a tree), then
-observe what the verifier made of them. One proposer instance per request, so its state is the request's."""
+observe what the verifier made of them. One proposer instance per request, so its state is the request's.
+
+`Proposer` declares every member the engine step reads; `ProposerBase` gives the optional ones their defaults
+(not cheap, no group, no target features, nothing to catch up on, nothing to free), so a proposer states only
+what it changes. `ProposerFactory` is what the registry returns per method: one proposer per request, and for
+proposers that draft for many rows at once (the draft model) the batch's shared group."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -23,6 +28,7 @@ class ProposeContext:
     presence: torch.Tensor | None      # [V] bool: tokens seen so far (repetition penalty), else None
     target_cache: object | None = None # the request's target KVCache (layer-skip drafts into its free slots)
     seed: int | None = None            # sampling requests: the seed fixing every position's sample, see sample()
+    wants_q: bool = False              # the verifier reads Proposal.q (rejection sampling): return it
 
     def sample(self, q: torch.Tensor, offset: int, candidate: int = 0) -> int:
         """A draft token from q [V] (or [1, V]) at block offset `offset` (0: the first token after `tokens`),
@@ -48,7 +54,8 @@ class ExtraTokens:
 @dataclass
 class Proposal:
     tokens: torch.Tensor               # [K] long: a chain, or the tree's nodes in topological order
-    q: torch.Tensor | None = None      # [K, V] draft distribution each token was sampled from; None = deterministic
+    q: torch.Tensor | None = None      # [K, V] draft distribution each token was sampled from, only when ctx.wants_q
+                                       # (rejection sampling reads it); None = deterministic, or not asked for
     parents: list[int] | None = None   # tree only: parent node index per node, -1 = the last committed token
     extra: ExtraTokens | None = None   # tree only: scored beside the tree, see ExtraTokens
     # seconds of this proposal spent feeding committed tokens the proposer had not seen (a draft model after steps
@@ -64,10 +71,15 @@ class Proposal:
 
 
 class Proposer(Protocol):
+    """Every member the engine step reads (ProposerBase has the defaults of the optional ones)."""
     name: str
-    samples: bool   # True when it samples from q at temperature > 0 (then q is returned)
-    # optional `cheap = True`: proposing costs next to nothing (n-gram, suffix), so the step asks for a proposal at
-    # the row's cap before choosing K and trims it (a tree: its first K nodes, parents come first)
+    samples: bool        # True when it samples from q at temperature > 0 (q returned when ctx.wants_q)
+    cheap: bool          # proposing costs next to nothing (n-gram, suffix): the step asks for a proposal at the
+                         # row's cap before choosing K and trims it (a tree: its first K nodes, parents come first)
+    group: "ProposerGroup | None"   # the batch's group when it drafts together with other rows (the draft model)
+    reads_hidden: bool   # it reads the target's features of committed tokens through observe_hidden
+    bursty: bool         # its acceptance comes in stretches the last outcome tells (copying proposers: n-gram,
+                         # suffix, lookahead): the K policy keeps its estimate in two states (engine/acceptance.py)
 
     def propose(self, ctx: ProposeContext) -> Proposal: ...
 
@@ -76,6 +88,41 @@ class Proposer(Protocol):
         target's raw logits at proposal.extra's tokens (None when the proposal had none)."""
         ...
 
+    def observe_hidden(self, start: int, hidden: torch.Tensor) -> None:
+        """hidden [m, hid]: the target's last hidden state at committed positions [start, start + m) (only
+        called when reads_hidden)."""
+        ...
+
+    def lag(self, n_tokens: int) -> int:
+        """Committed tokens (of n_tokens) the proposer has not seen yet: what its next proposal must feed first
+        (the K policy prices that catching up apart from drafting)."""
+        ...
+
+    def close(self) -> None:
+        """The request left the batch: free what the proposer holds (a group's row)."""
+        ...
+
+
+class ProposerBase:
+    """Defaults of the Proposer protocol's optional members."""
+    samples = False
+    cheap = False
+    group = None
+    reads_hidden = False
+    bursty = False
+
+    def observe(self, proposal: Proposal, result: VerifyResult, extra_logits: torch.Tensor | None = None) -> None:
+        pass
+
+    def observe_hidden(self, start: int, hidden: torch.Tensor) -> None:
+        pass
+
+    def lag(self, n_tokens: int) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
 
 class ProposerGroup(Protocol):
     """The proposers of one batch that draft together (the draft model: one forward per draft position for all its
@@ -83,3 +130,28 @@ class ProposerGroup(Protocol):
     row of the group that drafts, and a proposer without a group row by row through propose()."""
 
     def propose_rows(self, proposers: list[Proposer], ctxs: list[ProposeContext]) -> list[Proposal]: ...
+
+
+class ProposerFactory:
+    """One proposer per request (`factory(max_len, group)`). new_group: the group a batch shares among the rows of
+    this method (None: its proposers draft row by row); forget: drop what proposers remember across requests."""
+
+    def __call__(self, max_len: int, group: ProposerGroup | None = None) -> Proposer:
+        raise NotImplementedError
+
+    def new_group(self, max_rows: int, max_len: int) -> ProposerGroup | None:
+        return None
+
+    def forget(self) -> None:
+        pass
+
+
+class SimpleFactory(ProposerFactory):
+    """A factory from a function of max_len (proposers that draft row by row and remember nothing across
+    requests)."""
+
+    def __init__(self, build: Callable[[int], Proposer]):
+        self.build = build
+
+    def __call__(self, max_len: int, group: ProposerGroup | None = None) -> Proposer:
+        return self.build(max_len)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..verify import VerifyResult
-from .base import Proposal, ProposeContext
+from .base import Proposal, ProposeContext, ProposerBase, ProposerFactory
 
 CATCHUP_IN_BATCH = 4      # unseen tokens a row feeds inside the batched forward; more are prefilled alone first
 
@@ -123,7 +123,8 @@ class DraftRows:
                 else:
                     q = ctx.processor.probs(row_logits, pres)                                # [1, V]
                     t = ctx.sample(q, i)
-                    qs[j].append(q[0])
+                    if ctx.wants_q:                  # only rejection sampling reads q
+                        qs[j].append(q[0])
                 drafts[j].append(t)
                 if presence[j] is not None:
                     presence[j][t] = True
@@ -134,7 +135,7 @@ class DraftRows:
             p.n_ctx, p.k = len(ctx.tokens), ks[j]
             p.cached = p.n_ctx                     # every committed token seen (observe adds accepted drafts)
             cache.lengths[p.slot] = p.n_ctx + ks[j] - 1
-            q = torch.stack(qs[j]) if qs[j] else None                                       # [K, V]
+            q = torch.stack(qs[j]) if qs[j] else None                   # [K, V] when the verifier reads it
             out.append(Proposal(torch.tensor(drafts[j], device=self.out_device), q, catchup_s=catchup[j]))
         return out
 
@@ -164,7 +165,7 @@ class DraftRows:
 
 
 @dataclass
-class DraftModelFactory:
+class DraftModelFactory(ProposerFactory):
     """method 'draft': builds one proposer per request; proposers of one batch share a DraftRows group."""
     model: object                                # the draft CausalLM
     out_device: object = None                    # the target's device
@@ -179,7 +180,7 @@ class DraftModelFactory:
                                   group if group is not None else self.new_group(1, max_len))
 
 
-class DraftModelProposer:
+class DraftModelProposer(ProposerBase):
     name = "draft"
     samples = True
 

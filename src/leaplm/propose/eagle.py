@@ -28,7 +28,7 @@ from ..config import ConfigError, SpecConfig
 from ..heads.runtime import EagleHead, HeadCache
 from ..sampling.positional import ranked
 from ..verify import VerifyResult
-from .base import Proposal, ProposeContext
+from .base import Proposal, ProposeContext, ProposerBase, SimpleFactory
 from .registry import register
 from .tree_select import Node, select_tree
 
@@ -39,7 +39,7 @@ class TreeShape:
     branch: int = 3         # children per expanded node, and frontier nodes expanded per level
 
 
-class EagleProposer:
+class EagleProposer(ProposerBase):
     name = "eagle"
     samples = True
     reads_hidden = True      # the step passes the target's features of committed tokens (observe_hidden)
@@ -130,7 +130,8 @@ class EagleProposer:
             else:
                 q = self._weights(ctx, logits)[0]                                  # [N]
                 drafts.append(self._candidates(ctx, q, i, 1)[0][0])
-                qs.append(q)
+                if ctx.wants_q:                                                    # only rejection reads q
+                    qs.append(q)
             if i + 1 < k:
                 pos = L - 1 + i
                 feat = self.head.run(self.cache, pos, feat.unsqueeze(0), torch.tensor([drafts[-1]]),
@@ -205,4 +206,4 @@ def _eagle(spec: SpecConfig, target, draft):
         raise ConfigError("method", "eagle needs a native Llama-family target (its hidden states are read)")
     head = load_eagle_head(spec, target)
     shape = TreeShape()
-    return lambda max_len: EagleProposer(head, max_len, shape)
+    return SimpleFactory(lambda max_len: EagleProposer(head, max_len, shape))

@@ -24,7 +24,7 @@ import torch
 
 from ..config import ConfigError, SpecConfig
 from ..verify import VerifyResult
-from .base import Proposal, ProposeContext
+from .base import Proposal, ProposeContext, ProposerBase, SimpleFactory
 from .registry import register
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class SkipSearch:
                      best.tokens_per_forward, [(t.skipped, round(t.tokens_per_forward, 2)) for t in self.trials])
 
 
-class LayerSkipProposer:
+class LayerSkipProposer(ProposerBase):
     name = "layerskip"
     samples = True
 
@@ -125,7 +125,8 @@ class LayerSkipProposer:
                     if i and float(q.max()) < self.confidence:
                         break
                     t = ctx.sample(q, i)
-                    qs.append(q[0])
+                    if ctx.wants_q:
+                        qs.append(q[0])
                 drafts.append(t)
                 if presence is not None:
                     presence[t] = True
@@ -133,7 +134,7 @@ class LayerSkipProposer:
         finally:
             cache.truncate(committed)
         self._passes = passes
-        q = torch.stack(qs) if qs else None                                         # [K, V]
+        q = torch.stack(qs) if qs else None                  # [K, V] when the verifier reads it
         return Proposal(torch.tensor(drafts, dtype=torch.long, device=self.model.device), q)
 
     def observe(self, proposal: Proposal, result: VerifyResult, extra_logits=None) -> None:
@@ -165,4 +166,4 @@ def _build(spec: SpecConfig, target, draft):
             raise ConfigError("method", f"layerskip needs a target with at least 3 layers to choose from "
                                         f"(it has {n}); give --skip-layers explicitly")
     search = SkipSearch(n, candidates)
-    return lambda max_len: LayerSkipProposer(model, search, spec.skip_confidence)
+    return SimpleFactory(lambda max_len: LayerSkipProposer(model, search, spec.skip_confidence))

@@ -22,7 +22,7 @@ import torch
 
 from ..config import ConfigError, SpecConfig
 from ..verify import VerifyResult
-from .base import ExtraTokens, Proposal, ProposeContext
+from .base import ExtraTokens, Proposal, ProposeContext, ProposerBase, SimpleFactory
 from .registry import register
 
 
@@ -41,9 +41,10 @@ def window_shape(levels: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     return mask, depths
 
 
-class LookaheadProposer:
+class LookaheadProposer(ProposerBase):
     name = "lookahead"
     samples = False
+    bursty = True                # right for stretches while the output copies, wrong elsewhere
 
     def __init__(self, window: int, ngram_size: int, guess_set: int, max_len: int, device: torch.device):
         self.W, self.N, self.G = window, ngram_size, guess_set
@@ -122,4 +123,5 @@ def _build(spec: SpecConfig, target, draft):
         raise ConfigError("method", "lookahead scores its window and guesses as a tree, which this model's "
                                     "adapter cannot do; use a native model family")
     device = target.model.device
-    return lambda max_len: LookaheadProposer(spec.window, spec.ngram_size, spec.guess_set, max_len, device)
+    return SimpleFactory(lambda max_len: LookaheadProposer(spec.window, spec.ngram_size, spec.guess_set, max_len,
+                                                           device))

@@ -16,12 +16,12 @@ from ..config import ConfigError, SpecConfig
 from ..heads.runtime import MedusaHeads
 from ..sampling.positional import ranked
 from ..verify import VerifyResult
-from .base import Proposal, ProposeContext
+from .base import Proposal, ProposeContext, ProposerBase, SimpleFactory
 from .registry import register
 from .tree_select import Node, select_tree
 
 
-class MedusaProposer:
+class MedusaProposer(ProposerBase):
     name = "medusa"
     samples = True
     reads_hidden = True
@@ -82,4 +82,4 @@ def _medusa(spec: SpecConfig, target, draft):
     from ..heads.loader import load_head_for
 
     heads = load_head_for(spec.head, target, kind="medusa")
-    return lambda max_len: MedusaProposer(heads, max_len)
+    return SimpleFactory(lambda max_len: MedusaProposer(heads, max_len))

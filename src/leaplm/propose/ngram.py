@@ -6,7 +6,7 @@ import torch
 
 from ..config import SpecConfig
 from ..verify import VerifyResult
-from .base import Proposal, ProposeContext
+from .base import Proposal, ProposeContext, ProposerBase, SimpleFactory
 from .ngram_index import NgramIndex
 from .registry import register
 
@@ -14,9 +14,10 @@ from .registry import register
 MAX_MATCH = 32      # how far back a match's context agreement is measured (Proposal.match)
 
 
-class NgramProposer:
+class NgramProposer(ProposerBase):
     name = "ngram"
     samples = False
+    bursty = True                # right for stretches while the output copies, wrong elsewhere
     cheap = True
 
     def __init__(self, n_min: int, n_max: int, device: torch.device):
@@ -44,4 +45,4 @@ class NgramProposer:
 @register("ngram")
 def _build(spec: SpecConfig, target, draft):
     device = target.model.device
-    return lambda max_len: NgramProposer(spec.ngram_min, spec.ngram_max, device)
+    return SimpleFactory(lambda max_len: NgramProposer(spec.ngram_min, spec.ngram_max, device))

@@ -4,12 +4,12 @@ from __future__ import annotations
 from typing import Callable
 
 from ..config import ConfigError, SpecConfig
-from .base import Proposer
+from .base import ProposerFactory, SimpleFactory
 
-# method -> builder(spec, target LoadedModel, draft LoadedModel | None) -> (max_len -> Proposer). A factory that
-# also has new_group(max_rows, max_len) builds proposers that draft for many rows at once: each batch makes one
-# group and passes it, factory(max_len, group) (base.ProposerGroup).
-Builder = Callable[[SpecConfig, object, object], Callable[[int], Proposer]]
+# method -> builder(spec, target LoadedModel, draft LoadedModel | None) -> base.ProposerFactory. A factory whose
+# new_group(max_rows, max_len) returns a group builds proposers that draft for many rows at once: each batch makes
+# one group and passes it, factory(max_len, group) (base.ProposerGroup).
+Builder = Callable[[SpecConfig, object, object], ProposerFactory]
 BUILDERS: dict[str, Builder] = {}
 
 
@@ -28,14 +28,16 @@ def _draft(spec: SpecConfig, target, draft):
                              real_tokens=max(target.tokenizer.get_vocab().values()) + 1)
 
 
-def make_proposer_factory(spec: SpecConfig, target, draft) -> Callable[[int], Proposer] | None:
+def make_proposer_factory(spec: SpecConfig, target, draft) -> ProposerFactory | None:
     """None for method 'none' (plain decoding through the same loop)."""
     if spec.method == "none":
         return None
     _load_builtin()
     if spec.method not in BUILDERS:
         raise ConfigError("method", f"method {spec.method!r} is not available in this build")
-    return BUILDERS[spec.method](spec, target, draft)
+    factory = BUILDERS[spec.method](spec, target, draft)
+    # a builder may return a plain function of max_len (proposers drafting row by row, remembering nothing)
+    return factory if isinstance(factory, ProposerFactory) else SimpleFactory(factory)
 
 
 def _load_builtin() -> None:

@@ -21,7 +21,7 @@ import torch
 
 from ..config import ConfigError, SpecConfig
 from ..verify import VerifyResult
-from .base import Proposal, ProposeContext
+from .base import Proposal, ProposeContext, ProposerBase, ProposerFactory
 from .ngram_index import NgramIndex
 from .registry import register
 
@@ -101,9 +101,10 @@ class SuffixStore:
         return self.history
 
 
-class SuffixProposer:
+class SuffixProposer(ProposerBase):
     name = "suffix"
     samples = False
+    bursty = True                # right for stretches while the output copies, wrong elsewhere
     cheap = True
 
     def __init__(self, store: SuffixStore, device: torch.device):
@@ -171,12 +172,12 @@ def _build(spec: SpecConfig, target, draft):
 
 
 @dataclass
-class SuffixFactory:
+class SuffixFactory(ProposerFactory):
     """One proposer per request over the engine's store; forget() drops what earlier requests taught it."""
     store: SuffixStore
     device: torch.device
 
-    def __call__(self, max_len: int) -> SuffixProposer:
+    def __call__(self, max_len: int, group=None) -> SuffixProposer:
         return SuffixProposer(self.store, self.device)
 
     def forget(self) -> None:

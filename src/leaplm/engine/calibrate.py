@@ -1,0 +1,70 @@
+"""The one cost calibration of an engine: batched target forward costs and a draft model's costs, measured at
+start-up (live steps keep refreshing them; engine/costs.py)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .estimates import Estimates, rows_bucket
+
+
+def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> None:
+    """The one cost calibration: batched forward costs at n in 1, 2, 4, ... max_rows rows and T = 1 .. K + 1
+    tokens (live steps keep refreshing them), a draft model's prefill cost per token and its one-token forward
+    (the prior of the draft's cost per drafted token). Sizes already measured on this engine are skipped."""
+    est: Estimates = engine.estimates
+    model = engine.model
+    ctx = max(1, min(ctx, engine.max_model_len // 2))
+    k = engine.spec.k
+    ns = sorted({min(max_rows, 1 << i) for i in range(max_rows.bit_length() + 1)} - est.calibrated_rows)
+    dev = model.device
+    if ns:
+        cache = model.new_cache(max(ns), engine.max_model_len)
+        Ts = list(range(1, min(k + 1, engine.max_model_len - ctx) + 1))
+        for n in ns:
+            cache.lengths[:n] = [ctx] * n
+            forward = lambda T: model(torch.zeros(n, T, dtype=torch.long, device=dev), cache)  # noqa: E731
+            forward(Ts[-1])                              # warm-up: the first forward of a shape is not its cost
+            # rounds of every T back to back, the order reversed every other round (a trend in the machine's
+            # speed within a round cancels); the cost model keeps their paired ratios (shape) and level
+            rounds = [{T: _timed(lambda: forward(T)) for T in (Ts if j % 2 == 0 else Ts[::-1])}
+                      for j in range(max(2, repeats))]
+            est.costs.calibrated(n, rounds)
+            cache.lengths[:n] = [0] * n
+        est.calibrated_rows.update(ns)
+    if engine.draft is not None and not est.draft_prefill_s_per_token:
+        draft = engine.draft.model
+        n_tok = max(1, min(ctx, draft.max_len - 2))
+        cache = draft.new_cache(1, n_tok + 1)
+        best = one = float("inf")
+        for _ in range(repeats + 1):
+            cache.lengths[0] = 0
+            t = time.perf_counter()
+            draft(torch.zeros(1, n_tok, dtype=torch.long, device=draft.device), cache, last_only=True)
+            best = min(best, time.perf_counter() - t)
+            cache.lengths[0] = n_tok
+            t = time.perf_counter()
+            draft(torch.zeros(1, 1, dtype=torch.long, device=draft.device), cache, last_only=True)
+            one = min(one, time.perf_counter() - t)
+        est.draft_prefill_s_per_token = best / n_tok
+        est.propose_s.setdefault("draft", one)
+    if engine.draft is not None:
+        # the draft's one-token forward over n rows at once (a batch's draft rows draft together): per drafted token
+        draft = engine.draft.model
+        n_ctx = max(1, min(ctx, draft.max_len - 2))
+        todo = [n for n in sorted({min(max_rows, 1 << i) for i in range(max_rows.bit_length() + 1)})
+                if ("draft", rows_bucket(n)) not in est.propose_s_rows]
+        if todo and (max(todo) == 1 or getattr(draft, "supports_batch", False)):
+            cache = draft.new_cache(max(todo), n_ctx + 1)
+            for n in todo:
+                cache.lengths[:n] = [n_ctx] * n
+                best = min(_timed(lambda: draft(torch.zeros(n, 1, dtype=torch.long, device=draft.device), cache,
+                                                last_only=True)) for _ in range(repeats + 1))
+                est.propose_s_rows[("draft", rows_bucket(n))] = best / n
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t

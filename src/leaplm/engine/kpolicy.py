@@ -1,0 +1,131 @@
+"""The K policy as the batch step sees it: plan a step (each row's K), observe what the step did.
+
+  plan     each row's cap (its own K, its room, nothing on a row's first step under the adaptive policy: its first
+           token costs one target forward, not a draft model catching up with the prompt as well), the cheap
+           proposers' proposals made at that cap, then one K for the step (adaptive.BatchAdaptiveK over the rows
+           that follow the policy; a row that asked for a fixed K drafts its cap) -> StepPlan
+  proposed whether any row had a proposal (a probe without one is retried at the next step)
+  observe  per row: drafted, accepted, the tokens scored (acceptance estimates, per row and per method); the step's
+           seconds without its commits (the overrun of drafting, probe losses)
+
+Costs and acceptance are the engine's (estimates.Estimates): one calibration, shared by every batch of an engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from ..propose.base import Proposal
+from .acceptance import AcceptanceEstimate, expected_tokens
+from .adaptive import BatchAdaptiveK, RowSpec, with_proposal
+from .estimates import Estimates
+
+if TYPE_CHECKING:
+    from .step import Row
+
+
+@dataclass
+class StepPlan:
+    """What a step drafts."""
+    k: int                                 # the step's K (0: no row drafts)
+    asked: list[int]                       # [n] drafts asked of each row: min(K, its cap)
+    early: dict[int, Proposal | None]      # rows whose cheap proposer proposed before K was chosen (None: nothing)
+    chosen: bool                           # K is the policy's own choice (not raised by a fixed-K row)
+
+
+@dataclass
+class RowStep:
+    """What one row did in a step, for the policy."""
+    drafted: int                           # draft tokens verified (0: none)
+    accepted: int
+    scored: int                            # tokens the target scored for the row (its block, extra tokens too)
+    match: int | None = None               # the proposal's context match length (cheap proposers)
+
+
+class KPolicy:
+    def __init__(self, estimates: Estimates, enabled: bool, max_len: int):
+        self.estimates = estimates
+        self.choice = BatchAdaptiveK(estimates.costs, enabled=enabled)
+        self.max_len = max_len
+
+    @property
+    def enabled(self) -> bool:
+        return self.choice.enabled
+
+    def new_acceptance(self, method: str, bursty: bool) -> AcceptanceEstimate:
+        """A joining row's estimate: what its method measured on earlier requests, else the prior."""
+        seen = self.estimates.method_acceptance.get(method)
+        return AcceptanceEstimate.seeded(seen) if seen is not None else AcceptanceEstimate(bursty=bursty)
+
+    # --- plan ----------------------------------------------------------------------------------------------------
+    def plan(self, rows: list[Row], propose_cheap: Callable[[int, int], Proposal | None], room: int) -> StepPlan:
+        """propose_cheap(i, cap): row i's cheap proposer's proposal at its cap (None: nothing). room: the most
+        drafts the cache has slots (and positions) for in every row."""
+        drafting = _drafting_rows(rows)
+        specs = [self._row_spec(r, drafting) for r in rows]
+        early: dict[int, Proposal | None] = {}
+        for i, (r, sp) in enumerate(zip(rows, specs)):
+            if sp.cap > 0 and r.proposer.cheap:
+                p = early[i] = propose_cheap(i, sp.cap)
+                r.acceptance.observe_match(p is not None)
+                self.estimates.acceptance(r.req.stats.method, r.proposer.bursty).observe_match(p is not None)
+                specs[i] = with_proposal(sp, r.acceptance, p.k if p is not None else 0,
+                                         p.match if p is not None else None)
+        chosen = self.choice.choose([sp for sp, r in zip(specs, rows) if not r.fixed_k])
+        K = max([chosen] + [sp.cap for sp, r in zip(specs, rows) if r.fixed_k])   # a fixed-K row drafts its K
+        K = min(K, room)
+        return StepPlan(K, [min(K, sp.cap) for sp in specs], early, K == chosen)
+
+    def _row_spec(self, r: Row, drafting: dict[str, int]) -> RowSpec:
+        room = max(0, self.max_len - len(r.req.tokens) - 1)
+        first = r.req.stats.target_forwards == 0 and self.enabled and not r.fixed_k
+        cap = max(0, min(r.cap, room, r.req.remaining - 1)) if r.proposer is not None and not first else 0
+        method = r.req.stats.method
+        return RowSpec(cap, r.acceptance.rate, self.estimates.propose_cost(method, drafting.get(method, 1)),
+                       self.catchup_s(r), extra_tokens=r.extra_tokens, tokens_by_k=r.acceptance.tokens_by_k(cap),
+                       match=r.acceptance.match, tokens_by_k_after_hit=r.acceptance.tokens_by_k_after_hit(cap))
+
+    def catchup_s(self, r: Row) -> float:
+        """Seconds a draft model needs to prefill what it has not seen (a row that has not drafted yet: its whole
+        context), spread over the steps the request has left: near the end of a request it does not pay."""
+        per_token = self.estimates.draft_prefill_s_per_token
+        lag = r.proposer.lag(len(r.req.tokens)) if r.proposer is not None else 0
+        if not lag or not per_token:
+            return 0.0
+        steps_left = max(1.0, r.req.remaining / expected_tokens(r.acceptance.rate, max(1, r.cap)))
+        return lag * per_token / steps_left
+
+    # --- observe -------------------------------------------------------------------------------------------------
+    def proposed(self, proposals: list[Proposal | None]) -> None:
+        self.choice.probed(any(p is not None for p in proposals))
+
+    def observe(self, rows: list[Row], plan: StepPlan, done: list[RowStep | None], seconds: float,
+                catchup_s: float) -> None:
+        """done[i]: what row i did (None: it failed). seconds: the step's time without its commits (paid per
+        token, drafted or not: they do not make drafting dearer); catchup_s: a draft model's catching up in it."""
+        for i, (r, d) in enumerate(zip(rows, done)):
+            if d is not None and plan.asked[i]:
+                self._observe_row(r, d, plan.asked[i], known=i in plan.early)
+        drafted = sum(d.drafted for d in done if d is not None)
+        tokens = len(rows) + sum(d.accepted for d in done if d is not None)
+        self.choice.observe_step(len(rows), drafted, seconds, tokens, chosen=plan.chosen, catchup_s=catchup_s)
+
+    def _observe_row(self, r: Row, d: RowStep, asked: int, known: bool) -> None:
+        """d.drafted 0: the row was asked for drafts and its proposer had none (counts only towards `match`).
+        known: the proposal was made before K was chosen, of context match length d.match."""
+        match = d.match if d.drafted else None
+        r.acceptance.observe(d.drafted, d.accepted, max(asked, d.drafted), match, known)
+        self.estimates.observe_acceptance(r.req.stats.method, d.drafted, d.accepted, max(asked, d.drafted), match,
+                                          known, r.proposer.bursty)
+        if d.drafted:
+            extra = max(0, d.scored - d.drafted - 1)
+            r.extra_tokens = extra if r.extra_tokens == 0 else 0.9 * r.extra_tokens + 0.1 * extra
+
+
+def _drafting_rows(rows: list[Row]) -> dict[str, int]:
+    """method -> rows that would draft together in this step (a group's cost per token depends on it)."""
+    out: dict[str, int] = {}
+    for r in rows:
+        if r.proposer is not None and r.proposer.group is not None:
+            out[r.req.stats.method] = out.get(r.req.stats.method, 0) + 1
+    return out
