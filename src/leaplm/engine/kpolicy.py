@@ -13,15 +13,13 @@ Costs and acceptance are the engine's (estimates.Estimates): one calibration, sh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from ..propose.base import Proposal
 from .acceptance import AcceptanceEstimate, expected_tokens
 from .adaptive import BatchAdaptiveK, RowSpec, with_proposal
 from .estimates import Estimates
-
-if TYPE_CHECKING:
-    from .step import Row
+from .row import Row
 
 
 @dataclass

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -41,12 +41,12 @@ import torch
 from ..config import SamplingParams, SpecConfig
 from ..propose.base import Proposal, ProposeContext, Proposer, ProposerFactory
 from ..sampling import LogitsProcessor
-from .acceptance import AcceptanceEstimate
 from .calibrate import calibrate  # noqa: F401  (re-exported: the engine's and the scheduler's calibration)
 from .commit import commit, finish_chunk, new_request
 from .estimates import Estimates
 from .kpolicy import KPolicy, RowStep, StepPlan
-from .request import Request, StreamChunk, TokenLogprob
+from .request import StreamChunk, TokenLogprob
+from .row import Row
 from .stats import StepClock
 from .tree_step import extra_logits, score_tree
 from .verification import verify_chain, wants_q
@@ -84,29 +84,6 @@ class StepReport:
     verify_s: float
     commit_s: float
     step_s: float
-
-
-@dataclass
-class Row:
-    """One running request: the batch's state for it."""
-    req: Request
-    proc: LogitsProcessor
-    proposer: Proposer | None
-    cap: int                                         # this request's own K (0: no speculation)
-    fixed_k: bool = False                            # draft cap tokens every step (the request asked adaptive_k off)
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)   # the K policy's, for this row
-    extra_tokens: float = 0.0                        # EMA of tokens a proposal adds beyond its K (lookahead)
-    tag: object = None                               # the caller's handle (the scheduler's SeqRequest)
-    prefilled: int = 0                               # prompt tokens in the cache (all but the last: prefill done)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.prefilled < len(self.req.prompt_ids) - 1
-
-    @property
-    def reads_hidden(self) -> bool:
-        """Its proposer reads the target's features (EAGLE, Medusa): forwards return the hidden states too."""
-        return self.proposer is not None and self.proposer.reads_hidden
 
 
 @dataclass
