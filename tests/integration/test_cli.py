@@ -67,6 +67,11 @@ def test_n_samples_and_stdin(target):
                                            "--temperature", "1", "--seed", "5", "--max-new-tokens", "8",
                                            "--ignore-eos", "--json"], input=PROMPT).stdout)
     assert [s["token_ids"] for s in again["samples"]] == [s["token_ids"] for s in out["samples"]]
+    # the samples are the rows of one batch; seeded (the race), each is the same seed's sample alone
+    alone = json.loads(runner.invoke(app, ["generate", "--model", target, "--method", "none", "--temperature", "1",
+                                           "--seed", "6", "--max-new-tokens", "8", "--ignore-eos", "--json"],
+                                     input=PROMPT).stdout)
+    assert alone["samples"][0]["token_ids"] == out["samples"][1]["token_ids"]
 
 
 def test_stream_prints_text(target):
@@ -83,6 +88,7 @@ def test_stream_prints_text(target):
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--method", "telepathy"], "--method"),
     (["-n", "0"], "-n"),
+    (["--temperature", "0.8", "--verifier", "exact"], "--verifier"),
 ])
 def test_bad_options_name_the_field(target, args, needle):
     res = runner.invoke(app, ["generate", PROMPT, "--model", target, *args])

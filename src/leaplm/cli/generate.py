@@ -39,6 +39,9 @@ def generate(
     min_p: float = typer.Option(0.0, "--min-p"),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
     seed: Optional[int] = typer.Option(None, help="Seed; sample i of -n uses seed + i."),
+    verifier: str = typer.Option("auto", "--verifier",
+                                 help="Sampled requests: rejection (keeps the most drafts), race (the output depends "
+                                      "on the seed alone, whatever K), auto (race with --seed, else rejection)."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     n: int = typer.Option(1, "-n", help="Independent samples of the same prompt (vLLM's n; llama.cpp's -n is "
                                         "--max-new-tokens here)."),
@@ -85,7 +88,7 @@ def generate(
         params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  min_p=min_p, repetition_penalty=repetition_penalty,
                                  seed=None if seed is None else seed + i, stop=list(stop or []),
-                                 ignore_eos=ignore_eos) for i in range(n)]
+                                 ignore_eos=ignore_eos, verifier=verifier) for i in range(n)]
         engine = Engine(model=options.model, draft=draft, method=method, k=k, device=options.device,
                         dtype=options.dtype, kv_cache_dtype=options.kv_cache_dtype,
                         max_model_len=options.max_model_len, adaptive_k=adaptive_k,
@@ -103,10 +106,10 @@ def generate(
     shown = "" if chat else prompt       # a chat prints the answer only, not the template around it
     total = GenerationStats(engine.spec.method, engine.spec.k if engine.spec.method != "none" else 0)
     samples = []
+    # -n N: the N samples are the N rows of one batch (one batched target forward per step), printed in order
+    batched = engine.generate_batch(prompt, params) if n > 1 else None
     for i, sp in enumerate(params):
-        if stream and not as_json:
-            if n > 1:
-                write(f"--- sample {i + 1} ---\n")
+        if stream and not as_json and batched is None:
             write(shown)
             text, ids, reason, st = "", [], None, None
             for chunk in engine.stream(prompt, sp):
@@ -116,7 +119,7 @@ def generate(
                 reason, st = chunk.finish_reason or reason, chunk.stats or st
             write("\n")
         else:
-            o = engine.generate(prompt, sp)
+            o = batched[i] if batched is not None else engine.generate(prompt, sp)
             text, ids, reason, st = o.text, o.token_ids, o.finish_reason, o.stats
             if not as_json:
                 if n > 1:
@@ -124,6 +127,8 @@ def generate(
                 write(shown + text + "\n")
         samples.append({"text": text, "token_ids": ids, "finish_reason": reason})
         total.merge(st)
+    if batched is not None:             # the rows decoded side by side: the batch's time, not the sum of its rows'
+        total.decode_s = max(o.stats.decode_s for o in batched)
     if as_json:
         s = total
         print(json.dumps({"samples": samples, "stats": {
