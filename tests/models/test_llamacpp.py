@@ -15,7 +15,6 @@ import sys
 import pytest
 import torch
 
-from conftest import BPE_CORPUS, write_family_checkpoint
 from leaplm.config import ConfigError, SamplingParams
 from leaplm.engine.engine import Engine
 from leaplm.models.gguf_export import export_gguf
@@ -23,6 +22,10 @@ from leaplm.models.llamacpp import available
 from leaplm.models.loading import load_model
 from leaplm.numerics import forward_reduction_length, sum_tolerance
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+from gguf_writer import _root_conftest  # noqa: E402  (tests/conftest.py by path: other folders have a conftest)
+
+BPE_CORPUS, write_family_checkpoint = _root_conftest().BPE_CORPUS, _root_conftest().write_family_checkpoint
 needs_libllama = pytest.mark.skipif(not available(), reason="the llamacpp extra (llama-cpp-python) is not installed")
 PROMPTS = [[1, 2, 3, 4, 5] * 3, [7, 3, 9, 3, 7, 1], [4]]
 NEW = 40
@@ -341,3 +344,26 @@ def test_continuous_batching_with_chunked_prefill_equals_each_request_alone(file
     for i, (p, m) in enumerate(jobs):
         alone = Engine(target, draft=files["draft-q8_0"] if m == "draft" else None, method=m, k=3)
         assert outs[i] == alone.generate(list(p), params).token_ids, (i, m)
+
+
+# --- the command line ------------------------------------------------------------------------------------------
+@needs_libllama
+def test_generate_names_the_backend_and_what_speculation_promises(files):
+    import json
+
+    from typer.testing import CliRunner
+
+    from leaplm.cli import app
+
+    runner = CliRunner()
+    got = {}
+    for backend in ("llamacpp", "torch"):
+        res = runner.invoke(app, ["generate", "hello", "--model", files["target-q8_0"], "--backend", backend,
+                                  "--method", "ngram", "--max-new-tokens", "6", "--ignore-eos", "--json"])
+        assert res.exit_code == 0, res.output
+        stats = json.loads(res.stdout)["stats"]
+        assert stats["backend"] == backend and stats["exactness"] == "identical"
+        got[backend] = json.loads(res.stdout)["samples"][0]["token_ids"]
+    assert len(got["llamacpp"]) == 6
+    res = runner.invoke(app, ["generate", "hello", "--model", files["target-q8_0"], "--backend", "vulkan"])
+    assert res.exit_code != 0 and "--backend" in res.output

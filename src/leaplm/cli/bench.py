@@ -106,7 +106,7 @@ def bench(
         return run_roofline(model=options.model, draft=draft, configs=parse_methods(methods, k), k=k,
                             workloads=workloads, prompts=prompts, max_new_tokens=max_new_tokens, rounds=rounds,
                             dtype=options.dtype, quantization=options.quantization,
-                            json_out=json_out, fail=fail)
+                            json_out=json_out, fail=fail, backend=options.backend)
     kinds_of_baseline = [b.strip() for b in (baselines or "").split(",") if b.strip()]
     for b in kinds_of_baseline:
         if b not in ("hf", "llamacpp"):
@@ -125,7 +125,8 @@ def bench(
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, ignore_eos=True)
         wls = [get_workload(w.strip(), prompts) for w in workloads.split(",") if w.strip()]
         target_name = options.model or embedded.default_target()
-        target = load_model(target_name, dtype=options.dtype, field="model", quantization=options.quantization)
+        target = load_model(target_name, dtype=options.dtype, field="model", quantization=options.quantization,
+                            backend=options.backend)
         from ..models.loading import resolve_max_model_len
 
         context = resolve_max_model_len(options.max_model_len, target.model.max_len, target_name)
@@ -149,7 +150,8 @@ def bench(
                     fail("--draft: method draft needs a draft model")
                 if dn not in drafts:
                     drafts[dn] = load_model(dn, dtype=options.dtype, field="draft",
-                                            quantization=draft_quantization(options.quantization, dn))
+                                            quantization=draft_quantization(options.quantization, dn),
+                                            backend=options.backend)
                 d = drafts[dn]
             eng = Engine(target, draft=d, method=method, max_model_len=context, **opts)
             contenders.append(leaplm_contender(label, eng, params))
@@ -201,7 +203,9 @@ def bench(
     settings = dict(model=target_name, draft=draft_name, methods=methods, k=k, workloads=workloads,
                     prompts=prompts, max_new_tokens=max_new_tokens, rounds=rounds, temperature=temperature,
                     dtype=options.dtype, quantization=options.quantization, baselines=baselines,
-                    timing="end to end incl. prefill; speedup = median of per-(round, prompt) ratios vs none")
+                    timing="end to end incl. prefill; speedup = median of per-(round, prompt) ratios vs none",
+                    backend=target.backend, draft_backends={n: d.backend for n, d in drafts.items()},
+                    exactness=leaplm_exactness(target))
     if llama_setup is not None:
         settings["llamacpp"] = dict(model=llama_setup.model, draft=llama_setup.draft, threads=llama_setup.threads,
                                     no_repack=llama_setup.no_repack, binaries=str(llama_setup.binaries.completion.parent),
@@ -227,6 +231,13 @@ def bench(
 
         plot_speedups(summaries, plot)
         err.print(f"[dim]wrote {plot}[/]")
+
+
+def leaplm_exactness(target) -> str:
+    """What greedy speculation promises on this target (engine.Engine.exactness)."""
+    from ..engine.engine import exactness_of
+
+    return exactness_of(target)
 
 
 def print_table(summaries, settings) -> None:

@@ -14,7 +14,7 @@ console = Console(width=150)
 
 
 def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens, rounds, dtype, quantization,
-                 json_out, fail) -> None:
+                 json_out, fail, backend: str = "auto") -> None:
     from ..bench.roofline import Roofline, bytes_per_forward, forward_costs, method_costs, stream_bandwidth
     from ..bench.workloads import fit_to_context, get_workload
     from ..engine.engine import Engine, draft_quantization
@@ -24,7 +24,7 @@ def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens
     try:
         check_quantization(quantization)
         target_name = model or embedded.default_target()
-        target = load_model(target_name, dtype=dtype, field="model", quantization=quantization)
+        target = load_model(target_name, dtype=dtype, field="model", quantization=quantization, backend=backend)
         draft_name = draft or (embedded.default_draft() if model is None else None)
         room = target.model.max_len - max_new_tokens - max(k, 8) - 2
         wl = [fit_to_context(get_workload(w.strip(), prompts), target.tokenizer, room)
@@ -38,7 +38,7 @@ def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens
                     fail("--draft: method draft needs a draft model")
                 if dn not in drafts:
                     drafts[dn] = load_model(dn, dtype=dtype, field="draft",
-                                            quantization=draft_quantization(quantization, dn))
+                                            quantization=draft_quantization(quantization, dn), backend=backend)
                 d = drafts[dn]
             engines[label] = Engine(target, draft=d, method=method, **opts)
     except ConfigError as e:
@@ -47,12 +47,18 @@ def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens
     q = getattr(m, "quantized", {})
     kernel = (next(iter(q.values())).backend if q else "F.linear") + (
         f" ({_ext_why()})" if q and next(iter(q.values())).backend == "extension" else "")
-    nbytes = bytes_per_forward(m)
+    if target.backend == "llamacpp":
+        kernel = "libllama (llama.cpp's kernels, the file's own weight types)"
+    nbytes = m.bytes_per_forward() if target.backend == "llamacpp" else bytes_per_forward(m)
     bw = stream_bandwidth()
     floor = nbytes / (bw * 1e9) * 1e3
     rep = Roofline(target_name, quantization, kernel, nbytes, bw, floor, torch.get_num_threads())
     rep.forwards = forward_costs(m)
     block_curves(rep, m.args)
+    if target.backend == "llamacpp":        # libllama's whole forward per weight type, beside the int8 kernel's
+        from ..bench.llamacpp_costs import libllama_curves
+
+        rep.curves += libllama_curves(target.path, bw)
     prompts_all = [p for w in wl for p in w.prompts]
     rep.methods = method_costs(engines, prompts_all, max_new_tokens, rounds, floor, SamplingParams)
     print_roofline(rep)

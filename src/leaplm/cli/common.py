@@ -160,6 +160,8 @@ class EngineOptions:
                                            "output) per request (default: min(the model's, 4096)).")
     device: str = _option("cpu", "--device", help="Target device: cpu|cuda|cuda:N|mps.")
     threads: Optional[int] = _option(None, "--threads", "-t", help="torch CPU threads (default: torch's choice).")
+    backend: str = _option("auto", "--backend", help="What runs a GGUF model's forwards: auto (libllama when the "
+                           "llamacpp extra is installed, see docs/backends.md) | llamacpp | torch.")
 
 
 def engine_options(*, without: tuple[str, ...] = ()) -> Callable:

@@ -95,7 +95,7 @@ def generate(
                         ngram_min=ngram_min, ngram_max=ngram_max, window=window,
                         ngram_size=ngram_size, guess_set=guess_set, skip_layers=_skip_layers(skip_layers),
                         skip_confidence=skip_confidence,
-                        corpus=corpus, quantization=options.quantization, head=head)
+                        corpus=corpus, quantization=options.quantization, head=head, backend=options.backend)
         if chat:
             from ..models.tokens import chat_prompt
 
@@ -140,11 +140,13 @@ def generate(
             **{f: round(getattr(s, f), 6) for f in ("propose_s", "score_s", "verify_s", "commit_s")},
             "acceptance_by_position": [round(a, 4) for a in
                                                                             s.acceptance_by_position],
-            "max_model_len": engine.max_model_len, "kv_cache_peak_bytes": engine.kv_cache_peak_bytes}}))
+            "max_model_len": engine.max_model_len, "kv_cache_peak_bytes": engine.kv_cache_peak_bytes,
+            "backend": engine.backend, "exactness": engine.exactness}}))
     else:
         s = total
         spec = f"{s.method} k={s.k}" if s.method != "none" else "none"
         acc = (f" | acceptance {s.acceptance_rate:.2f} | mean accepted length {s.mean_accepted_length:.2f}"
                if s.method != "none" else "")
         err.print(f"[dim]{spec} | {s.new_tokens} tokens in {s.target_forwards} target forwards{acc} | "
-                  f"{s.tokens_per_s:.1f} tokens/s[/]")
+                  f"{s.tokens_per_s:.1f} tokens/s | backend {engine.backend}"
+                  f"{'' if engine.exactness == 'identical' else ' (' + engine.exactness + ')'}[/]")

@@ -19,7 +19,7 @@ from .common import (ADAPTIVE_K, DRAFT, DRAFT_MIN, K, N_GPU_LAYERS, SPECULATIVE_
 log = logging.getLogger(__name__)
 
 
-@engine_options()
+@engine_options(without=("backend",))
 def serve(
     model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", help="Target, as `vllm serve MODEL` "
                                               "(same as --model)."),
@@ -62,8 +62,9 @@ def serve(
     n_gpu_layers: Optional[int] = N_GPU_LAYERS,
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
     replicas: int = typer.Option(1, "--replicas", help="Engine replicas behind one HTTP endpoint (needs --backend ray)."),
-    backend: str = typer.Option("local", "--backend", help="local (this process) | ray (Ray Serve replicas, "
-                                                           "pip install 'leaplm[ray]')."),
+    backend: str = typer.Option("auto", "--backend", help="What runs the model: auto | llamacpp | torch (the "
+                                                          "engine in this process: docs/backends.md), or ray (Ray "
+                                                          "Serve replicas, pip install 'leaplm[ray]'); local = auto."),
     *, options: EngineOptions,
 ) -> None:
     """Serve the OpenAI API (completions, chat, models) with speculative decoding and continuous batching."""
@@ -83,7 +84,7 @@ def serve(
 
         for name, field in ((model, "model"), (draft, "draft")):
             if name is not None:
-                check_source(name, field)
+                check_source(name, field, "auto" if backend in ("local", "ray") else backend)
     except ConfigError as e:
         fail(f"--{e.field}: {e.message}")
     k = sc.k if sc.k is not None else k
@@ -113,14 +114,19 @@ def serve(
             check_quantization(options.quantization)
         except ConfigError as e:
             fail(f"--quantization: {e.message}")
-    if replicas != 1 or backend != "local":
+    backends = ("auto", "llamacpp", "torch", "local", "ray")
+    if backend not in backends:
+        fail(f"--backend: must be one of {', '.join(backends)}, got {backend!r}")
+    model_backend = "auto" if backend in ("local", "ray") else backend
+    if replicas != 1 or backend == "ray":
         if options.quantization is not None:
-            fail("--quantization: not yet passed to Ray Serve replicas (use --backend local)")
+            fail("--quantization: not yet passed to Ray Serve replicas (use --backend auto)")
         if options.kv_cache_dtype != "auto":
-            fail("--kv-cache-dtype: not yet passed to Ray Serve replicas (use --backend local)")
+            fail("--kv-cache-dtype: not yet passed to Ray Serve replicas (use --backend auto)")
         from ..deploy.ray import serve_from_cli
 
-        raise typer.Exit(serve_from_cli(fail, replicas=replicas, backend=backend, model=model, draft=draft,
+        raise typer.Exit(serve_from_cli(fail, replicas=replicas, backend="ray" if backend == "ray" else "local",
+                                        model=model, draft=draft,
                                         method=method, k=k, host=host, port=port, api_key=api_key,
                                         max_batch=max_batch, max_queue=max_queue, max_model_len=options.max_model_len,
                                         served_model_name=served_model_name, drain_timeout_s=drain_timeout,
@@ -140,7 +146,7 @@ def serve(
                       draft_device=draft_device, quantization=options.quantization,
                       max_model_len=options.max_model_len, adaptive_k=adaptive_k,
                       max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=options.kv_cache_dtype,
-                      **spec_options)
+                      backend=model_backend, **spec_options)
 
     code = run_server(config, load, model_name=model or "leaplm-embedded")
     raise typer.Exit(code)

@@ -85,7 +85,8 @@ def tune(
         check_device(options.device, "device")
         check_device(draft_device or options.device, "draft_device")
         w = tune_workload(workload, prompts)
-        target = load_model(options.model or embedded.default_target(), options.device, options.dtype, "model")
+        target = load_model(options.model or embedded.default_target(), options.device, options.dtype, "model",
+                            backend=options.backend)
         drafts: dict = {}
         draft_paths: dict[str, str] = {}
         if "draft" in wanted:
@@ -94,7 +95,8 @@ def tune(
             for n in names:
                 label = Path(n).name or n
                 try:
-                    drafts[label] = load_model(n, draft_device or options.device, options.dtype, "draft")
+                    drafts[label] = load_model(n, draft_device or options.device, options.dtype, "draft",
+                                               backend=options.backend)
                     draft_paths[label] = n
                 except ConfigError as e:
                     if draft:            # the user named it: a path that does not load is an error

@@ -96,8 +96,7 @@ class Engine:
         self.backend = self.target.backend
         # what speculation promises here: libllama on weight types whose block kernels round differently from its
         # one-token kernels (LlamaCppLM.batch_invariant) keeps greedy identity only up to that rounding
-        self.exactness = "identical" if self.backend != "llamacpp" or self.target.model.batch_invariant else \
-            "identical up to llama.cpp's batch variance"
+        self.exactness = exactness_of(self.target)
         self.tokenizer = self.target.tokenizer
         self.model = self.target.model
         log.info("backend: %s for %s%s (speculation: %s)", self.backend, self.target.name,
@@ -244,6 +243,14 @@ class Engine:
             batch.remove(len(batch.rows) - 1)
         if batch is self._batch:
             self._batch_busy = False
+
+
+def exactness_of(target: LoadedModel) -> str:
+    """'identical', or on libllama where its kernels are not batch-invariant for this model (LlamaCppLM
+    .batch_variance), 'identical up to llama.cpp's batch variance'."""
+    if target.backend != "llamacpp" or target.model.batch_invariant:
+        return "identical"
+    return "identical up to llama.cpp's batch variance"
 
 
 def draft_quantization(quantization: str | None, draft: str) -> str | None:

@@ -19,6 +19,8 @@ def kv_cache_bytes(config: dict, rows: int, context: int, dtype: str = "float32"
 def draft_footprint(draft: LoadedModel, context: int) -> tuple[int, int]:
     """(weights bytes, KV-cache bytes per request row at `context` positions) of a loaded draft, from its actual
     parameters' element size (the dtype it was loaded in)."""
+    if draft.backend == "llamacpp":            # libllama: the file's own weights, its KV cache's own type
+        return draft.model.weight_bytes, draft.model.bytes_per_token * context
     params = list(draft.model.parameters()) if hasattr(draft.model, "parameters") else []
     weights = sum(p.numel() * p.element_size() for p in params) if params else draft.n_params * 4
     elem = params[0].element_size() if params else 4

@@ -276,6 +276,11 @@ class LlamaCppLM:
         return [t for t in range(self.vocab_size) if self.lc.llama_vocab_is_eog(self._vocab, t)]
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as libllama holds them."""
+        return int(self.lc.llama_model_size(self._model))
+
+    @property
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.kv_width * KV_BYTES.get(self.kv_type, 2)
 
@@ -447,6 +452,11 @@ class LlamaCppCache:
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as libllama holds them."""
+        return int(self.lc.llama_model_size(self._model))
 
     @property
     def bytes_per_token(self) -> int:
@@ -636,6 +646,19 @@ class LlamaCppRowView:
     def check_room(self, T: int, B: int = 1) -> None:
         if self.lengths[0] + T > self.max_len:
             raise ValueError(f"KV cache full: {self.lengths[0]} + {T} tokens exceed max_len={self.max_len}")
+
+
+def check_file(path: str, field: str = "model") -> None:
+    """ConfigError with libllama's reason when it cannot load the GGUF file at `path` (its vocabulary and
+    metadata are read, not its weights)."""
+    lc = libllama(field)
+    mp = lc.llama_model_default_params()
+    mp.vocab_only = True
+    seen = _log_count[0]
+    model = lc.llama_model_load_from_file(str(path).encode(), mp)
+    if not model:
+        raise ConfigError(field, f"{path}: libllama cannot load this file ({_recent_log(seen) or 'no reason given'})")
+    lc.llama_model_free(model)
 
 
 def load_llamacpp_model(name: str, field: str = "model", kv_cache_dtype: str = "auto",

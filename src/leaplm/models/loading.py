@@ -78,13 +78,19 @@ def resolve_path(name: str, field: str = "model") -> Path:
                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-def check_source(name: str, field: str = "model") -> None:
+def check_source(name: str, field: str = "model", backend: str = "auto") -> None:
     """What can be checked about `name` without loading weights (a GGUF file's header and tensor types, a local
     directory's config.json), so a command that loads in the background (serve) refuses bad input at once."""
     from .gguf import inspect_gguf, is_gguf
 
     if is_gguf(name):
-        inspect_gguf(name, field)
+        if choose_backend(backend, True, name) == "llamacpp":
+            from .llamacpp import check_file
+
+            inspect_gguf(name, field, check_types=False)
+            check_file(name, field)             # libllama reads the header and metadata (no weights)
+        else:
+            inspect_gguf(name, field)
         return
     p = Path(name).expanduser()
     if p.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:

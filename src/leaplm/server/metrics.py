@@ -61,6 +61,9 @@ class ServerMetrics:
         self.k_by_batch = Gauge(P + "spec_decode_k_by_batch_size", "K of the last step at each batch size.",
                                 ["batch_size"], registry=r)
 
+        self.backend = Gauge(P + "backend_info", "1 for what runs the target's forwards (torch or llamacpp) and "
+                             "what greedy speculation promises on it (identical, or identical up to llama.cpp's "
+                             "batch variance).", ["backend", "exactness"], registry=r)
         self.spec_memory = Gauge(P + "speculative_memory_bytes", "Memory speculation adds to the target alone, by "
                                  "part: draft_weights, and draft_kv_cache_per_row (each running request that drafts "
                                  "with the draft model holds one).", ["part"], registry=r)
@@ -75,6 +78,8 @@ class ServerMetrics:
         if admission is not None:
             self.reserved_tokens.set_function(lambda: admission.reserved_tokens)
             self.budget_tokens.set_function(lambda: admission.budget_tokens or 0)
+        eng = scheduler.engine
+        self.backend.labels(getattr(eng, "backend", "torch"), getattr(eng, "exactness", "identical")).set(1)
         draft = getattr(scheduler.engine, "draft", None)
         if draft is not None:
             from ..models.footprint import draft_footprint
