@@ -27,6 +27,11 @@ def ship_chat_draft(run_dir: str | Path, dest: str | Path, name: str, commands: 
     facts = [
         ("target", f"{cfg['leaplm_draft']['target']} (matched by tokenizer sha256 "
                    f"{cfg['leaplm_draft']['tokenizer_sha256'][:12]}...)"),
+        ("shape", c["shape"] + (f" (the target's first {cfg['num_hidden_layers']} layer(s), final norm and "
+                                "embedding rows, then distilled)" if c["shape"].startswith("cut-") else "")),
+        ("distillation loss", f"{c.get('alpha', 0.9)} x {c.get('loss', 'kl')} at T = "
+                              f"{', '.join(f'{t:g}' for t in c.get('temperatures', ()))} + "
+                              f"{1 - c.get('alpha', 0.9):g} x CE"),
         ("architecture", f"Llama, {cfg['num_hidden_layers']} layer(s) x {cfg['hidden_size']}, "
                          f"{cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} kv, MLP "
                          f"{cfg['intermediate_size']}, tied embedding; fp16 on disk"),
@@ -42,8 +47,9 @@ def ship_chat_draft(run_dir: str | Path, dest: str | Path, name: str, commands: 
         ("final train loss (mean of last 20 steps)", f"{rec.final_train('loss'):.3f}"),
     ]
     out = [f"# {name}", "", f"A reduced-vocabulary draft for {cfg['leaplm_draft']['target']}, trained by leaplm "
-           "(`leaplm train chatdata` + `leaplm train distill-chat`). `--method draft` picks it for any target whose "
-           "tokenizer has the fingerprint in the table below.", "", "## Recipe", "", "```bash", *commands, "```", "",
+           "on the target's own chat answers (`leaplm train draft`: `train chatdata` then `train distill-chat`). "
+           "`--method draft` picks it for any target whose tokenizer has the fingerprint in the table below.", "",
+           "## Recipe", "", "```bash", *commands, "```", "",
            "## Training", "", markdown_table([{"": k, "value": v} for k, v in facts])]
     if acceptance:
         out += ["", "## Acceptance", "", markdown_table(acceptance)]

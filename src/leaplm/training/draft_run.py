@@ -28,12 +28,14 @@ RESUMABLE = ("steps", "threads", "save_every", "eval_every", "batch_size_data", 
 
 @dataclass
 class DraftRunConfig:
+    """Defaults: the recipe of the shipped SmolLM2 draft (embedded/smollm2-draft); a larger n_prompts and steps
+    buy acceptance with time (docs/drafts-and-heads.md)."""
     target: str                                   # GGUF file or checkpoint directory of the target
     out_dir: str
     shape: str = "cut-2"                          # chat_distill.DRAFT_SHAPES or cut-N
     draft_vocab: int = 4096
     # stage 1: data
-    n_prompts: int = 1024
+    n_prompts: int = 320
     new_tokens: int = 128
     top_k: int = 20
     data_temperatures: tuple[float, ...] = (0.0, 0.8)
@@ -41,16 +43,16 @@ class DraftRunConfig:
     batch_size_data: int = 32
     shard_rows: int = 16
     # stage 2: distillation
-    steps: int = 1500
+    steps: int = 200
     batch_size: int = 8
     lr: float = 1e-3
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     alpha: float = 0.9
     loss: str = "kl"
     temperatures: tuple[float, ...] = (1.0, 0.8)
     text_weight: float = 0.0
-    save_every: int = 50
-    eval_every: int = 100
+    save_every: int = 25
+    eval_every: int = 50
     seed: int = 0
     threads: int | None = None
     max_files: int | None = None                  # limit the stdlib scan (tests)
