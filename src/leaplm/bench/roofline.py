@@ -221,3 +221,12 @@ def kernel_block_costs(shapes: list[tuple[int, int]], weight_type: str, bandwidt
     return BlockCurve(f"leaplm int8 ({PATHS[ext.path]})", weight_type, list(tokens), [round(m, 3) for m in med],
                       [round(m / med[0], 3) for m in med], nbytes, round(nbytes / (bandwidth_GBps * 1e9) * 1e3, 3),
                       [round(macs * T / macs_per_s * 1e3, 3) for T in tokens])
+
+
+def forward_curve(model, weight_type: str, bandwidth_GBps: float, tokens=tuple(range(1, 17))) -> BlockCurve:
+    """leaplm's whole forward (every layer, attention, the output projection) over T tokens, as a BlockCurve
+    labelled with the weight type its linears hold: comparable with llama.cpp's whole-forward curves."""
+    fc = forward_costs(model, tokens=tokens, reps=7)
+    nbytes = bytes_per_forward(model)
+    return BlockCurve("leaplm forward", weight_type, list(tokens), [f.ms for f in fc], [f.vs_one for f in fc], nbytes,
+                      round(nbytes / (bandwidth_GBps * 1e9) * 1e3, 3), [])

@@ -55,6 +55,15 @@ def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens
     rep = Roofline(target_name, quantization, kernel, nbytes, bw, floor, torch.get_num_threads())
     rep.forwards = forward_costs(m)
     block_curves(rep, m.args)
+    if q and target.backend != "llamacpp":  # leaplm's whole forward on its quantized weights, per T
+        from ..bench.roofline import forward_curve
+
+        wt = {"int8": "Q8_0", "int4": "Q4_1"}.get(quantization)
+        if wt is None:                      # gguf: the file's main weight type
+            from ..bench.llamacpp_costs import main_weight_type
+
+            wt = main_weight_type(target.path)
+        rep.curves.append(forward_curve(m, wt, bw))
     if target.backend == "llamacpp":        # libllama's whole forward per weight type, beside the int8 kernel's
         from ..bench.llamacpp_costs import libllama_curves
 
