@@ -226,3 +226,16 @@ def test_cli_train_draft_runs_resumes_and_names_bad_options(chat_target, tmp_pat
     assert r.exit_code == 2 and "--data-temperatures" in r.output
     r = run.invoke(app, ["train", "draft", "--target", str(tmp_path / "nothing.gguf"), "--out", str(tmp_path / "r4")])
     assert r.exit_code == 2 and "--target" in r.output
+
+
+@pytest.mark.parametrize("loss", ["kl", "tv"])
+def test_positions_without_any_top_k_in_the_vocabulary_give_finite_gradients(loss):
+    # position 1's top 2 both lie outside the draft vocabulary (draft id 0): it must not poison the gradient
+    b = ChatBatch(inputs=torch.zeros(1, 2, dtype=torch.long), where=torch.tensor([[0, 0], [0, 1]]),
+                  topk=torch.tensor([[1, 2], [0, 0]]), topk_in=torch.tensor([[True, True], [False, False]]),
+                  topk_logp=torch.log(torch.tensor([[0.7, 0.3], [0.6, 0.4]])), emitted=torch.tensor([1, 0]),
+                  argmax_in=torch.tensor([True, False]))
+    logits = torch.randn(2, 4, requires_grad=True)
+    r = chat_loss(logits, b, alpha=0.9, temperatures=(1.0, 0.8), loss=loss)
+    r.loss.backward()
+    assert torch.isfinite(r.loss) and torch.isfinite(logits.grad).all()

@@ -361,9 +361,12 @@ def chat_loss(logits: torch.Tensor, b: ChatBatch, alpha: float, temperatures: tu
     for T in temperatures:
         logq = F.log_softmax(logits / T, -1)                                    # [M, N]
         logq_k = logq.gather(-1, b.topk)                                         # [M, k]
+        has = b.topk_in.any(-1)                                                  # [M]
         lp = (b.topk_logp / T).masked_fill(~b.topk_in, float("-inf"))
+        # a position whose top k all lie outside the vocabulary would give NaN here, and NaN gradients through the
+        # masked terms below even though they are dropped: such rows get finite stand-ins, excluded by `has`
+        lp = torch.where(has[:, None], lp, torch.zeros_like(lp))
         logp_k = F.log_softmax(lp, -1)                                           # [M, k] renormalised in vocab
-        has = b.topk_in.any(-1)
         p = logp_k.exp()
         term = torch.where(b.topk_in, p * (logp_k - logq_k), torch.zeros_like(p))
         kls.append(term.sum(-1)[has].mean())
@@ -478,6 +481,9 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
         if text is not None:
             loss = loss + cfg.text_weight * text_ce(draft, text.batch(rng, cfg.batch_size, cfg.text_seq_len), t2d)
             n_tok += cfg.batch_size * cfg.text_seq_len
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"step {step + 1}: the loss is {loss.item()}; stopped before the checkpoint "
+                                     f"(the last one is in {out})")
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
         opt.step()
