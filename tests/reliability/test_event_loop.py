@@ -69,7 +69,7 @@ def test_4mb_prompt_does_not_block_health(server):
 def test_long_prompts_under_the_character_limit_tokenize_off_the_loop(server):
     """Prompts just under what the character check lets through are tokenized (then refused for their token
     count): 8 of them at once still leave /health within 100 ms of its calm latency."""
-    from leaplm.server.app import max_prompt_chars
+    from leaplm.server.state import max_prompt_chars
 
     limit = max_prompt_chars(server.state)
     text = ("größer über Straße 東京 " * (limit // 20 + 1))[: limit - 1]

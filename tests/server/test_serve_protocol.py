@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from leaplm.server.app import validation_error
+from leaplm.server.errors import validation_error
 from leaplm.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, chat_prompt,
                                     plain_chat_prompt)
 

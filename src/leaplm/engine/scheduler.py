@@ -103,19 +103,6 @@ class BatchScheduler:
         return self.batch.cache
 
     @property
-    def policy(self):
-        return self.batch.policy
-
-    @property
-    def current_k(self) -> int:
-        """K of the last step (exported as a gauge)."""
-        return self.batch.current_k
-
-    @property
-    def steps(self) -> int:
-        return self.batch.steps
-
-    @property
     def draft_prefill_s_per_token(self) -> float:
         return self.engine.estimates.draft_prefill_s_per_token
 
@@ -126,10 +113,6 @@ class BatchScheduler:
     @property
     def default_method(self) -> str:
         return self.engine.spec.method
-
-    @property
-    def default_k(self) -> int:
-        return self.engine.spec.k if self.engine.spec.method != "none" else 0
 
     @property
     def queue_depth(self) -> int:

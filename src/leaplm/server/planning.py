@@ -1,0 +1,115 @@
+"""Request planning: a validated request (protocol.py) checked against the model (its tokens against the context,
+its method against the server) and turned into the parameters of each sequence it asks for. Everything a
+request asks for is decided here, in one place; the bridge (bridge.py) only submits the plan."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ConfigError, SamplingParams
+from .protocol import APIError, chat_prompt
+from .state import ServerState, max_prompt_chars
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str            # for echo
+
+
+@dataclass
+class Plan:
+    """A request as sequences: prompt i // n, choice i % n of params[i]."""
+    prompts: list[Prompt]
+    params: list[SamplingParams]      # one per sequence
+    n: int                            # choices per prompt
+    method: str | None                # speculative.method (None: the server's)
+    k: int | None                     # speculative.k (None: the server's)
+    adaptive_k: bool | None           # speculative.adaptive_k (None: the server's)
+    prompt_logprobs: int | None       # echo with logprobs: prompt-token logprobs with this many alternatives
+    max_tokens: int                   # tokens each sequence may generate
+    max_field: str                    # the field that set it (max_tokens or max_completion_tokens)
+    prompt_field: str                 # prompt or messages
+
+
+def plan_request(state: ServerState, body, chat: bool) -> Plan:
+    """Check what depends on the model (prompt tokens, context, method) and turn the request into its sequences'
+    parameters; an APIError (400, naming the field) for what cannot run. Runs in the tokenize pool, off the event
+    loop."""
+    eng = state.engine
+    tok = eng.tokenizer
+    L = eng.max_model_len
+    V = eng.model.vocab_size
+    limit = max_prompt_chars(state)
+
+    def encode(text: str, field: str) -> list[int]:
+        if len(text) > limit:        # before tokenizing: a 4 MB prompt must not occupy the tokenizer for seconds
+            raise APIError(400, f"{field}: {len(text)} characters are more than the context of {L} tokens can "
+                                f"hold (at most {limit} characters)", field, "context_length_exceeded")
+        try:
+            return tok(text, add_special_tokens=False)["input_ids"]
+        except (UnicodeError, ValueError, TypeError) as e:     # e.g. lone surrogates
+            raise APIError(400, f"{field}: cannot be tokenized ({type(e).__name__})", field, "invalid_value") from None
+
+    if chat:
+        try:
+            text = chat_prompt(tok, body.messages)
+        except Exception as e:  # noqa: BLE001 - a template that cannot render these messages
+            raise APIError(400, f"messages: the chat template cannot render them ({type(e).__name__}: {e})",
+                           "messages", "invalid_value") from None
+        prompts = [Prompt(encode(text, "messages"), text)]
+        prompt_field = "messages"
+        max_tokens = body.requested_max_tokens
+        max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prompt_logprobs = None
+    else:
+        raw = body.prompt
+        if isinstance(raw, str):
+            raw = [raw]
+        elif raw and not isinstance(raw[0], (str, list)):
+            raw = [raw]                               # one token-id prompt
+        prompts = []
+        for p in raw:
+            if isinstance(p, str):
+                prompts.append(Prompt(encode(p, "prompt"), p))
+            else:
+                bad = [t for t in p if not 0 <= t < V]
+                if bad:
+                    raise APIError(400, f"prompt: token ids must be in [0, {V}) (the vocabulary), got {bad[:5]}",
+                                   "prompt", "invalid_value")
+                prompts.append(Prompt(list(p), tok.decode(p)))
+        prompt_field, max_field = "prompt", "max_tokens"
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        logprobs = body.logprobs
+        prompt_logprobs = logprobs if body.echo and logprobs is not None else None
+    for p in prompts:
+        if not p.ids:
+            raise APIError(400, f"{prompt_field}: the prompt has no tokens", prompt_field, "invalid_value")
+        if len(p.ids) >= L:
+            raise APIError(400, f"{prompt_field}: the prompt has {len(p.ids)} tokens but the context is {L} tokens "
+                                "(prompt + output)", prompt_field, "context_length_exceeded")
+    longest = max(len(p.ids) for p in prompts)
+    if max_tokens is None:                            # chat default: the rest of the context
+        max_tokens = L - longest
+    if longest + max_tokens > L:
+        raise APIError(400, f"{max_field}: the prompt ({longest} tokens) + {max_field} ({max_tokens}) = "
+                            f"{longest + max_tokens} tokens exceed the context of {L} tokens", max_field,
+                       "context_length_exceeded")
+    n = body.n or 1
+    method = k = None
+    if body.speculative is not None:
+        method, k = body.speculative.method, body.speculative.k
+        try:
+            state.scheduler.proposer_factory(method)
+        except ConfigError as e:
+            raise APIError(400, f"speculative.method: {e.message}", "speculative.method", "invalid_value") from None
+    params = []
+    for i in range(len(prompts) * n):
+        seed = body.seed + i % n if body.seed is not None else None
+        try:
+            params.append(body.sampling_params(max_tokens, logprobs, seed))
+        except ConfigError as e:
+            f = {"max_new_tokens": max_field, "logprobs": "top_logprobs" if chat else "logprobs"}.get(e.field, e.field)
+            raise APIError(400, f"{f}: {e.message}", f, "invalid_value") from None
+    adaptive_k = body.speculative.adaptive_k if body.speculative is not None else None
+    return Plan(prompts, params, n, method, k, adaptive_k, prompt_logprobs, max_tokens, max_field, prompt_field)

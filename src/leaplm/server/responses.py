@@ -1,0 +1,146 @@
+"""Response builders: the JSON body of a finished request, the SSE events of a streaming one (completions and
+chat), from what the bridge (bridge.py) collected."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from . import streaming as S
+from .bridge import Job
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+from .state import ServerState
+
+
+async def guarded_stream(gen, job: Job, watcher: asyncio.Task, include_usage: bool):
+    """Run a stream generator; whatever ends it (done, client gone, cancelled), abort what is still running."""
+    try:
+        async for piece in gen:
+            yield piece
+        if job.open == 0 and job.failure() is None:
+            if include_usage and job.usage_chunk is not None:
+                yield S.sse(job.usage_chunk)
+            yield S.DONE
+    finally:
+        watcher.cancel()
+        job.abort()
+
+
+def completion_response(state: ServerState, job: Job, body: CompletionRequest) -> dict:
+    choices = []
+    for i, res in enumerate(job.results):
+        prompt = job.prompts[i // job.n]
+        text = "".join(res.text)
+        lp = None
+        if body.logprobs is not None:
+            offset = 0
+            if body.echo:
+                lp, offset = S.first_prompt_entry(prompt.ids[0], state.token_text, 0)
+                plp, offset = S.completion_logprobs(res.prompt_logprobs or [], state.token_text, offset)
+                lp = S.merge_completion_logprobs(lp, plp)
+                offset = len(prompt.text)
+            glp, _ = S.completion_logprobs(res.logprobs, state.token_text, offset)
+            lp = S.merge_completion_logprobs(lp, glp)
+        choices.append({"index": i, "text": (prompt.text if body.echo else "") + text, "logprobs": lp,
+                        "finish_reason": res.finish_reason})
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": state.model_name, "choices": choices, "usage": job.usage()}
+
+
+def chat_response(state: ServerState, job: Job, body: ChatCompletionRequest) -> dict:
+    choices = []
+    for i, res in enumerate(job.results):
+        lp = None
+        if body.logprobs:
+            lp = {"content": S.chat_logprobs(res.logprobs, state.token_text, body.top_logprobs or 0)}
+        choices.append({"index": i, "message": {"role": "assistant", "content": "".join(res.text)},
+                        "logprobs": lp, "finish_reason": res.finish_reason})
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": state.model_name, "choices": choices, "usage": job.usage()}
+
+
+def _error_event(err: APIError) -> bytes:
+    return S.sse(err.body())
+
+
+async def stream_completion(state: ServerState, job: Job, body: CompletionRequest):
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    offsets = [0] * len(job.results)
+
+    def chunk(i: int, text: str, lp, finish) -> dict:
+        d = {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
+             "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}], "usage": None}
+        if continuous:
+            d["usage"] = _usage_so_far(job, i)
+        return d
+
+    if body.echo:
+        for i in range(len(job.results)):
+            p = job.prompts[i // job.n]
+            if body.logprobs is None:         # with logprobs, the prompt goes out with its logprobs (below)
+                yield S.sse(chunk(i, p.text, None, None))
+            offsets[i] = len(p.text)
+    while job.open:
+        got = await job.next()
+        if got is None:
+            return
+        i, out = got
+        if out.error is not None:
+            yield _error_event(job.failure() or APIError(500, out.error))
+            yield S.DONE
+            return
+        lp = None
+        if out.prompt_logprobs is not None and body.echo and body.logprobs is not None:
+            p = job.prompts[i // job.n]
+            first, off = S.first_prompt_entry(p.ids[0], state.token_text, 0)
+            rest, _ = S.completion_logprobs(out.prompt_logprobs, state.token_text, off)
+            yield S.sse(chunk(i, p.text, S.merge_completion_logprobs(first, rest), None))
+        c = out.chunk
+        if c is None or not (c.text or c.finish_reason or (body.logprobs is not None and c.logprobs) or continuous):
+            continue                          # nothing to show: tokens whose text is still held back
+        if body.logprobs is not None and c.logprobs:
+            lp, _ = S.completion_logprobs(c.logprobs, state.token_text, offsets[i])
+        offsets[i] += len(c.text)
+        yield S.sse(chunk(i, c.text, lp, c.finish_reason))
+    job.usage_chunk = {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
+                       "choices": [], "usage": job.usage()}
+
+
+async def stream_chat(state: ServerState, job: Job, body: ChatCompletionRequest):
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+
+    def chunk(i: int, delta: dict, lp, finish) -> dict:
+        d = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+             "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}], "usage": None}
+        if continuous:
+            d["usage"] = _usage_so_far(job, i)
+        return d
+
+    for i in range(len(job.results)):
+        yield S.sse(chunk(i, {"role": "assistant", "content": ""}, None, None))
+    while job.open:
+        got = await job.next()
+        if got is None:
+            return
+        i, out = got
+        if out.error is not None:
+            yield _error_event(job.failure() or APIError(500, out.error))
+            yield S.DONE
+            return
+        c = out.chunk
+        if c is None or not (c.text or c.finish_reason or (body.logprobs and c.logprobs) or continuous):
+            continue
+        lp = None
+        if body.logprobs and c.logprobs:
+            lp = {"content": S.chat_logprobs(c.logprobs, state.token_text, body.top_logprobs or 0)}
+        yield S.sse(chunk(i, {"content": c.text} if c.text or not c.finish_reason else {}, lp, c.finish_reason))
+    job.usage_chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+                       "choices": [], "usage": job.usage()}
+
+
+def _usage_so_far(job: Job, i: int) -> dict:
+    prompt = len(job.prompts[i // job.n].ids)
+    done = job.results[i].tokens
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}

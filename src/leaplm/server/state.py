@@ -1,0 +1,74 @@
+"""The server's state: the engine, its scheduler and admission once loaded, readiness and draining; and the
+scheduler built, calibrated and warmed up for serving."""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..config import SamplingParams, ServerConfig
+from ..engine.scheduler import BatchScheduler, SeqRequest
+from .admission import Admission
+from .metrics import ServerMetrics
+from .streaming import TokenText
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    """What the routes share: set up by create_app, the engine and scheduler attached once loaded."""
+    config: ServerConfig
+    model_name: str
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    engine: object | None = None
+    scheduler: BatchScheduler | None = None
+    admission: Admission | None = None
+    token_text: TokenText | None = None
+    ready: bool = False
+    draining: bool = False
+    load_error: str | None = None
+    load_error_is_input: bool = False   # the load failed on bad input (ConfigError): serve exits 2
+    created: int = field(default_factory=lambda: int(time.time()))
+    max_token_chars: int = 0        # the longest token's text: a prompt longer than this x context never fits
+    # Tokenizing (and templating) runs here, off the event loop; one worker, since a fast tokenizer object is not
+    # safe to use from several threads at once.
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="leaplm-tokenize"))
+
+    def attach(self, engine, scheduler: BatchScheduler) -> None:
+        self.engine, self.scheduler = engine, scheduler
+        self.token_text = TokenText(engine.tokenizer)
+        self.max_token_chars = longest_token_chars(engine.tokenizer)
+        self.admission = Admission.for_scheduler(scheduler, self.config.max_batch, self.config.max_queue,
+                                                 self.config.kv_cache_bytes)
+        self.metrics.bind(scheduler, self.admission)
+        scheduler.observer = self.metrics
+
+
+def build_scheduler(engine, config: ServerConfig) -> BatchScheduler:
+    """The scheduler over engine, calibrated and warmed up (one short request through every stage)."""
+    rows = config.max_batch
+    if rows > 1 and not getattr(engine.model, "supports_batch", False):   # the transformers fallback
+        log.warning("%s runs one sequence per forward: serving with one batch row (requests beyond it queue)",
+                    type(engine.model).__name__)
+        rows = 1
+    sched = BatchScheduler(engine, max_batch=rows, max_queue=max(config.max_queue, 1))
+    ids = engine.tokenizer("warm up", add_special_tokens=False)["input_ids"] or [0]
+    sched.submit([SeqRequest(ids[: max(1, engine.max_model_len // 2)], SamplingParams(max_new_tokens=4, temperature=0),
+                             on_output=lambda out: None)])
+    sched.run_until_idle()
+    sched.max_queue = config.max_batch + config.max_queue     # a backstop: admission.py counts in flight first
+    return sched
+
+
+def longest_token_chars(tok) -> int:
+    """Characters of the vocabulary's longest token string (byte-level and sentencepiece token strings are at
+    least as long as the text they stand for), so len(text) > this x n means more than n tokens."""
+    return max(1, max((len(t) for t in tok.convert_ids_to_tokens(list(range(len(tok)))) if t), default=1))
+
+
+def max_prompt_chars(state: ServerState) -> int:
+    """Characters beyond which a prompt cannot fit the context, whatever it says (checked before tokenizing)."""
+    return state.max_token_chars * state.engine.max_model_len
