@@ -313,6 +313,14 @@ def test_backend_choice_and_its_refusals(files, monkeypatch):
 
 
 @needs_libllama
+def test_a_libllama_target_takes_a_hugging_face_draft_on_torch(files):
+    eng = Engine(files["target-q8_0"], draft=files["draft"], method="draft", k=3, backend="llamacpp")
+    assert (eng.backend, eng.draft.backend) == ("llamacpp", "torch")
+    want = Engine(files["target-q8_0"], method="none", backend="llamacpp").generate(PROMPTS[1], greedy())
+    assert eng.generate(PROMPTS[1], greedy()).token_ids == want.token_ids
+
+
+@needs_libllama
 def test_layerskip_is_refused_naming_the_torch_backend(files):
     with pytest.raises(ConfigError, match="--backend torch") as e:
         Engine(files["target-q8_0"], method="layerskip", k=3)

@@ -90,6 +90,7 @@ def bench(
 
     from ..engine.engine import Engine, draft_quantization
     from ..models import embedded, load_model
+    from ..models.loading import draft_backend
     from ..bench.runner import hf_contenders, leaplm_contender, machine_info, run_bench, summarize
     from ..bench.workloads import as_chat, fit_to_context, get_workload
 
@@ -151,7 +152,7 @@ def bench(
                 if dn not in drafts:
                     drafts[dn] = load_model(dn, dtype=options.dtype, field="draft",
                                             quantization=draft_quantization(options.quantization, dn),
-                                            backend=options.backend)
+                                            backend=draft_backend(options.backend))
                 d = drafts[dn]
             eng = Engine(target, draft=d, method=method, max_model_len=context, **opts)
             contenders.append(leaplm_contender(label, eng, params))

@@ -19,6 +19,7 @@ def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens
     from ..bench.workloads import fit_to_context, get_workload
     from ..engine.engine import Engine, draft_quantization
     from ..models import embedded, load_model
+    from ..models.loading import draft_backend
     from ..quant.apply import check_quantization
 
     try:
@@ -38,7 +39,8 @@ def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens
                     fail("--draft: method draft needs a draft model")
                 if dn not in drafts:
                     drafts[dn] = load_model(dn, dtype=dtype, field="draft",
-                                            quantization=draft_quantization(quantization, dn), backend=backend)
+                                            quantization=draft_quantization(quantization, dn),
+                                            backend=draft_backend(backend))
                 d = drafts[dn]
             engines[label] = Engine(target, draft=d, method=method, **opts)
     except ConfigError as e:

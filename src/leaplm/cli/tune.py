@@ -57,6 +57,7 @@ def tune(
     started = time.perf_counter()
     from ..devices import check_device
     from ..models import embedded, load_model
+    from ..models.loading import draft_backend
     from ..tune.candidates import build_candidates
     from ..tune.measure import BudgetTooSmall, Measurer, TuneSettings, check_levels
     from ..tune.workloads import tune_workload
@@ -96,7 +97,7 @@ def tune(
                 label = Path(n).name or n
                 try:
                     drafts[label] = load_model(n, draft_device or options.device, options.dtype, "draft",
-                                               backend=options.backend)
+                                               backend=draft_backend(options.backend))
                     draft_paths[label] = n
                 except ConfigError as e:
                     if draft:            # the user named it: a path that does not load is an error

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 from ..config import ConfigError, SamplingParams, SpecConfig
 from ..models import LoadedModel, load_model
-from ..models.loading import resolve_max_model_len
+from ..models.loading import draft_backend, resolve_max_model_len
 from ..models import embedded
 from ..models.tokens import encode_prompt
 from ..propose.base import Proposer
@@ -86,7 +86,7 @@ class Engine:
             src = draft if draft is not None else spec.draft
             self.draft = src if isinstance(src, LoadedModel) else load_model(
                 src, draft_device or device, dtype, "draft", draft_quantization(quantization, src),
-                backend=backend)
+                backend=draft_backend(backend))
             check_vocab(self.target, self.draft)
         if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
                                                    or isinstance(max_num_batched_tokens, bool)

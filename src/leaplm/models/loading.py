@@ -182,8 +182,14 @@ def _quantize(model, quantization: str, device: str, field: str, gguf_path: str 
 BACKENDS = ("auto", "llamacpp", "torch")
 
 
+def draft_backend(backend: str) -> str:
+    """The backend a draft is loaded with: the target's, except that a target on libllama takes a Hugging Face
+    draft on torch (auto: a GGUF draft still runs on libllama)."""
+    return "auto" if backend == "llamacpp" else backend
+
+
 def choose_backend(backend: str, gguf: bool, name: str, device: str = "cpu", dtype: str = "float32",
-                   quantization: str | None = None) -> str:
+                   quantization: str | None = None, field: str = "model") -> str:
     """'llamacpp' or 'torch' for model `name`. auto: a GGUF file runs on libllama when llama-cpp-python is
     installed and nothing asks for the torch path (a device other than the CPU, a half-precision --dtype,
     leaplm's own quantized kernels); everything else on torch. An explicit llamacpp that cannot run fails."""
@@ -193,7 +199,7 @@ def choose_backend(backend: str, gguf: bool, name: str, device: str = "cpu", dty
         return "torch"
     torch_only = None
     if not gguf:
-        torch_only = ("model", f"{name!r} is not a GGUF file; the llama.cpp backend runs GGUF files")
+        torch_only = (field, f"{name!r} is not a GGUF file; the llama.cpp backend runs GGUF files")
     elif str(device) != "cpu":
         torch_only = ("device", f"the llama.cpp backend runs on the CPU here, not on {device!r}")
     elif dtype not in ("auto", "float32"):
@@ -233,7 +239,7 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
         raise ConfigError("backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
     name = resolve_model_name(name, field)     # `smollm2` -> its fetched file (`leaplm models fetch`)
     gguf = is_gguf(name)
-    if choose_backend(backend, gguf, name, device, dtype, quantization) == "llamacpp":
+    if choose_backend(backend, gguf, name, device, dtype, quantization, field) == "llamacpp":
         from .llamacpp import load_llamacpp_model
 
         return load_llamacpp_model(name, field, kv_cache_dtype)
