@@ -443,33 +443,3 @@ def run_load_bench(cfg: LoadBenchConfig) -> dict:
     if cfg.out:
         Path(cfg.out).write_text(json.dumps(report, indent=2))
     return report
-
-
-def print_report(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    s = report["settings"]
-    t = Table(title=f"leaplm bench serve: {report['models']['target']} + {report['models']['draft']} "
-                    f"({report['models']['method']}, K<={report['models']['k']}), {s['max_tokens']} tokens/request, "
-                    f"{s['rounds']} rounds")
-    cols = ["conc.", "spec", "req/s", "tok/s", "speedup", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "accept",
-            "K at end", "errors"]
-    for col in cols:
-        t.add_column(col, justify="right")
-    ms = lambda x: "-" if x is None else f"{1000 * x:.1f} ms"  # noqa: E731
-    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"     # noqa: E731
-    for r in report["summary"]:
-        t.add_row(str(r["concurrency"]), "on" if r["speculative"] else "off", f(r["requests_per_s"]),
-                  f(r["tokens_per_s"], 1), f(r["speedup_vs_none"]) + "x" if r["speedup_vs_none"] else "-",
-                  ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
-                  f(r["acceptance_rate"]), ",".join(f(k, 0) for k in r["k_at_end"]), str(r["errors"]))
-    Console().print(t)
-    lp = report.get("long_prompt")
-    if lp:
-        Console().print(
-            f"long prompt ({lp['prompt_tokens']} tokens) among {lp['streams']} streams, max_num_batched_tokens="
-            f"{lp['max_num_batched_tokens']}: their ITL p99 {ms(lp['itl_p99_s']['alone'])} alone, "
-            f"{ms(lp['itl_p99_s']['with_long_prompt'])} with it ({f(lp['itl_p99_ratio'])}x); p50 "
-            f"{ms(lp['itl_p50_s']['alone'])} / {ms(lp['itl_p50_s']['with_long_prompt'])}; its TTFT "
-            f"{ms(lp['long_prompt_ttft_p50_s'])}; {lp['errors']} errors")

@@ -153,24 +153,3 @@ def run_profiles(cfg: LoadBenchConfig, profiles: list[Profile]) -> dict:
     if cfg.out:
         Path(cfg.out).write_text(json.dumps(report, indent=2))
     return report
-
-
-def print_profiles(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    m = report["models"]
-    t = Table(title=f"leaplm bench serve --profile: {m['target']} + {m['draft']} ({m['method']}, K<={m['k']}), "
-                    f"{report['settings']['rounds']} rounds")
-    for col in ["profile", "prompt", "tokens", "clients", "spec", "TTFT p50", "ITL p50", "ITL p99", "e2e p50",
-                "tok/s/req", "tok/s total", "speedup", "accept", "errors"]:
-        t.add_column(col, justify="right")
-    ms = lambda x: "-" if x is None else f"{1000 * x:.1f} ms"   # noqa: E731
-    f = lambda x, p=1: "-" if x is None else f"{x:.{p}f}"      # noqa: E731
-    for r in report["table"]:
-        t.add_row(r["profile"], f"{r['prompt_chars']} ch", str(r["max_tokens"]), str(r["concurrency"]),
-                  "on" if r["speculative"] else "off", ms(r["ttft_p50_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
-                  ms(r["e2e_p50_s"]), f(r["tokens_per_s_request"]), f(r["tokens_per_s_total"]),
-                  f(r["speedup_vs_off"], 2) + "x" if r["speedup_vs_off"] else "-", f(r["acceptance_rate"], 2),
-                  str(r["errors"]))
-    Console().print(t)

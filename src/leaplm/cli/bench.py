@@ -9,16 +9,15 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from ..config import ConfigError, SamplingParams
 from .common import EngineOptions, engine_options, err, fail, set_threads
+from .common import wide as console
 
 bench_app = typer.Typer(add_completion=False, invoke_without_command=True,
                         help="Benchmark methods side by side; `leaplm bench serve` for the server load test.")
-console = Console(width=150)
 
 
 def parse_methods(text: str, k: int) -> list[tuple[str, str, dict]]:

@@ -5,12 +5,11 @@ import dataclasses
 import json
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from ..config import ConfigError, SamplingParams
+from .common import wide as console
 
-console = Console(width=150)
 
 
 def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens, rounds, dtype, quantization,

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
+from rich.table import Table
 
 from ..config import ConfigError
-from .common import err, fail
+from .common import err, fail, out
 
 
 def bench_serve(
@@ -38,10 +39,10 @@ def bench_serve(
                                     help="The server's K policy (--fixed-k: always draft --k)."),
 ) -> None:
     """Load-test `leaplm serve` on 127.0.0.1 at several concurrencies, with and without speculation."""
-    from ..bench.serve_load import LoadBenchConfig, print_report, run_load_bench
+    from ..bench.serve_load import LoadBenchConfig, run_load_bench
 
     if profile is not None:
-        from ..bench.serve_profiles import parse_profiles, print_profiles, run_profiles
+        from ..bench.serve_profiles import parse_profiles, run_profiles
 
         cfg = LoadBenchConfig(model=model, draft=draft, method=method, k=k, synthetic=synthetic, rounds=rounds,
                               max_batch=max_batch, threads=threads, timeout_s=timeout, out=out,
@@ -77,3 +78,48 @@ def bench_serve(
 
         plot_serve_speedup(report, plot)
         err.print(f"wrote {plot}")
+
+
+def print_report(report: dict) -> None:
+    s = report["settings"]
+    t = Table(title=f"leaplm bench serve: {report['models']['target']} + {report['models']['draft']} "
+                    f"({report['models']['method']}, K<={report['models']['k']}), {s['max_tokens']} tokens/request, "
+                    f"{s['rounds']} rounds")
+    cols = ["conc.", "spec", "req/s", "tok/s", "speedup", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "accept",
+            "K at end", "errors"]
+    for col in cols:
+        t.add_column(col, justify="right")
+    ms = lambda x: "-" if x is None else f"{1000 * x:.1f} ms"  # noqa: E731
+    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"     # noqa: E731
+    for r in report["summary"]:
+        t.add_row(str(r["concurrency"]), "on" if r["speculative"] else "off", f(r["requests_per_s"]),
+                  f(r["tokens_per_s"], 1), f(r["speedup_vs_none"]) + "x" if r["speedup_vs_none"] else "-",
+                  ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
+                  f(r["acceptance_rate"]), ",".join(f(k, 0) for k in r["k_at_end"]), str(r["errors"]))
+    out.print(t)
+    lp = report.get("long_prompt")
+    if lp:
+        out.print(
+            f"long prompt ({lp['prompt_tokens']} tokens) among {lp['streams']} streams, max_num_batched_tokens="
+            f"{lp['max_num_batched_tokens']}: their ITL p99 {ms(lp['itl_p99_s']['alone'])} alone, "
+            f"{ms(lp['itl_p99_s']['with_long_prompt'])} with it ({f(lp['itl_p99_ratio'])}x); p50 "
+            f"{ms(lp['itl_p50_s']['alone'])} / {ms(lp['itl_p50_s']['with_long_prompt'])}; its TTFT "
+            f"{ms(lp['long_prompt_ttft_p50_s'])}; {lp['errors']} errors")
+
+
+def print_profiles(report: dict) -> None:
+    m = report["models"]
+    t = Table(title=f"leaplm bench serve --profile: {m['target']} + {m['draft']} ({m['method']}, K<={m['k']}), "
+                    f"{report['settings']['rounds']} rounds")
+    for col in ["profile", "prompt", "tokens", "clients", "spec", "TTFT p50", "ITL p50", "ITL p99", "e2e p50",
+                "tok/s/req", "tok/s total", "speedup", "accept", "errors"]:
+        t.add_column(col, justify="right")
+    ms = lambda x: "-" if x is None else f"{1000 * x:.1f} ms"   # noqa: E731
+    f = lambda x, p=1: "-" if x is None else f"{x:.{p}f}"      # noqa: E731
+    for r in report["table"]:
+        t.add_row(r["profile"], f"{r['prompt_chars']} ch", str(r["max_tokens"]), str(r["concurrency"]),
+                  "on" if r["speculative"] else "off", ms(r["ttft_p50_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
+                  ms(r["e2e_p50_s"]), f(r["tokens_per_s_request"]), f(r["tokens_per_s_total"]),
+                  f(r["speedup_vs_off"], 2) + "x" if r["speedup_vs_off"] else "-", f(r["acceptance_rate"], 2),
+                  str(r["errors"]))
+    out.print(t)
