@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from .errors import ConfigError  # noqa: F401 - re-exported: every boundary catches it from here
+from .structured.spec import StructuredOutput
 
 
 def _check(cond: bool, name: str, message: str) -> None:
@@ -64,6 +65,10 @@ class SamplingParams:
     kept, but the output is a function of the seed alone, the same whatever K and batch); 'auto': the race for
     seeded requests and for trees of sampling proposers (eagle, medusa: their candidates are drawn by the race),
     rejection sampling otherwise."""
+    structured: StructuredOutput | None = None
+    """Constrain the output to a JSON Schema, any JSON object, a regex, a list of choices or a grammar
+    (structured/spec.py). The target's p at every verified position is masked by the grammar before verification,
+    so the output is distributed as the constrained target's under every method; None: unconstrained."""
 
     VERIFIERS = ("auto", "rejection", "race")
     MAX_TEMPERATURE = 100.0
@@ -106,6 +111,8 @@ class SamplingParams:
         _check(isinstance(self.stop_token_ids, (list, tuple))
                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be a list of non-negative integers")
+        _check(self.structured is None or isinstance(self.structured, StructuredOutput), "structured",
+               f"must be a StructuredOutput or null, got {type(self.structured).__name__}")
         lp = self.logprobs
         _check(lp is None or (_is_int(lp) and 0 <= lp <= self.MAX_LOGPROBS), "logprobs",
                f"must be null or an integer in [0, {self.MAX_LOGPROBS}], got {lp!r}")

@@ -10,6 +10,7 @@ Only `commit` changes state. Neither the engine nor the scheduler re-implements 
 from __future__ import annotations
 
 import secrets
+import time
 
 import torch
 
@@ -48,12 +49,13 @@ def new_request(ids: list[int], params: SamplingParams, *, tokenizer, eos_token_
 
 
 def commit(req: Request, result: VerifyResult, logits: torch.Tensor, drafted: int, cache,
-           row: int = 0) -> StreamChunk:
+           row: int = 0, forced: bool = False) -> StreamChunk:
     """Append the verified tokens, cut at a stop token, stop string or max_new_tokens; move row's cache length.
 
     What is kept equals plain decoding token for token: nothing after the token that ended the request is returned,
     counted or cached (the cache advances by the tokens kept, so it holds every committed token but the last).
     logits [T, V]: the raw target logits of the block just scored for this row (for logprobs).
+    forced: the drafts were the grammar's forced tokens (counted apart from the proposer's in the stats).
     """
     if result.path is not None:
         cache.compact([0] + [i + 1 for i in result.path], row)
@@ -75,8 +77,19 @@ def commit(req: Request, result: VerifyResult, logits: torch.Tensor, drafted: in
         text = req.detok.add(emitted)
     if req.detok.stopped:
         finish = "stop"
+    if req.grammar is not None and finish != "stop":     # a stop ends the request: the grammar needs no more
+        t = time.perf_counter()
+        req.grammar.advance(emitted)
+        req.stats.grammar_s += time.perf_counter() - t
+        if req.grammar.stopped:                           # complete: nothing may follow
+            finish = "stop"
     cache.advance(len(emitted), row)
-    req.stats.record_step(drafted, result.accepted, len(emitted))
+    if forced:
+        req.stats.record_step(0, 0, len(emitted))
+        req.stats.forced_tokens += drafted
+        req.stats.forced_accepted += result.accepted
+    else:
+        req.stats.record_step(drafted, result.accepted, len(emitted))
     if req.logprobs is not None and emitted:
         req.logprobs.extend(token_logprobs(logits, result, emitted, req.params.logprobs or 0))
     req.tokens.extend(emitted)

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 
-from ..config import ConfigError, SamplingParams, SpecConfig
+from ..config import ConfigError, SamplingParams, SpecConfig, StructuredOutput
 from ..models import LoadedModel, load_model
 from ..models.loading import draft_backend, resolve_max_model_len
 from ..models import embedded
 from ..models.tokens import encode_prompt
 from ..propose.base import Proposer
 from ..propose.registry import make_proposer_factory
+from ..structured.state import GrammarState, GrammarVocab
 from .estimates import Estimates
 from .commit import token_logprobs  # noqa: F401  (re-exported: its home before the refactor)
 from .request import StreamChunk, TokenLogprob
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 class GenerationOutput:
     text: str
     token_ids: list[int]                 # generated tokens only
-    finish_reason: str                   # "length" | "stop"
+    finish_reason: str                   # "length" | "stop" | "constraint" (the grammar admitted no token)
     stats: GenerationStats
     prompt_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
@@ -110,6 +111,7 @@ class Engine:
             self.max_model_len = self.draft.model.max_len
         self._factories: dict[str, Callable[[int], Proposer] | None] = {"none": None}
         self._factories_lock = threading.Lock()
+        self._grammar_vocab: GrammarVocab | None = None   # built by the first constrained request
         self.proposer_factory(spec.method)        # fails here, naming the field, if the method cannot run
         self.estimates = Estimates()              # the one cost calibration, shared by every batch
         self._batch: Batch | None = None
@@ -185,6 +187,18 @@ class Engine:
         return getattr(cache, "peak_nbytes", 0) or 0
 
     # --- the step loop: a batch of one through the one step ---------------------------------------------------
+    def grammar_state(self, spec: StructuredOutput) -> GrammarState:
+        """A fresh grammar state for a request constrained by spec (llguidance's view of the tokenizer is built on
+        the first one, about 0.1-1 s, and kept)."""
+        with self._factories_lock:
+            if self._grammar_vocab is None:
+                try:
+                    self._grammar_vocab = GrammarVocab(self.tokenizer, self.model.vocab_size,
+                                                       self.target.eos_token_ids)
+                except ValueError as e:
+                    raise ConfigError("structured", str(e)) from None
+        return self._grammar_vocab.state(spec)
+
     def proposer_factory(self, method: str) -> Callable[[int], Proposer] | None:
         """The proposer factory for `method` (built once, then shared); ConfigError if it cannot run here."""
         with self._factories_lock:

@@ -12,6 +12,7 @@ Costs and acceptance are the engine's (estimates.Estimates): one calibration, sh
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -56,11 +57,15 @@ class KPolicy:
         return AcceptanceEstimate.seeded(seen) if seen is not None else AcceptanceEstimate(bursty=bursty)
 
     # --- plan ----------------------------------------------------------------------------------------------------
-    def plan(self, rows: list[Row], propose_cheap: Callable[[int, int], Proposal | None], room: int) -> StepPlan:
+    def plan(self, rows: list[Row], propose_cheap: Callable[[int, int], Proposal | None], room: int,
+             free: frozenset[int] = frozenset()) -> StepPlan:
         """propose_cheap(i, cap): row i's cheap proposer's proposal at its cap (None: nothing). room: the most
-        drafts the cache has slots (and positions) for in every row."""
+        drafts the cache has slots (and positions) for in every row. free: rows whose drafts this step cost nothing
+        to propose (a grammar's forced tokens): their proposers are not asked."""
         drafting = _drafting_rows(rows)
         specs = [self._row_spec(r, drafting) for r in rows]
+        for i in free:
+            specs[i] = dataclasses.replace(specs[i], cap=0)
         early: dict[int, Proposal | None] = {}
         for i, (r, sp) in enumerate(zip(rows, specs)):
             if sp.cap > 0 and r.proposer.cheap:
@@ -98,12 +103,16 @@ class KPolicy:
         self.choice.probed(any(p is not None for p in proposals))
 
     def observe(self, rows: list[Row], plan: StepPlan, done: list[RowStep | None], seconds: float,
-                catchup_s: float) -> None:
+                catchup_s: float, timed: bool = True) -> None:
         """done[i]: what row i did (None: it failed). seconds: the step's time without its commits (paid per
-        token, drafted or not: they do not make drafting dearer); catchup_s: a draft model's catching up in it."""
+        token, drafted or not: they do not make drafting dearer); catchup_s: a draft model's catching up in it.
+        timed False: the step carried free drafts (a grammar's forced tokens), neither a plain step nor one of
+        the policy's K: its time is not observed."""
         for i, (r, d) in enumerate(zip(rows, done)):
             if d is not None and plan.asked[i]:
                 self._observe_row(r, d, plan.asked[i], known=i in plan.early)
+        if not timed:
+            return
         drafted = sum(d.drafted for d in done if d is not None)
         tokens = len(rows) + sum(d.accepted for d in done if d is not None)
         self.choice.observe_step(len(rows), drafted, seconds, tokens, chosen=plan.chosen, catchup_s=catchup_s)

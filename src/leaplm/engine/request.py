@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import SamplingParams
+from ..structured.state import GrammarState
 from .detok import IncrementalDetokenizer
 from .stats import GenerationStats
 
@@ -29,9 +30,10 @@ class Request:
     seed: int | None = None                          # sampling requests: 64 bits, fix every position's sample
     presence: torch.Tensor | None = None             # [V] bool, only with a repetition penalty
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None                 # "length" | "stop"
+    finish_reason: str | None = None                 # "length" | "stop" | "constraint" (the grammar admits nothing)
     verifier: str = "greedy"                         # "greedy" | "rejection" | "race" (engine/verification.py)
     explicit_verifier: bool = False                  # the request or the engine named it (not 'auto')
+    grammar: GrammarState | None = None              # structured output: the committed tokens' grammar state
 
     @property
     def output_ids(self) -> list[int]:

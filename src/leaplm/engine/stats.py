@@ -23,6 +23,9 @@ class GenerationStats:
     score_s: float = 0.0                    # decode time spent in target forwards
     verify_s: float = 0.0                   # decode time spent verifying drafts against the scored logits
     commit_s: float = 0.0                   # decode time spent committing (tokens, stops, cache, proposer updates)
+    forced_tokens: int = 0                  # structured output: tokens the grammar forced, drafted for free
+    forced_accepted: int = 0                # ... and accepted (not in draft_tokens / accepted_tokens)
+    grammar_s: float = 0.0                  # decode time spent in the grammar (masks, forced tokens, advancing)
 
     @property
     def acceptance_rate(self) -> float:
@@ -61,7 +64,7 @@ class GenerationStats:
         """Accumulate another request's figures (for -n samples and benchmark totals)."""
         for f in ("prompt_tokens", "new_tokens", "target_forwards", "draft_tokens", "accepted_tokens",
                   "steps_with_draft", "prefill_s", "decode_s", "propose_s", "score_s",
-                  "verify_s", "commit_s"):
+                  "verify_s", "commit_s", "forced_tokens", "forced_accepted", "grammar_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         n = max(len(self.drafted_by_position), len(other.drafted_by_position))
         for name in ("drafted_by_position", "accepted_by_position"):

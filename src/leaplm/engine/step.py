@@ -12,7 +12,8 @@ leave between steps). A step over the n running rows:
               padding]; a tree row (Proposal.parents set) is scored by its own forward with the tree mask over a
               batch-1 view of its cache row (engine/tree_step.py; when every row is a tree row the batched forward
               is skipped)
-  3. verify   per row, the verifier its request runs (engine/verification.py) on that row's logits
+  3. verify   per row, the verifier its request runs (engine/verification.py) on that row's logits (a constrained
+              row's masked by its grammar first, its drafts cut to the grammar before step 2: engine/constrain.py)
   4. commit   per row, engine/commit.py: tokens, stop ids and strings, max_new_tokens, logprobs, stats, and the
               row's cache length. Only commit changes state.
 
@@ -38,11 +39,12 @@ from typing import Protocol
 
 import torch
 
-from ..config import SamplingParams, SpecConfig
+from ..config import SamplingParams, SpecConfig, StructuredOutput
 from ..propose.base import Proposal, ProposeContext, Proposer, ProposerFactory
 from ..sampling import LogitsProcessor
 from .calibrate import calibrate  # noqa: F401  (re-exported: the engine's and the scheduler's calibration)
 from .commit import commit, finish_chunk, new_request
+from .constrain import RowConstraint, constrain_proposal, dead_end, forced_proposal, masked
 from .estimates import Estimates
 from .kpolicy import KPolicy, RowStep, StepPlan
 from .request import StreamChunk, TokenLogprob
@@ -68,6 +70,8 @@ class StepHost(Protocol):
     estimates: Estimates                        # costs and acceptance, shared by every batch of the engine
 
     def proposer_factory(self, method: str) -> ProposerFactory | None: ...
+
+    def grammar_state(self, spec: StructuredOutput): ...       # a constrained request's grammar (structured/)
 
 
 @dataclass
@@ -122,6 +126,7 @@ class Batch:
         self.eos_token_ids = engine.target.eos_token_ids
         self.spec = engine.spec
         self.proposer_factory = engine.proposer_factory
+        self.grammar_state = engine.grammar_state
         self.estimates: Estimates = engine.estimates
         self.max_rows = max_rows
         self.max_len = engine.max_model_len
@@ -158,6 +163,8 @@ class Batch:
         req = new_request(ids, params, tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
                           vocab_size=self.model.vocab_size, device=self.model.device, method=method, k=cap,
                           verifier=self.spec.verifier)
+        if params.structured is not None:
+            req.grammar = self.grammar_state(params.structured)
         i = len(self.rows)
         self.cache.truncate(0, i)
         t0 = time.perf_counter()
@@ -235,9 +242,13 @@ class Batch:
 
         # 1. propose: one K for the step, each row drafts up to min(K, its own cap). A sampled row's tokens are
         # fixed by its seed and their positions (sampling/positional.py): K never changes what a seed produces.
-        plan = self.policy.plan(rows, lambda i, cap: self._propose(i, rows[i], cap, clock)[0], self._room(rows))
+        # A constrained row whose grammar forces the next tokens drafts them instead, for free (engine/constrain.py).
+        forced = self._forced(rows)
+        plan = self.policy.plan(rows, lambda i, cap: self._propose(i, rows[i], cap, clock)[0], self._room(rows),
+                                free=frozenset(forced))
         proposals = self._proposals(plan, clock)
         self.policy.proposed(proposals)
+        proposals, constraints = self._constrain(rows, proposals, forced)
 
         # 2. score: one forward over [n, T] for the chains; a tree row's block there is its last token alone
         scored = self._score_chains(rows, proposals, clock)
@@ -245,14 +256,16 @@ class Batch:
         # 3. verify + 4. commit, row by row (tree rows: scored and verified here, one forward each)
         outputs, done = [], []
         for i, (r, p) in enumerate(zip(rows, proposals)):
-            out, d = self._verify_commit(i, r, p, scored, clock)
+            rc = constraints.get(i)
+            end = dead_end(r.req, rc) if rc is not None else None       # the grammar admits no token: it ends
+            out, d = (RowOutput(r, end), None) if end is not None else self._verify_commit(i, r, p, scored, clock, rc)
             outputs.append(out)
             done.append(d)
         clock.end(rows)
         self.current_k = plan.k
         self.steps += 1
         self.policy.observe(rows, plan, done, clock.policy_seconds(),
-                            catchup_s=sum(p.catchup_s for p in proposals if p is not None))
+                            catchup_s=sum(p.catchup_s for p in proposals if p is not None), timed=not forced)
         for i in reversed(range(n)):
             out = outputs[i]
             if out.chunk is not None:
@@ -271,6 +284,32 @@ class Batch:
         a row near its end caps only itself; only where the model has no positions left for the padding does it
         cap the step."""
         return self.cache.max_len - 1 - max(len(r.req.tokens) - 1 for r in rows)
+
+    def _forced(self, rows: list[Row]) -> dict[int, Proposal]:
+        """Constrained rows whose grammar forces the next tokens -> those tokens as the row's proposal (within the
+        cache's room for every row, the row's own room and its remaining tokens)."""
+        if not self.spec.forced_tokens or not any(r.req.grammar is not None for r in rows):
+            return {}
+        fit = self._room(rows)
+        out = {}
+        for i, r in enumerate(rows):
+            limit = min(fit, self.max_len - len(r.req.tokens) - 1, r.req.remaining - 1)
+            p = forced_proposal(r.req, limit, self.model.device) if r.req.grammar is not None and limit > 0 else None
+            if p is not None:
+                out[i] = p
+        return out
+
+    @staticmethod
+    def _constrain(rows: list[Row], proposals: list[Proposal | None], forced: dict[int, Proposal]
+                   ) -> tuple[list[Proposal | None], dict[int, RowConstraint]]:
+        """The forced rows' proposals put in; every constrained row's proposal cut to its grammar, with the masks of
+        its verified positions."""
+        proposals = [forced.get(i, p) for i, p in enumerate(proposals)]
+        constraints: dict[int, RowConstraint] = {}
+        for i, r in enumerate(rows):
+            if r.req.grammar is not None:
+                proposals[i], constraints[i] = constrain_proposal(r.req, proposals[i], forced=i in forced)
+        return proposals, constraints
 
     def _proposals(self, plan: StepPlan, clock: StepClock) -> list[Proposal | None]:
         """Each row's proposal of at most plan.asked[i] tokens: the rows that proposed in the plan trimmed to it,
@@ -304,36 +343,39 @@ class Batch:
         clock.batched_score(seconds)
         return Scored(logits, hidden, T)
 
-    def _verify_commit(self, i: int, r: Row, p: Proposal | None, scored: Scored,
-                       clock: StepClock) -> tuple[RowOutput, RowStep | None]:
-        """Stages 3 and 4 for row i (a tree row scored here first). Returns its output and what it did (None: it
-        failed, its error in the output)."""
+    def _verify_commit(self, i: int, r: Row, p: Proposal | None, scored: Scored, clock: StepClock,
+                       rc: RowConstraint | None = None) -> tuple[RowOutput, RowStep | None]:
+        """Stages 3 and 4 for row i (a tree row scored here first; a constrained row, rc, verified against its
+        masked logits). Returns its output and what it did (None: it failed, its error in the output)."""
         out = RowOutput(r)
         d = p.k if p is not None else 0
         t0 = time.perf_counter()
         try:
             if p is not None and p.parents is not None:
                 tree = score_tree(self._forward, self._row_cache(i), r.req, p, r.proc, r.reads_hidden,
-                                  r.proposer.samples)
+                                  r.proposer.samples, constrain=(lambda x: masked(x, rc)) if rc is not None else None)
                 self.estimates.costs.observe(1, tree.block_len, tree.score_s)
                 result, row_logits, row_hidden, score_s = tree.result, tree.logits, tree.hidden, tree.score_s
                 kept = [0] + [j + 1 for j in result.path]
             else:
                 row_logits = scored.logits[i, : 1 + d]                                    # [1 + k_i, V]
-                result = verify_chain(r.req, p, r.proc, row_logits)
+                result = verify_chain(r.req, p, r.proc, masked(row_logits, rc) if rc is not None else row_logits)
                 row_hidden = scored.hidden[i] if scored.hidden is not None else None
                 kept, score_s = list(range(1 + result.accepted)), 0.0
             t1 = time.perf_counter()
             if r.reads_hidden:              # the target's features of the committed block tokens
                 r.proposer.observe_hidden(len(r.req.tokens) - 1, row_hidden[kept])
-            if p is not None:
+            forced = rc is not None and rc.forced                    # the grammar's drafts, not the proposer's
+            if p is not None and not forced:
                 r.proposer.observe(p, result, extra_logits(p, row_logits))
-            out.chunk = commit(r.req, result, row_logits, d, self.cache, row=i)
+            out.chunk = commit(r.req, result, row_logits, d, self.cache, row=i, forced=forced)
             clock.row(r.req.stats, score_s, t1 - t0 - score_s, time.perf_counter() - t1)
         except Exception as e:  # noqa: BLE001 - one request's failure is its own
             log.exception("a request failed in a step")
             out.error = f"engine error: {type(e).__name__}: {e}"
             return out, None
+        if forced:                                   # nothing the row's proposer drafted: not its acceptance
+            return out, RowStep(0, 0, 1)
         return out, RowStep(d, result.accepted, row_logits.shape[0], p.match if p is not None else None)
 
     def _prefill(self) -> list[RowOutput]:

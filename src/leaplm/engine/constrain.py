@@ -1,0 +1,102 @@
+"""Structured output in the step: a constrained row's drafts, masks and forced tokens (structured/state.py).
+
+For a row whose request carries a grammar state, the step:
+  before proposing   asks for the tokens the grammar forces next; when there are some they are the row's proposal
+                     (deterministic drafts, q = None) and its proposer is not asked this step: forced tokens cost
+                     nothing to propose, so they stay outside the K policy (the step is not timed as drafting)
+  after proposing    cuts a chain at its first token the grammar forbids, prunes a tree's forbidden branches, and
+                     keeps the mask [T, V] of every verified position (row j: after the block's first j drafts)
+  verifying          masks the target's logits with it: forbidden tokens at -inf, so greedy's argmax, the race and
+                     rejection sampling all see the masked p, the constrained target's distribution at that position
+  committing         advances the grammar state by the tokens kept (commit.commit): state and cache move together
+
+A committed state whose mask is empty is a dead end: the request ends with finish_reason "constraint" (or "stop"
+when the grammar is complete and the tokenizer has no end-of-sequence token to say so).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..propose.base import Proposal
+from ..structured.state import GrammarState
+from .request import Request, StreamChunk
+
+MAX_FORCED = 16          # forced tokens drafted per step at most (they lengthen every row's block in a batch)
+
+
+@dataclass
+class RowConstraint:
+    """What the step keeps for one constrained row between proposing and verifying."""
+    masks: torch.Tensor              # [1 + k, V] bool: allowed tokens at each verified position (chain or tree)
+    forced: bool = False             # the proposal is the grammar's forced tokens (the proposer was not asked)
+
+
+def forced_proposal(req: Request, limit: int, device) -> Proposal | None:
+    """The grammar's forced tokens from the committed state as a deterministic proposal (None: none forced)."""
+    state: GrammarState = req.grammar
+    t = time.perf_counter()
+    toks = state.forced(min(limit, MAX_FORCED))
+    req.stats.grammar_s += time.perf_counter() - t
+    return Proposal(torch.tensor(toks, dtype=torch.long, device=device)) if toks else None
+
+
+def constrain_proposal(req: Request, prop: Proposal | None, forced: bool = False
+                       ) -> tuple[Proposal | None, RowConstraint]:
+    """The proposal cut (chain) or pruned (tree) to what the grammar allows, and the masks of its positions."""
+    state: GrammarState = req.grammar
+    t = time.perf_counter()
+    if prop is None:
+        out, masks = None, state.allowed().unsqueeze(0)                           # [1, V]
+    elif prop.parents is None:
+        n, masks = state.plan_chain(prop.tokens.tolist())                         # [n + 1, V]
+        out = _cut(prop, n)
+    else:
+        plan = state.plan_tree(prop.tokens.tolist(), prop.parents)
+        masks = plan.masks                                                        # [1 + kept, V]
+        out = _prune(prop, plan.kept)
+    req.stats.grammar_s += time.perf_counter() - t
+    return out, RowConstraint(masks.to(prop.tokens.device if prop is not None else "cpu"), forced)
+
+
+def masked(logits: torch.Tensor, rc: RowConstraint) -> torch.Tensor:
+    """logits [T, V] with the first rows (root and drafts; a tree's extra tokens after them are left as they are)
+    at -inf where the grammar forbids the token."""
+    n = rc.masks.shape[0]
+    masks = rc.masks.to(logits.device)
+    if n == logits.shape[0]:
+        return logits.masked_fill(~masks, float("-inf"))
+    return torch.cat([logits[:n].masked_fill(~masks, float("-inf")), logits[n:]])
+
+
+def dead_end(req: Request, rc: RowConstraint) -> StreamChunk | None:
+    """A chunk ending the request when the grammar admits no token at the committed state, else None."""
+    if bool(rc.masks[0].any()):
+        return None
+    req.finish_reason = "stop" if req.grammar.stopped else "constraint"
+    return StreamChunk("", [])
+
+
+def _cut(prop: Proposal, n: int) -> Proposal | None:
+    if n >= prop.k:
+        return prop
+    if n == 0:
+        return None
+    return Proposal(prop.tokens[:n], prop.q[:n] if prop.q is not None else None, catchup_s=prop.catchup_s,
+                    match=prop.match)
+
+
+def _prune(prop: Proposal, kept: list[int]) -> Proposal | None:
+    """The tree's nodes `kept` (closed under parents, in order), parents renumbered; extra tokens kept as they are
+    (they see only the committed context, the root and each other)."""
+    if len(kept) == prop.k:
+        return prop
+    if not kept:
+        return None
+    new = {old: j for j, old in enumerate(kept)}
+    idx = torch.tensor(kept, dtype=torch.long, device=prop.tokens.device)
+    return Proposal(prop.tokens[idx], prop.q[idx] if prop.q is not None else None,
+                    parents=[-1 if prop.parents[o] < 0 else new[prop.parents[o]] for o in kept],
+                    extra=prop.extra, catchup_s=prop.catchup_s, match=prop.match)
