@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from leaplm.errors import ConfigError
-from leaplm.structured.spec import StructuredOutput
+from leaplm.config import ConfigError, StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from leaplm.structured.spec import StructuredOutput
+from leaplm.config import StructuredOutput
 from leaplm.structured.state import GrammarVocab, unpack_bitmask
 
 A, B, C, D, E, F, G = range(7)

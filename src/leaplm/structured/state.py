@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..cache.tree import children
-from .spec import StructuredOutput
+from ..config import StructuredOutput
 
 def unpack_bitmask(bm: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """llguidance's bitmask [N, ceil(V / 32)] int32 (bit b of word w: token 32 w + b) -> allowed [N, V] bool.
