@@ -277,6 +277,9 @@ class SpecConfig:
     verifier: str = "auto"
     """The verifier of sampled requests whose SamplingParams.verifier is 'auto' (see there): 'auto', 'rejection'
     or 'race'."""
+    forced_tokens: bool = True
+    """Structured output: draft the tokens the grammar forces (a JSON key, `": "`, a closing brace) for free, under
+    every method and `none`; False decodes them one forward each (the output is the same either way)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -300,6 +303,8 @@ class SpecConfig:
                    "must be a list of non-negative layer indices")
             _check(len(self.skip_layers) > 0, "skip_layers", "must name at least one layer (skipping none would "
                                                              "make the draft the target itself)")
+        _check(isinstance(self.forced_tokens, bool), "forced_tokens",
+               f"must be true or false, got {self.forced_tokens!r}")
         c = self.skip_confidence
         _check(_is_real(c) and 0 <= c < 1, "skip_confidence", f"must be in [0, 1), got {c!r}")
         _check(isinstance(self.verifier, str) and self.verifier in SamplingParams.VERIFIERS, "verifier",

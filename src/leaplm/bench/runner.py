@@ -35,6 +35,10 @@ class Sample:
     decode_tokens_per_s: float | None = None    # an external engine's own decode figure
     text: str | None = None                     # an external engine's generated text (it reports no token ids)
     prompt_tokens: int | None = None            # as the external engine tokenized the prompt
+    constrained: bool = False                   # run with the prompt's constraint (a `+schema` configuration)
+    valid: bool | None = None                   # structured workloads: the output parses and fits the schema
+    grammar_seconds: float = 0.0                # structured output: seconds in the grammar (masks, forced tokens)
+    forced_tokens: int = 0                      # structured output: tokens the grammar forced (drafted for free)
 
     @property
     def tokens_per_s(self) -> float:
@@ -56,6 +60,10 @@ class ConfigSummary:
     common_prefix: float | None = None          # external engines: median count of the baseline's first tokens
     common_prefix_min: int | None = None        # its text reproduces (llamacpp.common_prefix_tokens), the fewest,
     compared_tokens: float | None = None        # and the median count compared (up to the baseline's first EOS)
+    valid_rate: float | None = None             # structured workloads: outputs that parse and fit their schema
+    grammar_ms_per_token: float | None = None   # structured output: grammar time per new token
+    grammar_share: float | None = None          # ... as a share of the configuration's decoding time
+    baseline: str | None = None                 # the configuration its speedup is paired with
 
 
 @dataclass
@@ -96,15 +104,27 @@ Runner = Callable[[str, int], tuple[list[int], object]]
 class Contender:
     name: str
     run: Runner
+    constrained: bool = False                               # runs take structured=<the prompt's constraint>
+    decode: Callable[[list[int]], str] | None = None        # token ids -> text (validity of structured outputs)
 
 
-def leaplm_contender(name: str, engine, params: SamplingParams) -> Contender:
-    def run(prompt: str, max_new: int):
-        sp = SamplingParams(**{**params.__dict__, "max_new_tokens": max_new})
+def leaplm_contender(name: str, engine, params: SamplingParams, constrained: bool = False) -> Contender:
+    def run(prompt: str, max_new: int, structured=None):
+        sp = SamplingParams(**{**params.__dict__, "max_new_tokens": max_new, "structured": structured})
         engine.forget_history()          # every run is a new request: no copying of the same prompt's last answer
         o = engine.generate(prompt, sp)
         return o.token_ids, o.stats
-    return Contender(name, run)
+    return Contender(name, run, constrained, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def _constraint(c: Contender, w: Workload, prompt: int) -> dict:
+    """The structured= argument of a constrained contender's run on a workload that has constraints."""
+    if not c.constrained:
+        return {}
+    if w.constraints is None:
+        raise ValueError(f"{c.name}: workload {w.name} has no constraints (a +schema configuration needs "
+                         f"json-extract or tool-call)")
+    return {"structured": w.constraints[prompt]}
 
 
 def hf_contenders(target_path: str, draft_path: str | None, k: int, kinds: list[str], ignore_eos: bool,
@@ -192,16 +212,22 @@ def run_bench(contenders: list[Contender], workloads: list[Workload], max_new_to
     samples: list[Sample] = []
     for w in workloads:                                 # warm-up: every contender once, untimed
         for c in contenders:
-            c.run(w.prompts[0], min(16, max_new_tokens))
+            c.run(w.prompts[0], min(16, max_new_tokens), **_constraint(c, w, 0))
     for r in range(rounds):
         for w in workloads:
             for pi, prompt in enumerate(w.prompts):
                 shift = (r + pi) % len(contenders)
                 for c in contenders[shift:] + contenders[:shift]:
                     t = time.perf_counter()
-                    ids, st = c.run(prompt, max_new_tokens)
+                    ids, st = c.run(prompt, max_new_tokens, **_constraint(c, w, pi))
                     dt = time.perf_counter() - t
-                    s = Sample(c.name, w.name, pi, r, len(ids), dt, ids)
+                    s = Sample(c.name, w.name, pi, r, len(ids), dt, ids, constrained=c.constrained)
+                    if w.constraints is not None and c.decode is not None:
+                        from .structured import valid
+
+                        s.valid = valid(c.decode(ids), w.constraints[pi])
+                    s.grammar_seconds = getattr(st, "grammar_s", 0.0)
+                    s.forced_tokens = getattr(st, "forced_tokens", 0)
                     if isinstance(st, ExternalStats):
                         s.new_tokens, s.seconds, s.wall_seconds = st.new_tokens, st.seconds, st.wall_seconds
                         s.decode_tokens_per_s, s.text, s.prompt_tokens = (
@@ -215,8 +241,10 @@ def run_bench(contenders: list[Contender], workloads: list[Workload], max_new_to
     return samples
 
 
-def summarize(samples: list[Sample], baseline: str, stop_ids: frozenset[int] = frozenset()) -> list[ConfigSummary]:
-    """Per (workload, config): medians and paired speedups against `baseline`. Greedy identity compares the
+def summarize(samples: list[Sample], baseline: str, stop_ids: frozenset[int] = frozenset(),
+              constrained_baseline: str | None = None) -> list[ConfigSummary]:
+    """Per (workload, config): medians and paired speedups against `baseline` (constrained configurations against
+    `constrained_baseline` when given: the same outputs, so the same lengths). Greedy identity compares the
     tokens before the baseline's first id in stop_ids: runs ignore EOS, and a contender that cannot emit it (HF
     with min_new_tokens) must part from one that emits it and goes on."""
     out = []
@@ -229,8 +257,9 @@ def summarize(samples: list[Sample], baseline: str, stop_ids: frozenset[int] = f
                 continue
             ratios, same = [], True
             external = any(s.text is not None for s in mine)    # text only: identity is judged by the caller
+            base = constrained_baseline if mine[0].constrained and constrained_baseline else baseline
             for s in mine:
-                b = keyed.get((baseline, w, s.prompt, s.round))
+                b = keyed.get((base, w, s.prompt, s.round))
                 if b is not None:
                     ratios.append(s.tokens_per_s / b.tokens_per_s)
                     n = min(len(b.token_ids), len(s.token_ids))
@@ -243,9 +272,17 @@ def summarize(samples: list[Sample], baseline: str, stop_ids: frozenset[int] = f
                 speedup=statistics.median(ratios) if ratios else None,
                 acceptance_rate=sum(s.accepted_tokens for s in mine) / drafted if drafted else None,
                 mean_accepted_length=sum(s.new_tokens for s in mine) / forwards if forwards else None,
-                identical=same if ratios and c != baseline and not external else None, samples=len(mine),
+                identical=same if ratios and c != base and not external else None, samples=len(mine),
                 wall_tokens_per_s=_median([s.new_tokens / s.wall_seconds for s in mine if s.wall_seconds]),
-                decode_tokens_per_s=_median([s.decode_tokens_per_s for s in mine if s.decode_tokens_per_s])))
+                decode_tokens_per_s=_median([s.decode_tokens_per_s for s in mine if s.decode_tokens_per_s]),
+                valid_rate=(sum(bool(s.valid) for s in mine) / len(mine)
+                            if any(s.valid is not None for s in mine) else None),
+                grammar_ms_per_token=(1e3 * sum(s.grammar_seconds for s in mine) / max(1, sum(s.new_tokens
+                                                                                              for s in mine))
+                                      if mine[0].constrained else None),
+                grammar_share=(sum(s.grammar_seconds for s in mine) / sum(s.seconds for s in mine)
+                               if mine[0].constrained else None),
+                baseline=base))
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import StructuredOutput
 from ..training.corpus import functions
 
 WORKLOADS = ("code", "copy", "chat-code", "chat-edit", "chat-question")
@@ -23,6 +24,7 @@ class Workload:
     description: str
     prompts: list[str]
     chat: bool = False              # prompts are user messages: apply the target's chat template (as_chat)
+    constraints: list[StructuredOutput] | None = None   # per prompt: what a `+schema` configuration constrains
 
 
 def _spread(items: list, n: int) -> list:
@@ -109,7 +111,8 @@ def as_chat(w: Workload, tokenizer, name: str = "model") -> Workload:
         return w
     from ..models.tokens import chat_prompt
 
-    return Workload(w.name, w.description, [chat_prompt(tokenizer, p, name) for p in w.prompts], chat=False)
+    return Workload(w.name, w.description, [chat_prompt(tokenizer, p, name) for p in w.prompts], chat=False,
+                    constraints=w.constraints)
 
 
 def fit_to_context(w: Workload, tokenizer, max_prompt_tokens: int) -> Workload:
@@ -120,7 +123,7 @@ def fit_to_context(w: Workload, tokenizer, max_prompt_tokens: int) -> Workload:
             cut = p.find("\n", max(1, len(p) // 8))
             p = p[cut + 1 :] if 0 <= cut < len(p) - 1 else p[len(p) // 8 :]
         fitted.append(p)
-    return Workload(w.name, w.description, fitted)
+    return Workload(w.name, w.description, fitted, constraints=w.constraints)
 
 
 def get_workload(name: str, n: int) -> Workload:
@@ -130,6 +133,11 @@ def get_workload(name: str, n: int) -> Workload:
         return copy_workload(n)
     if name in CHAT_WORKLOADS:
         return chat_workload(name, n)
+    from .structured import STRUCTURED_WORKLOADS, structured_workload
+
+    if name in STRUCTURED_WORKLOADS:
+        return structured_workload(name, n)
     from ..config import ConfigError
 
-    raise ConfigError("workload", f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    raise ConfigError("workload", f"unknown workload {name!r}; choose from "
+                                  f"{', '.join(WORKLOADS + STRUCTURED_WORKLOADS)}")
