@@ -56,14 +56,28 @@ def test_a_chain_is_cut_at_its_first_forbidden_token(vocab):
     assert n == 0 and ids(masks[0]) == [A, B]
 
 
-def test_a_complete_grammar_without_eos_admits_nothing(vocab):
+def test_a_complete_grammar_without_eos(vocab):
     """The tokenizer has no end-of-sequence token: llguidance's stand-in for one is never in a mask, so a complete
-    grammar leaves an empty mask (a draft is cut before it; the step ends the request with "stop")."""
+    grammar leaves an empty mask; the row after the completing draft allows anything (nothing sampled there is
+    kept) and advancing stops at the grammar's end."""
     s = vocab.state(StructuredOutput(regex="ab"))
     n, masks = s.plan_chain([A, B, C])
-    assert n == 1 and masks.shape[0] == 2         # B would leave nothing allowed after it: not drafted
-    s.advance([A, B])
-    assert not s.allowed().any() and s.stopped
+    assert n == 2 and masks.shape[0] == 3 and bool(masks[2].all())
+    assert s.advance([A, B, C]) == 2
+    assert s.stopped and not s.allowed().any()
+
+
+def test_sampled_drafts_keep_their_first_forbidden_token(vocab):
+    """Rejection sampling rejects a forbidden sampled draft for sure and samples the residual there: kept as the
+    last draft (a chain) or a leaf (a tree), with a row after it that is never read."""
+    s = vocab.state(ALTERNATE)
+    n, masks = s.plan_chain([A, C, B, A, D], keep_forbidden=True)
+    assert n == 4 and masks.shape == (5, 8) and bool(masks[4].all())
+    assert ids(masks[3]) == [C, D, E]              # where the forbidden A sits: the verifier's mask excludes it
+    plan = s.plan_tree([A, C, B, D, E, A], [-1, -1, -1, 0, 1, 2], keep_forbidden=True)
+    assert plan.kept == [0, 1, 2, 3, 5]            # C (1) and A (5) kept as leaves; E under C pruned
+    assert bool(plan.masks[2].all()) and bool(plan.masks[5].all())
+    assert ids(s.allowed()) == [A, B]
 
 
 def test_an_end_of_sequence_token_ends_a_chain():

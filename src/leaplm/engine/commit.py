@@ -65,6 +65,12 @@ def commit(req: Request, result: VerifyResult, logits: torch.Tensor, drafted: in
         if t in req.stop_ids:
             emitted, finish = emitted[:i], "stop"   # the stop token itself is not returned
             break
+    if req.grammar is not None:
+        t0 = time.perf_counter()
+        kept = req.grammar.advance(emitted)
+        req.stats.grammar_s += time.perf_counter() - t0
+        if req.grammar.stopped:                           # the grammar is complete: nothing after it is output
+            emitted, finish = emitted[:kept], "stop"
     if req.detok.stop and len(emitted) > 1:
         # one token at a time, as plain decoding adds them: the token that completes a stop string is the last kept
         text = ""
@@ -77,12 +83,6 @@ def commit(req: Request, result: VerifyResult, logits: torch.Tensor, drafted: in
         text = req.detok.add(emitted)
     if req.detok.stopped:
         finish = "stop"
-    if req.grammar is not None and finish != "stop":     # a stop ends the request: the grammar needs no more
-        t = time.perf_counter()
-        req.grammar.advance(emitted)
-        req.stats.grammar_s += time.perf_counter() - t
-        if req.grammar.stopped:                           # complete: nothing may follow
-            finish = "stop"
     cache.advance(len(emitted), row)
     if forced:
         req.stats.record_step(0, 0, len(emitted))

@@ -4,11 +4,15 @@ For a row whose request carries a grammar state, the step:
   before proposing   asks for the tokens the grammar forces next; when there are some they are the row's proposal
                      (deterministic drafts, q = None) and its proposer is not asked this step: forced tokens cost
                      nothing to propose, so they stay outside the K policy (the step is not timed as drafting)
-  after proposing    cuts a chain at its first token the grammar forbids, prunes a tree's forbidden branches, and
-                     keeps the mask [T, V] of every verified position (row j: after the block's first j drafts)
+  after proposing    cuts a chain at its first token the grammar forbids, prunes a tree's forbidden branches (a
+                     sampled proposal, q given, keeps that token as its last or as a leaf: rejection sampling rejects
+                     it for sure and samples the residual there, as it would have without the cut; cutting a sampled
+                     token away instead would bias what rejection sampling emits), and keeps the mask [T, V] of
+                     every verified position (row j: after the block's first j drafts)
   verifying          masks the target's logits with it: forbidden tokens at -inf, so greedy's argmax, the race and
                      rejection sampling all see the masked p, the constrained target's distribution at that position
-  committing         advances the grammar state by the tokens kept (commit.commit): state and cache move together
+  committing         advances the grammar state by the tokens kept (commit.commit): state and cache move together;
+                     the grammar's completion ends the request like a stop token (nothing after it is output)
 
 A committed state whose mask is empty is a dead end: the request ends with finish_reason "constraint" (or "stop"
 when the grammar is complete and the tokenizer has no end-of-sequence token to say so).
@@ -51,10 +55,10 @@ def constrain_proposal(req: Request, prop: Proposal | None, forced: bool = False
     if prop is None:
         out, masks = None, state.allowed().unsqueeze(0)                           # [1, V]
     elif prop.parents is None:
-        n, masks = state.plan_chain(prop.tokens.tolist())                         # [n + 1, V]
+        n, masks = state.plan_chain(prop.tokens.tolist(), keep_forbidden=prop.q is not None)   # [n + 1, V]
         out = _cut(prop, n)
     else:
-        plan = state.plan_tree(prop.tokens.tolist(), prop.parents)
+        plan = state.plan_tree(prop.tokens.tolist(), prop.parents, keep_forbidden=prop.q is not None)
         masks = plan.masks                                                        # [1 + kept, V]
         out = _prune(prop, plan.kept)
     req.stats.grammar_s += time.perf_counter() - t

@@ -120,30 +120,39 @@ class GrammarState:
         return self.m.compute_ff_tokens()[:limit]
 
     # --- tentative plans ----------------------------------------------------------------------------------------
-    def plan_chain(self, drafts: list[int]) -> tuple[int, torch.Tensor]:
-        """(n, masks [n + 1, V] bool): drafts[:n] are allowed one after another and leave every mask non-empty."""
+    def plan_chain(self, drafts: list[int], keep_forbidden: bool = False) -> tuple[int, torch.Tensor]:
+        """(n, masks [n + 1, V] bool): the first n drafts to score and the mask at each position of the block.
+        drafts[:n] are allowed one after another, except with keep_forbidden, where the first forbidden draft is
+        kept as the last one (a sampled draft, verified by rejection sampling: rejected with probability 1, its
+        residual is what plain decoding's distribution needs; cutting it would bias the output). A row no token
+        of the grammar reaches (after a forbidden draft, or a grammar completed without an end-of-sequence token)
+        allows everything: nothing sampled there is kept (commit stops at the grammar's end)."""
         n = self.m.validate_tokens(drafts) if drafts else 0
         n = next((j + 1 for j, t in enumerate(drafts[:n]) if t in self.eos), n)   # nothing follows an EOS
         masks = self._masks_along(drafts, n)
-        empty = (~masks.any(-1)).nonzero()
-        if empty.numel() and int(empty[0]) > 0:       # row 0 empty is the caller's dead end, not a draft's fault
-            n = int(empty[0]) - 1
-            masks = masks[: n + 1]
+        if keep_forbidden and n < len(drafts) and (n == 0 or drafts[n - 1] not in self.eos):
+            masks = torch.cat([masks, torch.ones_like(masks[:1])])
+            n += 1
+        empty = ~masks[1:].any(-1)
+        masks[1:][empty] = True
         return n, masks
 
-    def plan_tree(self, tokens: list[int], parents: list[int]) -> TreePlan:
-        """The nodes of a tree (tokens [K], parents [K], -1 = the root) the grammar allows, and their masks."""
+    def plan_tree(self, tokens: list[int], parents: list[int], keep_forbidden: bool = False) -> TreePlan:
+        """The nodes of a tree (tokens [K], parents [K], -1 = the root) to score, and their masks: a forbidden node
+        and everything under it pruned, or with keep_forbidden (sampled nodes) the forbidden node kept as a leaf
+        (see plan_chain)."""
         kids = children(parents)
         rows: dict[int, torch.Tensor] = {}                    # -1 (root) or node -> mask after its path
+        anything = torch.ones(self.vocab_size, dtype=torch.bool)
 
         def visit(node: int) -> None:                         # the matcher has consumed the path to node
             mask = self._masks_along([], 0)[0]
-            if node >= 0 and not bool(mask.any()):
-                return                                        # a dead end below the root: node pruned
-            rows[node] = mask
+            rows[node] = mask if node < 0 or bool(mask.any()) else anything
             for c in kids[node + 1]:
                 t = tokens[c]
                 if not (0 <= t < self.vocab_size and bool(mask[t])):
+                    if keep_forbidden:
+                        rows[c] = anything                    # a leaf: never accepted, its row never read
                     continue
                 if t in self.eos:                             # nothing follows an end-of-sequence token
                     rows[c] = self._eos_only
@@ -158,12 +167,16 @@ class GrammarState:
         return TreePlan(kept, torch.stack([rows[-1]] + [rows[k] for k in kept]))
 
     # --- commit ------------------------------------------------------------------------------------------------
-    def advance(self, tokens: list[int]) -> None:
-        """Consume committed tokens (each allowed by the mask it was verified under)."""
-        for t in tokens:
+    def advance(self, tokens: list[int]) -> int:
+        """Consume committed tokens (each allowed by the mask it was verified under) up to the grammar's end;
+        returns how many it took (the tokens after a completed grammar are not part of the output)."""
+        for i, t in enumerate(tokens):
+            if self.m.is_stopped():
+                return i
             if not self.m.consume_token(t):
                 raise RuntimeError(f"token {t} refused by the grammar: {self.m.get_error()}")
-        self.committed += len(tokens)
+            self.committed += 1
+        return len(tokens)
 
     # --- internals ------------------------------------------------------------------------------------------------
     def _masks_along(self, drafts: list[int], n: int) -> torch.Tensor:
