@@ -20,15 +20,21 @@ bench_app = typer.Typer(add_completion=False, invoke_without_command=True,
                         help="Benchmark methods side by side; `leaplm bench serve` for the server load test.")
 
 
+SCHEMA = "+schema"          # a method run with each prompt's constraint (structured workloads)
+
+
 def parse_methods(text: str, k: int) -> list[tuple[str, str, dict]]:
-    """'none,draft,ngram:k=8' -> [(label, method, options)]; options are SpecConfig fields."""
+    """'none,draft,ngram:k=8,suffix+schema' -> [(label, method, options)]; options are SpecConfig fields, and
+    `structured: True` for a method written with +schema (run with each prompt's constraint)."""
     out = []
     for item in [x.strip() for x in text.split(",") if x.strip()]:
         method, _, rest = item.partition(":")
         opts: dict = {"k": k}
+        if method.endswith(SCHEMA):
+            method, opts["structured"] = method[: -len(SCHEMA)], True
         for kv in [x for x in rest.split(";") if x]:
             key, _, val = kv.partition("=")
-            if key == "adaptive_k":
+            if key in ("adaptive_k", "forced_tokens"):
                 opts[key] = val.lower() in ("1", "true", "yes")
             elif key == "skip_layers":
                 opts[key] = [int(v) for v in val.split("/") if v]
@@ -40,7 +46,8 @@ def parse_methods(text: str, k: int) -> list[tuple[str, str, dict]]:
                 except ValueError:
                     fail(f"--methods: option {key!r} of {method!r} needs an integer, got {val!r}")
         extra = ";".join(x for x in rest.split(";") if x and not x.startswith("k="))
-        label = method if method == "none" else f"{method} k={opts['k']}" + (f" {extra}" if extra else "")
+        label = method if method == "none" else f"{method} k={opts['k']}"
+        label += (" " + SCHEMA if opts.get("structured") else "") + (f" {extra}" if extra else "")
         out.append((label, method, opts))
     if not out or out[0][1] != "none":
         out.insert(0, ("none", "none", {"k": k}))
@@ -55,7 +62,9 @@ def bench(
     methods: str = typer.Option("none,draft", help="Comma list; options after ':' separated by ';', e.g. "
                                                    "'none,draft,draft:k=8;adaptive_k=0,ngram:ngram_max=3'."),
     k: int = typer.Option(4, "--k", "-k"),
-    workloads: str = typer.Option("code,copy", help="Comma list of: code, copy, chat-code, chat-edit, chat-question."),
+    workloads: str = typer.Option("code,copy", help="Comma list of: code, copy, chat-code, chat-edit, chat-question, "
+                                                    "json-extract, tool-call (structured: a method written "
+                                                    "name+schema runs with each prompt's JSON Schema)."),
     prompts: int = typer.Option(6, help="Prompts per workload."),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens"),
     rounds: int = typer.Option(2, help="Timed rounds over all prompts (after one warm-up)."),
@@ -143,6 +152,9 @@ def bench(
         drafts: dict[str, object] = {}
         contenders = []
         for label, method, opts in configs:
+            constrained = opts.pop("structured", False)
+            if constrained and not all(w.constraints for w in wls):
+                _fail(f"--methods: {label} needs workloads with constraints (json-extract, tool-call)")
             d = None
             if method == "draft":
                 dn = opts.pop("draft", None) or draft_name
@@ -154,7 +166,7 @@ def bench(
                                             backend=draft_backend(options.backend))
                 d = drafts[dn]
             eng = Engine(target, draft=d, method=method, max_model_len=context, **opts)
-            contenders.append(leaplm_contender(label, eng, params))
+            contenders.append(leaplm_contender(label, eng, params, constrained))
     except ConfigError as e:
         fail(f"--{e.field.replace('_', '-')}: {e.message}")
     import tempfile
@@ -190,7 +202,11 @@ def bench(
             if not isinstance(e, LlamaCppOutputError):
                 raise
             fail(f"--baselines llamacpp: {e}")
-    summaries = summarize(samples, "none", frozenset(target.eos_token_ids))
+    constrained_none = [c.name for c in contenders if c.constrained and c.name.startswith("none")]
+    # constrained configurations against constrained plain decoding: its forced_tokens=0 row when there is one
+    base = next((c for c in constrained_none if "forced_tokens=0" in c), constrained_none[0] if constrained_none
+                else None)
+    summaries = summarize(samples, "none", frozenset(target.eos_token_ids), constrained_baseline=base)
     reference = None
     if llama_setup is not None:
         from .bench_llamacpp import finish_llamacpp
@@ -244,7 +260,9 @@ def print_table(summaries, settings) -> None:
     t = Table(title=f"leaplm bench: {settings['max_new_tokens']} new tokens, temperature {settings['temperature']}, "
                     f"{settings['rounds']} rounds x {settings['prompts']} prompts")
     external = any(s.wall_tokens_per_s is not None for s in summaries)
+    structured = any(s.valid_rate is not None for s in summaries)
     cols = ["workload", "config", "tokens/s", "speedup vs none", "acceptance", "mean acc. len", "= none"]
+    cols += ["valid", "grammar ms/token"] if structured else []
     cols += ["wall tok/s", "own decode tok/s"] if external else []
     for col in cols:
         t.add_column(col, justify="right" if col not in ("workload", "config") else "left")
@@ -255,8 +273,16 @@ def print_table(summaries, settings) -> None:
             same = f"{same} {s.common_prefix:.0f}/{s.compared_tokens:.0f} (min {s.common_prefix_min})"
         row = [s.workload, s.config, f(s.tokens_per_s, 1), f(s.speedup) + ("x" if s.speedup else ""),
                f(s.acceptance_rate), f(s.mean_accepted_length), same]
+        if structured:
+            grammar = "-" if s.grammar_ms_per_token is None else \
+                f"{s.grammar_ms_per_token:.2f} ({100 * s.grammar_share:.1f}%)"
+            row += [f(s.valid_rate), grammar]
         t.add_row(*row, *([f(s.wall_tokens_per_s, 1), f(s.decode_tokens_per_s, 1)] if external else []))
     console.print(t)
+    if structured:
+        console.print("[dim]+schema rows: speedup and '= none' against the constrained plain row (none +schema, "
+                      "forced_tokens=0 when given); valid: outputs that open with a JSON value valid against the "
+                      "prompt's schema; grammar: time in the grammar per new token (share of decoding time)[/]")
     if external:
         console.print("[dim]llama.cpp rows: tokens/s from llama.cpp's own timing lines (prompt + decode, model load "
                       "excluded), speedup paired with leaplm none; '= none': leaplm none's greedy tokens reproduced "
