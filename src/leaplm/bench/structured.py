@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 
 from ..config import StructuredOutput
-from .workloads import Workload
-
-STRUCTURED_WORKLOADS = ("json-extract", "tool-call")
+from .workloads import STRUCTURED_WORKLOADS, Workload, get_workload
 
 _S, _I, _N, _B = {"type": "string", "maxLength": 40}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 
@@ -83,6 +81,11 @@ def structured_workload(name: str, n: int) -> Workload:
     items = items[:n]
     return Workload(name, desc, [p for p, _ in items],
                     constraints=[StructuredOutput(json=schema) for _, schema in items])
+
+
+def any_workload(name: str, n: int) -> Workload:
+    """A structured workload or any other (workloads.get_workload)."""
+    return structured_workload(name, n) if name in STRUCTURED_WORKLOADS else get_workload(name, n)
 
 
 def valid(text: str, constraint: StructuredOutput) -> bool:

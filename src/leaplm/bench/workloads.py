@@ -16,6 +16,7 @@ from ..training.corpus import functions
 
 WORKLOADS = ("code", "copy", "chat-code", "chat-edit", "chat-question")
 CHAT_WORKLOADS = ("chat-code", "chat-edit", "chat-question")
+STRUCTURED_WORKLOADS = ("json-extract", "tool-call")       # each prompt with a JSON Schema: bench/structured.py
 
 
 @dataclass
@@ -133,11 +134,10 @@ def get_workload(name: str, n: int) -> Workload:
         return copy_workload(n)
     if name in CHAT_WORKLOADS:
         return chat_workload(name, n)
-    from .structured import STRUCTURED_WORKLOADS, structured_workload
+    from ..config import ConfigError
 
     if name in STRUCTURED_WORKLOADS:
-        return structured_workload(name, n)
-    from ..config import ConfigError
+        raise ConfigError("workload", f"{name} is a structured workload: `leaplm bench` runs it")
 
     raise ConfigError("workload", f"unknown workload {name!r}; choose from "
                                   f"{', '.join(WORKLOADS + STRUCTURED_WORKLOADS)}")

@@ -100,7 +100,8 @@ def bench(
     from ..models import embedded, load_model
     from ..models.loading import draft_backend
     from ..bench.runner import hf_contenders, leaplm_contender, machine_info, run_bench, summarize
-    from ..bench.workloads import as_chat, fit_to_context, get_workload
+    from ..bench.structured import any_workload
+    from ..bench.workloads import as_chat, fit_to_context
 
     logging.basicConfig(level=logging.WARNING)
     set_threads(options.threads)
@@ -112,7 +113,10 @@ def bench(
     if roofline:
         from .bench_roofline import run_roofline
 
-        return run_roofline(model=options.model, draft=draft, configs=parse_methods(methods, k), k=k,
+        configs = parse_methods(methods, k)
+        if any(opts.get("structured") for _, _, opts in configs):
+            fail(f"--methods: {SCHEMA} configurations run in the benchmark, not in --roofline")
+        return run_roofline(model=options.model, draft=draft, configs=configs, k=k,
                             workloads=workloads, prompts=prompts, max_new_tokens=max_new_tokens, rounds=rounds,
                             dtype=options.dtype, quantization=options.quantization,
                             json_out=json_out, fail=fail, backend=options.backend)
@@ -132,7 +136,7 @@ def bench(
             fail("--temperature: the llamacpp baseline is greedy only (its identity check needs greedy output)")
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, ignore_eos=True)
-        wls = [get_workload(w.strip(), prompts) for w in workloads.split(",") if w.strip()]
+        wls = [any_workload(w.strip(), prompts) for w in workloads.split(",") if w.strip()]
         target_name = options.model or embedded.default_target()
         target = load_model(target_name, dtype=options.dtype, field="model", quantization=options.quantization,
                             backend=options.backend)
@@ -154,7 +158,7 @@ def bench(
         for label, method, opts in configs:
             constrained = opts.pop("structured", False)
             if constrained and not all(w.constraints for w in wls):
-                _fail(f"--methods: {label} needs workloads with constraints (json-extract, tool-call)")
+                fail(f"--methods: {label} needs workloads with constraints (json-extract, tool-call)")
             d = None
             if method == "draft":
                 dn = opts.pop("draft", None) or draft_name
