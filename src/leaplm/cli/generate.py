@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..config import ConfigError, SamplingParams
+from ..config import ConfigError, SamplingParams, StructuredOutput
 from .aliases import ALIAS_FLAGS, check_llama_cpp_only, check_samples, parse_speculative_config
 from .common import (ADAPTIVE_K, DRAFT, DRAFT_MIN, K, N_GPU_LAYERS, SPECULATIVE_CONFIG, EngineOptions, engine_options,
                      err, fail, set_threads, write)
@@ -21,6 +21,33 @@ def _skip_layers(text: Optional[str]) -> Optional[list[int]]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         fail(f"--skip-layers: expected comma-separated layer indices, got {text!r}")
+
+
+def _structured(json_schema: Optional[str], regex: Optional[str], grammar: Optional[str],
+                choice: Optional[list[str]]) -> StructuredOutput | None:
+    """The constraint the flags ask for (at most one of them); errors name the flag."""
+    given = [f for f, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar),
+                            ("--choice", choice)) if v]
+    if not given:
+        return None
+    if len(given) > 1:
+        fail(f"{given[1]}: give one of --json-schema, --regex, --grammar, --choice; got {', '.join(given)}")
+    flag = given[0]
+    kw: dict = {}
+    if flag in ("--json-schema", "--grammar"):
+        path = json_schema or grammar
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            fail(f"{flag}: cannot read {path!r} ({e.strerror or e})")
+        kw = {"json": text} if flag == "--json-schema" else {"grammar": text}
+    else:
+        kw = {"regex": regex} if flag == "--regex" else {"choice": list(choice)}
+    try:
+        return StructuredOutput(**kw)
+    except ConfigError as e:
+        fail(f"{flag}: {e.message}")
 
 
 @engine_options()
@@ -49,6 +76,14 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object."),
     chat: bool = typer.Option(False, "--chat", help="PROMPT is a user message: apply the model's chat template."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema", help="Structured output: a JSON Schema file "
+                                              "the output follows (docs/structured-output.md)."),
+    regex: Optional[str] = typer.Option(None, "--regex", help="Structured output: a regular expression the output "
+                                        "matches."),
+    grammar: Optional[str] = typer.Option(None, "--grammar", help="Structured output: a grammar file (Lark, "
+                                          "llguidance's dialect, or GBNF) the output follows."),
+    choice: Optional[list[str]] = typer.Option(None, "--choice", help="Structured output: the output is one of "
+                                               "these strings (repeatable)."),
     adaptive_k: bool = ADAPTIVE_K,
     ngram_min: int = typer.Option(1, "--ngram-min"),
     ngram_max: int = typer.Option(4, "--ngram-max"),
@@ -84,11 +119,13 @@ def generate(
     k = sc.k if sc.k is not None else k
     ngram_min = sc.ngram_min if sc.ngram_min is not None else ngram_min
     ngram_max = sc.ngram_max if sc.ngram_max is not None else ngram_max
+    structured = _structured(json_schema, regex, grammar, choice)
     try:
         params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  min_p=min_p, repetition_penalty=repetition_penalty,
                                  seed=None if seed is None else seed + i, stop=list(stop or []),
-                                 ignore_eos=ignore_eos, verifier=verifier) for i in range(n)]
+                                 ignore_eos=ignore_eos, verifier=verifier, structured=structured)
+                  for i in range(n)]
         engine = Engine(model=options.model, draft=draft, method=method, k=k, device=options.device,
                         dtype=options.dtype, kv_cache_dtype=options.kv_cache_dtype,
                         max_model_len=options.max_model_len, adaptive_k=adaptive_k,
@@ -137,7 +174,8 @@ def generate(
             "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_length": round(s.mean_accepted_length, 4),
             "decode_s": round(s.decode_s, 4), "tokens_per_s": round(s.tokens_per_s, 2),
             "prefill_s": round(s.prefill_s, 4),
-            **{f: round(getattr(s, f), 6) for f in ("propose_s", "score_s", "verify_s", "commit_s")},
+            **{f: round(getattr(s, f), 6) for f in ("propose_s", "score_s", "verify_s", "commit_s", "grammar_s")},
+            "forced_tokens": s.forced_tokens, "forced_accepted": s.forced_accepted,
             "acceptance_by_position": [round(a, 4) for a in
                                                                             s.acceptance_by_position],
             "max_model_len": engine.max_model_len, "kv_cache_peak_bytes": engine.kv_cache_peak_bytes,
