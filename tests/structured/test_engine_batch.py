@@ -13,7 +13,7 @@ from leaplm.config import SamplingParams, StructuredOutput
 from leaplm.engine.engine import Engine
 from leaplm.engine.scheduler import BatchScheduler, SeqRequest
 from leaplm.propose import registry
-from leaplm.propose.base import Proposal
+from leaplm.propose.base import Proposal, ProposerBase, SimpleFactory
 from leaplm.structured.state import GrammarState, GrammarVocab
 from letters import letter_tokenizer, letters  # noqa: F401 - the fixture
 
@@ -26,7 +26,7 @@ def greedy(spec=ALTERNATE, new=NEW) -> SamplingParams:
     return SamplingParams(temperature=0, max_new_tokens=new, structured=spec)
 
 
-class Adversary:
+class Adversary(ProposerBase):
     """Drafts random letters (most of them forbidden), as a chain or a random tree, and records what reached the
     verifier (observe gets the proposal as scored, cut or pruned to the grammar)."""
     name, samples = "adversary", False
@@ -52,7 +52,8 @@ def adversary(monkeypatch):
 
     def install(tree: bool):
         monkeypatch.setitem(registry.BUILDERS, "ngram",
-                            lambda spec, target, draft: (lambda max_len: Adversary(len(log) + 7, tree, log)))
+                            lambda spec, target, draft: SimpleFactory(lambda max_len: Adversary(len(log) + 7, tree,
+                                                                                                log)))
     return install, log
 
 

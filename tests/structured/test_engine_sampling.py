@@ -1,4 +1,5 @@
-"""Sampled output under a constraint follows the masked target's distribution, under every kind of verification.
+"""Sampled output under a constraint follows the masked target's distribution, under both sampled verifiers: the
+exponential race and rejection sampling (whose sampled drafts keep their first forbidden token, rejected for sure).
 
 Monte Carlo on the 8-letter target: the grammar ((a|b)(c|d|e))+f? allows 2, then 3, then 3 letters at the first
 three positions, so the statistic is the joint distribution of the first three generated tokens (18 cells), against
@@ -25,7 +26,7 @@ from mc_bounds import MIN_CELL, tv_and_bound
 GRAMMAR = StructuredOutput(regex="((a|b)(c|d|e))+f?")
 PROMPT = [0, 2, 1, 3, 0, 2, 1, 4, 0, 2]            # a c b d a c b e a c: n-gram methods find matches in it
 TEMPERATURE = 1.5
-N = 1500
+N = 1200
 N_CONTROL = 400
 METHODS = {"none": dict(method="none"), "draft": dict(method="draft", k=3),
            "ngram": dict(method="ngram", k=3), "lookahead": dict(method="lookahead", k=4, window=2, ngram_size=2)}
@@ -56,13 +57,14 @@ def exact_first_three(path: str, vocab) -> torch.Tensor:
     return joint
 
 
-def sample_first_three(engine: Engine, n: int) -> tuple[torch.Tensor, float, int]:
+def sample_first_three(engine: Engine, n: int, verifier: str = "race") -> tuple[torch.Tensor, float, int]:
     """Empirical joint [V, V, V] over seeds 0..n-1, the share of requests that left the grammar, drafts accepted."""
     V = engine.model.vocab_size
     counts = torch.zeros(V, V, V, dtype=torch.float64)
     invalid = accepted = 0
     for seed in range(n):
-        params = SamplingParams(max_new_tokens=3, temperature=TEMPERATURE, seed=seed, structured=GRAMMAR)
+        params = SamplingParams(max_new_tokens=3, temperature=TEMPERATURE, seed=seed, structured=GRAMMAR,
+                                verifier=verifier)
         try:
             out = engine.generate(PROMPT, params)
         except RuntimeError:                         # a token the grammar refuses reached the commit
@@ -89,22 +91,23 @@ def engine_for(letters, method: str) -> Engine:
     return Engine(letters["target"], letters["near"] if method == "draft" else None, adaptive_k=False, **opts)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_sampling_follows_the_constrained_target(method, letters, exact):
-    got, invalid, accepted = sample_first_three(engine_for(letters, method), N)
+@pytest.mark.parametrize("method, verifier", [(m, "race") for m in METHODS] +
+                         [(m, "rejection") for m in ("draft", "ngram", "lookahead")])
+def test_sampling_follows_the_constrained_target(method, verifier, letters, exact):
+    got, invalid, accepted = sample_first_three(engine_for(letters, method), N, verifier)
     assert invalid == 0
     if method != "none":
         assert accepted > N // 10                  # speculation really happened, often enough to matter
     tv, bound = tv_and_bound(got, exact, N)
-    assert tv < bound, f"{method}: TV {tv:.4f} >= bound {bound:.4f}"
+    assert tv < bound, f"{method}, {verifier}: TV {tv:.4f} >= bound {bound:.4f}"
 
 
-@pytest.mark.parametrize("method", ["none", "draft"])
-def test_negative_control_unmasked_verification_fails_the_bound(method, letters, exact, monkeypatch):
+@pytest.mark.parametrize("method, verifier", [("none", "race"), ("draft", "rejection")])
+def test_negative_control_unmasked_verification_fails_the_bound(method, verifier, letters, exact, monkeypatch):
     import leaplm.engine.step as step
 
     monkeypatch.setattr(step, "masked", lambda logits, rc: logits)
-    got, invalid, _ = sample_first_three(engine_for(letters, method), N_CONTROL)
+    got, invalid, _ = sample_first_three(engine_for(letters, method), N_CONTROL, verifier)
     V = got.shape[0]
     cells = torch.cat([got.flatten(), torch.tensor([invalid], dtype=torch.float64)])
     exact_cells = torch.cat([exact.flatten(), torch.zeros(1, dtype=torch.float64)])
