@@ -93,7 +93,12 @@ CASES = [
     ("stream-options-without-stream", CMPL, c(stream_options={"include_usage": True}), 400, "stream_options", []),
     ("unknown-field", CMPL, c(frobnicate=1), 400, "frobnicate", ["unknown"]),
     ("tools", CHAT, ch(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", ["not supported"]),
-    ("response-format-json", CHAT, ch(response_format={"type": "json_object"}), 400, "response_format", []),
+    ("response-format-unknown-type", CHAT, ch(response_format={"type": "yaml"}), 400, "response_format.type",
+     ["json_schema"]),
+    ("guided-regex-invalid", CMPL, c(guided_regex="a("), 400, "guided_regex", ["unclosed group"]),
+    ("json-schema-unsupported-keyword", CHAT, ch(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}), 400, "response_format.json_schema.schema",
+     ["uniqueItems"]),
     ("speculative-unknown-method", CMPL, c(speculative={"method": "magic"}), 400, "speculative.method", []),
     ("speculative-unavailable-method", CMPL, c(speculative={"method": "layerskip"}), 400, "speculative.method",
      ["layerskip"]),

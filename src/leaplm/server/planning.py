@@ -103,11 +103,19 @@ def plan_request(state: ServerState, body, chat: bool) -> Plan:
             state.scheduler.proposer_factory(method)
         except ConfigError as e:
             raise APIError(400, f"speculative.method: {e.message}", "speculative.method", "invalid_value") from None
+    try:
+        structured = body.structured_output()
+        if structured is not None:
+            eng.grammar_state(structured)     # the tokenizer can spell it (llguidance's view built on first use)
+    except (ConfigError, ValueError) as e:
+        field = e.field if isinstance(e, ConfigError) else "structured_outputs"
+        message = e.message if isinstance(e, ConfigError) else str(e)
+        raise APIError(400, f"{field}: {message}", field, "invalid_value") from None
     params = []
     for i in range(len(prompts) * n):
         seed = body.seed + i % n if body.seed is not None else None
         try:
-            params.append(body.sampling_params(max_tokens, logprobs, seed))
+            params.append(body.sampling_params(max_tokens, logprobs, seed, structured))
         except ConfigError as e:
             f = {"max_new_tokens": max_field, "logprobs": "top_logprobs" if chat else "logprobs"}.get(e.field, e.field)
             raise APIError(400, f"{f}: {e.message}", f, "invalid_value") from None

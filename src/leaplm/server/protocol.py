@@ -8,6 +8,8 @@ other than text) is refused with a message that says so. Every error becomes an 
 
 leaplm extensions (accepted on both endpoints): top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
 `speculative: {"method": ..., "k": ...}` (or {"method": "none"}) and stream_options.continuous_usage_stats.
+Structured output: response_format (chat: text, json_object, json_schema) and vLLM's guided_json, guided_regex,
+guided_choice, guided_grammar and structured_outputs (both endpoints); structured/requests.py reads them.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from ..config import METHODS, SamplingParams
+from ..config import METHODS, SamplingParams, StructuredOutput
 
 MAX_N = 16                 # choices per request
 MAX_PROMPTS = 16           # prompts in one completions request
@@ -118,6 +120,12 @@ class _Common(BaseModel):
     stop_token_ids: Optional[list[Annotated[int, Field(strict=True, ge=0)]]] = Field(
         None, description="leaplm extension.", max_length=MAX_STOP)
     speculative: Optional[SpeculativeOptions] = None
+    guided_json: Optional[Any] = Field(None, description="vLLM's: a JSON Schema (object or text) the output follows.")
+    guided_regex: Optional[str] = Field(None, description="vLLM's: a regular expression the output matches.")
+    guided_choice: Optional[list[Any]] = Field(None, description="vLLM's: the output is one of these strings.")
+    guided_grammar: Optional[str] = Field(None, description="vLLM's: a grammar (Lark or GBNF) the output follows.")
+    structured_outputs: Optional[dict[str, Any]] = Field(
+        None, description="vLLM's: one of json, regex, choice, grammar, json_object.")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -146,14 +154,23 @@ class _Common(BaseModel):
             raise _field_error("stream_options", "is only allowed when stream is true")
         return self
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+    def structured_output(self) -> StructuredOutput | None:
+        """The request's constraint (None: none); a ConfigError naming the request's field when it is bad."""
+        from ..structured.requests import from_request
+
+        return from_request(getattr(self, "response_format", None), self.structured_outputs,
+                            guided_json=self.guided_json, guided_regex=self.guided_regex,
+                            guided_choice=self.guided_choice, guided_grammar=self.guided_grammar)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, seed: int | None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         """SamplingParams for one choice; validated by SamplingParams itself (the CLI's rules)."""
         return SamplingParams(
             max_new_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
             top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p,
             min_p=self.min_p or 0.0, repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=seed, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=bool(self.ignore_eos), logprobs=logprobs)
+            ignore_eos=bool(self.ignore_eos), logprobs=logprobs, structured=structured)
 
 
 def _field_error(field: str, message: str):
@@ -259,7 +276,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: Optional[Annotated[int, Field(strict=True, ge=1, le=SamplingParams.MAX_NEW_TOKENS)]] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]] = None
-    response_format: Optional[dict[str, Any]] = Field(None, description="Only {'type': 'text'}.")
+    response_format: Optional[dict[str, Any]] = Field(
+        None, description="{'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': "
+                          "{'name': ..., 'schema': {...}, 'strict': true}}.")
     tools: Optional[list[Any]] = Field(None, description="Not supported.")
     tool_choice: Optional[Any] = Field(None, description="Not supported.")
     parallel_tool_calls: Optional[bool] = Field(None, description="Not supported.")
@@ -272,8 +291,6 @@ class ChatCompletionRequest(_Common):
             raise _field_error("tool_choice", "tool calling is not supported by leaplm")
         if self.parallel_tool_calls:
             raise _field_error("parallel_tool_calls", "tool calling is not supported by leaplm")
-        if self.response_format not in (None, {"type": "text"}):
-            raise _field_error("response_format", "only {'type': 'text'} is supported by leaplm")
         if self.top_logprobs is not None and not self.logprobs:
             raise _field_error("top_logprobs", "requires logprobs to be true")
         if self.max_tokens is not None and self.max_completion_tokens is not None \

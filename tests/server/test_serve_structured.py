@@ -1,0 +1,89 @@
+"""Structured output through a real server and the official openai client: response_format (json_schema, with
+strict, and json_object), vLLM's guided_* and structured_outputs fields; outputs equal Engine(method="none") under
+the same constraint and validate against their schema; bad input is a 400 naming the field."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from leaplm import SamplingParams, StructuredOutput
+
+from serverkit import MODEL
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2}},
+    "required": ["name", "age", "tags"], "additionalProperties": False}
+MESSAGES = [{"role": "user", "content": "describe a person as json"}]
+
+
+def chat_text(reference) -> str:
+    return reference.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+
+
+def test_response_format_json_schema_equals_constrained_plain_decoding(client, reference):
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=200, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    ref = reference.generate(chat_text(reference), SamplingParams(max_new_tokens=200, temperature=0,
+                                                                  structured=StructuredOutput(json=PERSON)))
+    content = r.choices[0].message.content
+    assert content == ref.text and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(content), PERSON)
+    assert r.usage.model_extra["speculative"]["method"] == "draft"
+
+
+def test_sampled_outputs_validate(client):
+    for seed in range(4):
+        r = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=200, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+def test_json_object_and_streaming(client):
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300, temperature=0,
+                                            stream=True, response_format={"type": "json_object"})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    if finish == ["stop"]:
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert finish == ["length"] and text.startswith("{")
+
+
+def test_vllm_fields_on_completions(client, reference):
+    for extra, spec in [({"guided_regex": "[a-z]{2,5}-[0-9]{3}"}, StructuredOutput(regex="[a-z]{2,5}-[0-9]{3}")),
+                        ({"guided_choice": ["yes", "no", "maybe"]}, StructuredOutput(choice=["yes", "no", "maybe"])),
+                        ({"structured_outputs": {"json": PERSON}}, StructuredOutput(json=PERSON)),
+                        ({"guided_grammar": 'root ::= "a" [b-d]+ "z"'},
+                         StructuredOutput(grammar='root ::= "a" [b-d]+ "z"'))]:
+        r = client.completions.create(model=MODEL, prompt="the answer:", max_tokens=60, temperature=0,
+                                      extra_body=extra)
+        ref = reference.generate("the answer:", SamplingParams(max_new_tokens=60, temperature=0, structured=spec))
+        assert r.choices[0].text == ref.text, extra
+        assert r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs, param, words", [
+    (dict(extra_body={"guided_regex": "a("}), "guided_regex", "unclosed group"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "uniqueItems": True}}}), "response_format.json_schema.schema", "uniqueItems"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}),
+     "response_format.json_schema.schema", "Invalid type"),
+    (dict(response_format={"type": "yaml"}), "response_format.type", "json_schema"),
+    (dict(extra_body={"guided_choice": []}), "guided_choice", "non-empty"),
+    (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a"}), "response_format", "one"),
+])
+def test_bad_constraints_are_400_naming_the_field(client, kwargs, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, **kwargs)
+    err = e.value.body
+    assert err["param"] == param, err
+    assert words in err["message"]
