@@ -157,6 +157,19 @@ def test_gguf_blocks_are_used_as_stored(tmp_path, qtype, tied):
         assert eng.generate(prompt, greedy(20)).token_ids == plain.generate(prompt, greedy(20)).token_ids
 
 
+def test_gguf_type_without_a_kernel_runs_dequantized_and_is_named(tmp_path, caplog):
+    pytest.importorskip("gguf")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from gguf_writer import write_tiny_gguf
+
+    path, _ = write_tiny_gguf(tmp_path, qtype="F16")
+    with caplog.at_level("WARNING"):
+        lm = load_model(path, quantization="gguf", backend="torch")
+    assert not lm.model.quantized
+    lines = [r.getMessage() for r in caplog.records if "stay in" in r.getMessage()]
+    assert len(lines) == 1 and "GGUF type F16" in lines[0], lines
+
+
 def test_cli_generate_and_serve_take_quantization(dirs):
     import json
 

@@ -60,7 +60,8 @@ def quantize_model(model, quantization: str, gguf_path: str | None = None, backe
     if quantization == "gguf" and gguf_path is None:
         raise ConfigError(field, "'gguf' keeps a GGUF file's own blocks: the model must be a .gguf file")
     params = dict(model.named_parameters(remove_duplicate=False))
-    from_file = _gguf_weights(model, gguf_path) if gguf_path else {}
+    file_types: dict[str, str] = {}            # fused name -> the GGUF types of its parts (what gguf cannot take)
+    from_file = _gguf_weights(model, gguf_path, file_types) if gguf_path else {}
     rep = QuantReport(quantization, "torch", {}, [], {}, 0)
     for name in linear_names(model):
         w = params[name]
@@ -68,7 +69,10 @@ def quantize_model(model, quantization: str, gguf_path: str | None = None, backe
         if qw is not None and quantization in ("gguf", qw.fmt):
             rep.from_file.append(name)
         elif quantization == "gguf":
-            rep.kept[name] = "its GGUF type has no quantized kernel here"
+            ft = file_types.get(name, "unknown")
+            rep.kept[name] = (f"GGUF type {ft}: the int8 kernel takes Q8_0, Q4_0, Q4_1; it runs dequantized"
+                              if any(t not in GGUF_FORMAT for t in ft.split("/")) else
+                              "its blocks did not match the loaded weight")
             continue
         elif w.shape[1] % BLOCK:
             rep.kept[name] = f"input dimension {w.shape[1]} is not a multiple of {BLOCK}"
@@ -105,7 +109,7 @@ def _free_fp_weights(model, names) -> None:
                                   requires_grad=False)
 
 
-def _gguf_weights(model, path: str) -> dict[str, QuantizedWeight]:
+def _gguf_weights(model, path: str, types: dict[str, str] | None = None) -> dict[str, QuantizedWeight]:
     """The GGUF file's Q8_0/Q4_x tensors as QuantizedWeights under the native model's (fused) names, checked
     against the weights the model already holds (dequantized by the loader): a layout we do not expect is
     requantized with a warning instead of silently computing on permuted rows."""
@@ -123,7 +127,9 @@ def _gguf_weights(model, path: str) -> dict[str, QuantizedWeight]:
         K, N = (int(x) for x in t.shape[:2])
         return from_gguf_blocks(t.data, t.tensor_type.name, (N, K))
 
-    def put(name: str, parts: list[QuantizedWeight | None]) -> None:
+    def put(name: str, parts: list[QuantizedWeight | None], srcs: list[str]) -> None:
+        if types is not None:
+            types[name] = "/".join(dict.fromkeys(raw[n].tensor_type.name for n in srcs if n in raw))
         if any(p is None for p in parts) or len({p.fmt for p in parts}) != 1:
             return
         qw = cat_rows(parts) if len(parts) > 1 else parts[0]
@@ -138,10 +144,12 @@ def _gguf_weights(model, path: str) -> dict[str, QuantizedWeight]:
 
     for i in range(a.num_hidden_layers):
         b = f"blk.{i}."
-        put(f"layers.{i}.self_attn.qkv.weight", [get(b + "attn_q.weight"), get(b + "attn_k.weight"),
-                                                 get(b + "attn_v.weight")])
-        put(f"layers.{i}.self_attn.o_proj.weight", [get(b + "attn_output.weight")])
-        put(f"layers.{i}.mlp.gate_up.weight", [get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")])
-        put(f"layers.{i}.mlp.down_proj.weight", [get(b + "ffn_down.weight")])
-    put("lm_head.weight", [get("output.weight") if "output.weight" in raw else get("token_embd.weight")])
+        for name, srcs in ((f"layers.{i}.self_attn.qkv.weight", ["attn_q", "attn_k", "attn_v"]),
+                           (f"layers.{i}.self_attn.o_proj.weight", ["attn_output"]),
+                           (f"layers.{i}.mlp.gate_up.weight", ["ffn_gate", "ffn_up"]),
+                           (f"layers.{i}.mlp.down_proj.weight", ["ffn_down"])):
+            srcs = [f"{b}{n}.weight" for n in srcs]
+            put(name, [get(n) for n in srcs], srcs)
+    head = "output.weight" if "output.weight" in raw else "token_embd.weight"
+    put("lm_head.weight", [get(head)], [head])
     return out
