@@ -99,6 +99,57 @@ def test_parsers_refuse_output_without_timing_lines():
         lc.parse_llama_bench("| model | size |")
 
 
+def test_parsers_call_output_that_lost_its_tail_truncated():
+    # captured from llama-completion and llama-lookup on the embedded target (export-gguf, q8_0), exit status 0:
+    # llama.cpp's logger is not flushed at exit, so the text's end and every timing line can be missing
+    with pytest.raises(lc.LlamaCppTruncatedOutput, match="prompt eval time"):
+        lc.parse_completion(_fix("completion-truncated.stdout"), _fix("completion-truncated.stderr"))
+    with pytest.raises(lc.LlamaCppTruncatedOutput, match="decoded"):
+        lc.parse_spec(_fix("lookup-truncated.stdout"), _fix("lookup-truncated.stderr"),
+                      _fix("lookup-truncated.prompt.txt"), lc.LOOKUP)
+    # a tail cut after some of the lines the parsers read: still truncated, never a figure with a default in it
+    lines = _fix("completion.stderr").splitlines(keepends=True)
+    cut = "".join(lines[:next(i for i, x in enumerate(lines) if "total time" in x)])
+    with pytest.raises(lc.LlamaCppTruncatedOutput, match="'total time'"):
+        lc.parse_completion(_fix("completion.stdout"), cut)
+    lines = _fix("lookup.stderr").splitlines(keepends=True)
+    cut = "".join(lines[:next(i for i, x in enumerate(lines) if "n_accept" in x)])
+    with pytest.raises(lc.LlamaCppTruncatedOutput, match="n_accept"):
+        lc.parse_spec(_fix("lookup.stdout"), cut, _fix("prompt.txt"), lc.LOOKUP)
+
+
+TRUNCATING = r'''
+import sys, pathlib
+count = pathlib.Path(sys.argv[0]).with_suffix(".count")
+n = int(count.read_text()) if count.exists() else 0
+count.write_text(str(n + 1))
+sys.stdout.write(" t t t\n\n")
+if n < int(sys.argv[-1]):                                # the first runs lose their tail, as llama.cpp's can
+    sys.stderr.write("generate: n_ctx = 64\n")
+    sys.exit(0)
+sys.stderr.write("common_perf_print: prompt eval time =    1.00 ms /  4 tokens (x)\n"
+                 "common_perf_print:        eval time =    4.00 ms /  2 runs   (x)\n"
+                 "common_perf_print:       total time =    5.00 ms /  7 tokens\n")
+'''
+
+
+@pytest.mark.parametrize("truncated_runs", [0, 2, lc.MAX_ATTEMPTS])
+def test_a_truncated_run_is_run_again_and_counted(tmp_path, truncated_runs):
+    exe = tmp_path / "llama-completion"
+    exe.write_text(f"#!{sys.executable}\n{TRUNCATING}")
+    exe.chmod(0o755)
+    s = lc.LlamaCppSetup(lc.find_binaries(str(_fake_dir(tmp_path, lc.BINARIES[1:])), env={}), "m.gguf", 1, 64)
+    cmd = [str(exe), str(truncated_runs)]
+    if truncated_runs == lc.MAX_ATTEMPTS:
+        with pytest.raises(lc.LlamaCppOutputError, match=f"truncated in all {lc.MAX_ATTEMPTS} runs"):
+            lc.run_parsed(cmd, lc.parse_completion, s)
+    else:
+        r, wall = lc.run_parsed(cmd, lc.parse_completion, s)
+        assert (r.new_tokens, r.seconds, r.text) == (3, 0.005, " t t t") and wall > 0
+    assert s.retries == min(truncated_runs, lc.MAX_ATTEMPTS - 1)
+    assert int(exe.with_suffix(".count").read_text()) == min(truncated_runs + 1, lc.MAX_ATTEMPTS)
+
+
 def test_parse_llama_bench_captured():
     f = lc.parse_llama_bench(_fix("bench.json"))
     assert (f.n_gen, f.repetitions, f.model_type) == (16, 2, "llama 256M Q4_1")
@@ -195,7 +246,7 @@ def test_bench_cli_llamacpp_rows_from_stand_in_binaries(checkpoint, tmp_path, mo
     assert rows["llama.cpp"]["identical"] is False and rows["llama.cpp"]["common_prefix"] is not None
     s = data["settings"]["llamacpp"]
     assert s["model"].endswith("target-f32.gguf") and s["draft"].endswith("draft-q8_0.gguf")
-    assert s["llama_bench"]["tokens_per_s"] == 123.5 and s["threads"] == 1
+    assert s["llama_bench"]["tokens_per_s"] == 123.5 and s["threads"] == 1 and s["truncated_output_retries"] == 0
     assert "tokenized" in res.output and "llama-bench tg128" in res.output
 
 

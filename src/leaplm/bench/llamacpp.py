@@ -6,6 +6,11 @@ Rows: llama-completion (plain decoding), llama-lookup (prompt lookup, K drafted 
 with a GGUF draft (`--spec-type draft-simple`), and llama-bench tg128 as a reference (no prompt).
 llama.cpp prints text, not token ids: agreement with leaplm's greedy tokens is the number of leaplm tokens whose
 decoded text is a prefix of llama.cpp's text (common_prefix_tokens).
+
+llama.cpp writes its text and timing lines through an asynchronous logger that is never flushed at exit, so a
+process can end with the tail of its output lost (seen in about one run in ten, exit status 0). A run counts only
+when the last line the parser reads is there (everything queued before it was written too); a truncated run is
+run again, at most MAX_ATTEMPTS times in all, and the retries are counted in the bench's JSON.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from ..config import ConfigError
@@ -68,6 +74,15 @@ class LlamaCppOutputError(RuntimeError):
     pass
 
 
+class LlamaCppTruncatedOutput(LlamaCppOutputError):
+    """The process exited cleanly but the closing lines the parser needs are missing: llama.cpp's logger lost the
+    tail of its queue at exit. Running again is the remedy."""
+
+
+MAX_ATTEMPTS = 4
+_LOST_TAIL = "(llama.cpp's logger can drop the last lines at exit; the run is repeated)"
+
+
 _PERF = re.compile(r"common_perf_print:\s+(prompt eval|eval|total|sampling) time\s*=\s*([\d.]+) ms"
                    r"(?:\s*/\s*(\d+) (tokens|runs))?")
 _ENC = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")
@@ -96,10 +111,13 @@ def parse_completion(stdout: str, stderr: str) -> LlamaCppRun:
     say prompt eval (ms / prompt tokens) and eval (ms / runs); the first token comes from the prompt's logits,
     so runs + 1 tokens were generated."""
     perf = _perf(stderr)
-    if "prompt eval" not in perf or "eval" not in perf:
-        raise LlamaCppOutputError("llama-completion: no 'prompt eval time' / 'eval time' lines on stderr")
+    if not perf:
+        raise LlamaCppTruncatedOutput(f"llama-completion: no 'prompt eval time' lines on stderr {_LOST_TAIL}")
+    missing = [k for k in ("prompt eval", "eval", "total") if k not in perf]
+    if missing:
+        raise LlamaCppTruncatedOutput(f"llama-completion: no '{missing[0]} time' line on stderr {_LOST_TAIL}")
     (p_ms, p_tok), (e_ms, runs) = perf["prompt eval"], perf["eval"]
-    seconds = (perf["total"][0] if "total" in perf else p_ms + e_ms) / 1e3
+    seconds = perf["total"][0] / 1e3
     text = stdout[:-2] if stdout.endswith("\n\n") else stdout
     return LlamaCppRun(text, (runs or 0) + 1, p_tok or 0, seconds,
                        (runs or 0) / (e_ms / 1e3) if e_ms > 0 else float("nan"))
@@ -120,12 +138,16 @@ def parse_spec(stdout: str, stderr: str, prompt: str, binary: str) -> LlamaCppRu
     """llama-lookup and llama-speculative-simple: "encoded N tokens in S seconds", "decoded N tokens in S seconds,
     speed: X t/s", n_drafted, n_accept."""
     enc, dec = _ENC.search(stderr), _DEC.search(stderr)
-    if not enc or not dec:
-        raise LlamaCppOutputError(f"{binary}: no 'encoded ... tokens' / 'decoded ... tokens' lines on stderr")
     kv = {m.group(1): int(m.group(2)) for m in _KV.finditer(stderr)}
+    if not enc or not dec:
+        raise LlamaCppTruncatedOutput(f"{binary}: no 'encoded ... tokens' / 'decoded ... tokens' lines on stderr "
+                                      f"{_LOST_TAIL}")
+    missing = [k for k in ("n_drafted", "n_accept") if k not in kv]
+    if missing:
+        raise LlamaCppTruncatedOutput(f"{binary}: no '{missing[0]} =' line on stderr {_LOST_TAIL}")
     return LlamaCppRun(_echoed(stdout, prompt, binary), int(dec.group(1)), int(enc.group(1)),
                        float(enc.group(2)) + float(dec.group(2)), float(dec.group(3)),
-                       kv.get("n_drafted", 0), kv.get("n_accept", 0))
+                       kv["n_drafted"], kv["n_accept"])
 
 
 @dataclass
@@ -174,6 +196,7 @@ class LlamaCppSetup:
     context: int
     draft: str | None = None    # GGUF draft for llama-speculative-simple
     no_repack: bool = False     # set by probe_repack when the repacked path dies here
+    retries: int = 0            # runs repeated because llama.cpp's output lost its tail (LlamaCppTruncatedOutput)
 
 
 def _common_args(s: LlamaCppSetup, prompt_file: str, max_new: int) -> list[str]:
@@ -216,6 +239,21 @@ def _run(cmd: list[str], timeout: float = 900) -> tuple[str, str, float]:
     return out, err, wall
 
 
+def run_parsed(cmd: list[str], parse, s: LlamaCppSetup) -> tuple[LlamaCppRun, float]:
+    """Run `cmd` and parse its (stdout, stderr); a run whose output lost its tail is run again (counted in
+    s.retries), up to MAX_ATTEMPTS runs in all."""
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        out, err, wall = _run(cmd)
+        try:
+            return parse(out, err), wall
+        except LlamaCppTruncatedOutput as e:
+            if attempt == MAX_ATTEMPTS:
+                raise LlamaCppOutputError(f"{e} (truncated in all {MAX_ATTEMPTS} runs)") from None
+            s.retries += 1
+            log.warning("%s; running it again (%d of %d)", e, attempt + 1, MAX_ATTEMPTS)
+    raise AssertionError("unreachable")
+
+
 def probe_repack(s: LlamaCppSetup, prompt_file: str) -> None:
     """Run two tokens with weight repacking on; if the process dies (e.g. SIGILL from AMX tiles that cpuid
     advertises but the VM does not run), use --no-repack for every run and say so."""
@@ -232,16 +270,15 @@ def llamacpp_contenders(s: LlamaCppSetup, k: int, workdir: str) -> list[Contende
         def run(prompt: str, max_new: int):
             with tempfile.NamedTemporaryFile("wb", suffix=".txt", dir=workdir, delete=False) as f:
                 f.write(prompt.encode("utf-8"))
+            if kind == "plain":
+                cmd, parse = completion_command(s, f.name, max_new), parse_completion
+            elif kind == "lookup":
+                cmd, parse = lookup_command(s, f.name, max_new, k), partial(parse_spec, prompt=prompt, binary=LOOKUP)
+            else:
+                cmd = speculative_command(s, f.name, max_new, k)
+                parse = partial(parse_spec, prompt=prompt, binary=SPECULATIVE)
             try:
-                if kind == "plain":
-                    out, err, wall = _run(completion_command(s, f.name, max_new))
-                    r = parse_completion(out, err)
-                elif kind == "lookup":
-                    out, err, wall = _run(lookup_command(s, f.name, max_new, k))
-                    r = parse_spec(out, err, prompt, LOOKUP)
-                else:
-                    out, err, wall = _run(speculative_command(s, f.name, max_new, k))
-                    r = parse_spec(out, err, prompt, SPECULATIVE)
+                r, wall = run_parsed(cmd, parse, s)
             finally:
                 os.unlink(f.name)
             # one target forward per step; a step emits its accepted tokens plus one

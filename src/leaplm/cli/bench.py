@@ -228,7 +228,8 @@ def bench(
                     exactness=leaplm_exactness(target))
     if llama_setup is not None:
         settings["llamacpp"] = dict(model=llama_setup.model, draft=llama_setup.draft, threads=llama_setup.threads,
-                                    no_repack=llama_setup.no_repack, binaries=str(llama_setup.binaries.completion.parent),
+                                    no_repack=llama_setup.no_repack, truncated_output_retries=llama_setup.retries,
+                                    binaries=str(llama_setup.binaries.completion.parent),
                                     timing="llama.cpp rows: prompt + decode by llama.cpp's own timing lines "
                                            "(model load excluded); wall tok/s: the whole process",
                                     llama_bench=reference and reference.__dict__)
