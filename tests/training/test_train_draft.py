@@ -104,6 +104,39 @@ def test_rerun_resumes_and_longer_budget_continues(run_dir, chat_target):
     assert steps == [1, 2, 3, 4, 5, 6]                                           # resumed at 4, not restarted
 
 
+def test_sampled_stage_continues_the_draft_on_total_variation(chat_target, tmp_path):
+    cfg = run_config(chat_target, tmp_path, sampled_steps=2, sampled_temperatures=(0.8,))
+    last = train_draft(cfg)
+    assert last.step == 6
+    steps = [json.loads(x)["step"] for x in (tmp_path / "draft" / "train_log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]                                           # 4 of kl, then 2 more of tv
+    trained = json.loads((tmp_path / "draft" / "train_config.json").read_text())
+    assert (trained["loss"], trained["temperatures"], trained["steps"]) == ("tv", [0.8], 6)
+    assert train_draft(cfg) is None                                              # both stages done
+    with pytest.raises(ConfigError, match="sampled_temperatures") as e:
+        train_draft(run_config(chat_target, tmp_path, sampled_steps=2, sampled_temperatures=(1.0,)))
+    assert e.value.field == "out_dir"
+
+
+def test_a_run_json_without_a_newer_setting_resumes_at_its_default(run_dir, chat_target):
+    path = run_dir / "run.json"
+    run = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in run.items() if k != "sampled_temperatures"}))
+    try:
+        assert train_draft(run_config(chat_target, run_dir, steps=6)) is None     # accepted, nothing to do
+    finally:
+        path.write_text(json.dumps(run))
+
+
+@pytest.mark.parametrize("field,value", [("sampled_steps", -1), ("sampled_temperatures", (float("nan"),)),
+                                         ("sampled_temperatures", ()), ("sampled_temperatures", (1e300,))])
+def test_bad_sampled_stage_settings_are_named(chat_target, tmp_path, field, value):
+    with pytest.raises(ConfigError) as e:
+        train_draft(run_config(chat_target, tmp_path / "o", **{field: value}))
+    assert e.value.field == field
+    assert not (tmp_path / "o").exists()
+
+
 def test_interrupted_run_resumes_from_its_checkpoint(chat_target, tmp_path):
     class Stop(Exception):
         pass
@@ -224,6 +257,8 @@ def test_cli_train_draft_runs_resumes_and_names_bad_options(chat_target, tmp_pat
     assert r.exit_code == 2 and "--loss" in r.output
     r = run.invoke(app, [*args[:5], str(tmp_path / "r3"), *args[6:], "--data-temperatures", "0,x"])
     assert r.exit_code == 2 and "--data-temperatures" in r.output
+    r = run.invoke(app, [*args[:5], str(tmp_path / "r5"), *args[6:], "--sampled-temperatures", "0"])
+    assert r.exit_code == 2 and "--sampled-temperatures" in r.output
     r = run.invoke(app, ["train", "draft", "--target", str(tmp_path / "nothing.gguf"), "--out", str(tmp_path / "r4")])
     assert r.exit_code == 2 and "--target" in r.output
 

@@ -151,6 +151,11 @@ def draft_cmd(
                                                "acceptance pays for)."),
     temperatures: str = typer.Option("1.0,0.8", "--temperatures", help="Distillation: the divergence is averaged "
                                                                        "over these temperatures."),
+    sampled_steps: int = typer.Option(_dr("sampled_steps"), "--sampled-steps", min=0,
+                                      help="Then this many steps of total variation at --sampled-temperatures "
+                                           "(0 = none; raise it and rerun to continue)."),
+    sampled_temperatures: str = typer.Option("0.8,1.0", "--sampled-temperatures",
+                                             help="The sampled stage's temperatures (comma list)."),
     seed: int = typer.Option(0),
     max_files: Optional[int] = typer.Option(None, min=1, help="Scan only the first N stdlib files (tests)."),
     threads: Optional[int] = Threads,
@@ -161,14 +166,16 @@ def draft_cmd(
     from ..training.draft_run import DraftRunConfig, train_draft
 
     setup_training(threads)
-    with user_errors(["target", "out_dir", "shape", "draft_vocab", "loss", "temperatures", "data_temperatures"]):
+    with user_errors(["target", "out_dir", "shape", "draft_vocab", "loss", "temperatures", "data_temperatures",
+                      "sampled_steps", "sampled_temperatures"]):
         cfg = DraftRunConfig(target=resolve_model_name(target, "target"), out_dir=str(out_dir), shape=shape,
                              draft_vocab=draft_vocab, n_prompts=n_prompts, new_tokens=new_tokens,
                              max_prompt_tokens=max_prompt_tokens,
                              data_temperatures=_floats(data_temperatures, "--data-temperatures"), steps=steps,
                              batch_size=batch_size, lr=lr, loss=loss,
-                             temperatures=_floats(temperatures, "--temperatures"), seed=seed, max_files=max_files,
-                             threads=threads)
+                             temperatures=_floats(temperatures, "--temperatures"), sampled_steps=sampled_steps,
+                             sampled_temperatures=_floats(sampled_temperatures, "--sampled-temperatures"),
+                             seed=seed, max_files=max_files, threads=threads)
         with counter("chat answers") as prog:
             task = prog.add_task("gen", total=n_prompts)
             state = {"bar": None}

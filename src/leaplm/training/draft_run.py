@@ -6,8 +6,10 @@ Two stages in one run directory:
   OUT/chatdata/    stage 1, the target's own chat answers with top-k log-probs (chat_ondata.py, shards written
                    whole every shard_rows answers, so a killed run keeps them)
   OUT/draft/       stage 2, the distilled draft (chat_distill.py, checkpoint every save_every steps); when done
-                   it is a draft directory `--draft OUT/draft` loads
-A rerun resumes: stage 1 skips the shards present, stage 2 continues from its last checkpoint.
+                   it is a draft directory `--draft OUT/draft` loads; with sampled_steps > 0, stage 3 continues
+                   the same draft for that many steps on total variation at sampled_temperatures (1 - TV is what
+                   rejection sampling accepts at those temperatures), the log running on from stage 2's steps
+A rerun resumes: stage 1 skips the shards present, stages 2 and 3 continue from the last checkpoint.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from .chat_ondata import ChatDataConfig, generate_chat_logits
 RUN_FILE = "run.json"
 RUN_KIND = "leaplm-train-draft"
 # settings a rerun may change (budget, speed knobs); every other field must match the run on disk
-RESUMABLE = ("steps", "threads", "save_every", "eval_every", "batch_size_data", "n_prompts")
+RESUMABLE = ("steps", "threads", "save_every", "eval_every", "batch_size_data", "n_prompts", "sampled_steps")
 
 
 @dataclass
@@ -51,6 +53,9 @@ class DraftRunConfig:
     loss: str = "kl"
     temperatures: tuple[float, ...] = (1.0, 0.8)
     text_weight: float = 0.0
+    # stage 3 (0 = none): steps of total variation at sampled_temperatures after the `steps` of stage 2
+    sampled_steps: int = 0
+    sampled_temperatures: tuple[float, ...] = (0.8, 1.0)
     save_every: int = 25
     eval_every: int = 50
     seed: int = 0
@@ -73,6 +78,11 @@ class DraftRunConfig:
                                  warmup_steps=self.warmup_steps, save_every=self.save_every,
                                  eval_every=self.eval_every, seed=self.seed, text_weight=self.text_weight,
                                  **self.extra)
+
+    def sampled_config(self) -> ChatDistillConfig:
+        """Stage 3: the draft of stage 2 trained on, `sampled_steps` more steps of the tv loss."""
+        return replace(self.distill_config(), loss="tv", temperatures=self.sampled_temperatures,
+                       steps=self.steps + self.sampled_steps)
 
 
 @dataclass
@@ -137,6 +147,8 @@ def check_run_dir(cfg: DraftRunConfig, fingerprint: str) -> None:
         raise ConfigError("out_dir", f"{cfg.out_dir!r} holds a run for another target ({have.get('target')}, "
                                      f"tokenizer {str(have.get('tokenizer_sha256'))[:12]}...; this target's is "
                                      f"{fingerprint[:12]}...); choose another directory")
+    # a setting missing from an older run.json was made at that setting's default
+    have = _identity(DraftRunConfig(target=cfg.target, out_dir=cfg.out_dir), fingerprint) | have
     diff = [k for k in want if k not in ("target",) and have.get(k) != want[k]]
     if diff:
         k = diff[0]
@@ -146,10 +158,14 @@ def check_run_dir(cfg: DraftRunConfig, fingerprint: str) -> None:
 
 
 def train_draft(cfg: DraftRunConfig, on_progress: Callable[[DraftRunProgress], None] | None = None):
-    """Run (or resume) both stages; returns the last DistillStepLog (None when the draft was already done)."""
+    """Run (or resume) the stages; returns the last DistillStepLog (None when the draft was already done)."""
     cfg.data_config().validate()
     dcfg = cfg.distill_config()
     replace(dcfg, logits_dir=".").validate()      # the shards' directory is made by stage 1
+    if cfg.sampled_steps < 0:
+        raise ConfigError("sampled_steps", f"must be >= 0, got {cfg.sampled_steps}")
+    if not cfg.sampled_temperatures or not all(0 < t <= 10 for t in cfg.sampled_temperatures):
+        raise ConfigError("sampled_temperatures", f"must be values in (0, 10], got {cfg.sampled_temperatures}")
     fp, _ = target_fingerprint(cfg.target)
     check_run_dir(cfg, fp)
     out = Path(cfg.out_dir)
@@ -157,5 +173,12 @@ def train_draft(cfg: DraftRunConfig, on_progress: Callable[[DraftRunProgress], N
     (out / RUN_FILE).write_text(json.dumps(_identity(cfg, fp), indent=1))
     generate_chat_logits(cfg.data_config(), on_rows=lambda d, n: on_progress and on_progress(
         DraftRunProgress("data", d, n)))
-    return distill_chat(dcfg, lambda s: on_progress and on_progress(
-        DraftRunProgress("distill", s.step, s.steps, s)))
+
+    def on_step(s) -> None:
+        if on_progress:
+            on_progress(DraftRunProgress("distill", s.step, s.steps, s))
+
+    last = distill_chat(dcfg, on_step)
+    if cfg.sampled_steps:
+        last = distill_chat(cfg.sampled_config(), on_step) or last
+    return last
