@@ -67,9 +67,13 @@ def plot_serve_speedup(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in report["summary"] if r["speculative"] and r["speedup_vs_none"]]
-    xs = [r["concurrency"] for r in rows]
+    xs = sorted({r["concurrency"] for r in rows})
     fig, ax = plt.subplots(figsize=(4.6, 3.2))
-    ax.plot(xs, [r["speedup_vs_none"] for r in rows], marker="o", label="speculation on / off")
+    backends = list(dict.fromkeys(r.get("backend", "") for r in rows))     # one line per server's backend
+    for b in backends:
+        mine = [r for r in rows if r.get("backend", "") == b]
+        label = "speculation on / off" + (f", {b}" if len(backends) > 1 else "")
+        ax.plot([r["concurrency"] for r in mine], [r["speedup_vs_none"] for r in mine], marker="o", label=label)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])

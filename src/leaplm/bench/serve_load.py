@@ -1,9 +1,13 @@
 """`leaplm bench serve`: a load test of the OpenAI server at several client concurrencies, with and without
 speculation.
 
-One `leaplm serve` subprocess on 127.0.0.1 serves every run; "without speculation" is the same server with the
-per-request extension `speculative: {"method": "none"}`, so both configurations share the process, the warm-up
-and the machine's state. Runs are interleaved (spec, none, none, spec, ...) after a warm-up, as DESIGN.md asks.
+One `leaplm serve` subprocess on 127.0.0.1 per backend (`--backend llamacpp,torch`: one server each, same model
+file) serves every run; "without speculation" is the same server with the per-request extension
+`speculative: {"method": "none"}`, so both configurations share the process, the warm-up and the machine's state.
+Runs are interleaved (spec, none, none, spec, ...; the backends' order alternating by round too) after a warm-up,
+as DESIGN.md asks. Each row names its backend as the server reported it (`leaplm_backend_info` on /metrics), and
+with several backends each row's tokens/s is also paired with the first backend's plain decoding
+(`vs_first_backend_none`).
 Each run sends a bounded number of streaming greedy requests (ignore_eos, so every request generates exactly
 max_tokens) from `concurrency` client workers, each request with a timeout.
 
@@ -72,6 +76,31 @@ class LoadBenchConfig:
     long_prompt_among: int = 0           # > 0: the long-prompt scenario with this many running streams
     long_prompt_tokens: int = 2000       # its prompt length (capped to what the server's context holds)
     fixed_k: bool = False                # serve --fixed-k: always draft k (the controller may otherwise pick 0)
+    backends: list[str] = field(default_factory=lambda: ["auto"])   # one server each: auto | llamacpp | torch
+    dtype: str = "float32"               # the engine options every server gets (leaplm serve's flags)
+    quantization: str | None = None      # servers whose backend is not llamacpp (libllama runs the file's types)
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    device: str = "cpu"
+
+
+BACKENDS = ("auto", "llamacpp", "torch")
+
+
+def check_backends(cfg: "LoadBenchConfig") -> None:
+    """Each backend once and known; --quantization only where some server can honour it."""
+    from ..config import ConfigError
+
+    if not cfg.backends:
+        raise ConfigError("backend", "give at least one backend")
+    for b in cfg.backends:
+        if b not in BACKENDS:
+            raise ConfigError("backend", f"expected a comma list of {', '.join(BACKENDS)}, got {b!r}")
+    if len(set(cfg.backends)) != len(cfg.backends):
+        raise ConfigError("backend", f"each backend once, got {','.join(cfg.backends)}")
+    if cfg.quantization and all(b == "llamacpp" for b in cfg.backends):
+        raise ConfigError("quantization", f"{cfg.quantization!r} selects leaplm's own kernels; a llamacpp server "
+                                          "runs the file's own weight types (add torch to --backend)")
 
 
 @dataclass
@@ -94,6 +123,7 @@ class RunResult:
     wall_s: float
     results: list[RequestResult]
     k_at_end: float | None = None
+    backend: str = "auto"                # the --backend entry of the server that ran it
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -148,13 +178,21 @@ def _free_port() -> int:
 class ServerProcess:
     """`python -m leaplm.server` in a subprocess on a free local port, with its log in a file."""
 
-    def __init__(self, cfg: LoadBenchConfig, model: str | None, draft: str | None, log_path: Path):
+    def __init__(self, cfg: LoadBenchConfig, model: str | None, draft: str | None, log_path: Path,
+                 backend: str | None = None):
+        self.backend = backend or cfg.backends[0]
+        self.quantization = cfg.quantization if self.backend != "llamacpp" else None
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "leaplm.server", "--host", "127.0.0.1", "--port", str(self.port),
                "--method", cfg.method, "--k", str(cfg.k), "--max-batch", str(cfg.max_batch),
                "--max-queue", str(max(64, 2 * max(cfg.concurrency))), "--served-model-name", "bench",
-               "--log-level", "warning"]
+               "--log-level", "warning", "--backend", self.backend, "--dtype", cfg.dtype,
+               "--kv-cache-dtype", cfg.kv_cache_dtype, "--device", cfg.device]
+        if self.quantization:
+            cmd += ["--quantization", self.quantization]
+        if cfg.max_model_len:
+            cmd += ["--max-model-len", str(cfg.max_model_len)]
         if model:
             cmd += ["--model", model]
         if draft:
@@ -183,6 +221,19 @@ class ServerProcess:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"server not ready after {timeout:.0f} s")
+
+    def backend_info(self) -> dict:
+        """What runs the target's forwards, as the server reports it: {"backend": ..., "exactness": ...}."""
+        import re
+
+        import httpx
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        m = re.search(r'^leaplm_backend_info\{backend="([^"]*)",exactness="([^"]*)"\} 1', text, re.M)
+        if not m:
+            raise RuntimeError(f"the server's /metrics has no leaplm_backend_info line (--backend {self.backend})")
+        return {"requested": self.backend, "backend": m.group(1), "exactness": m.group(2),
+                "quantization": self.quantization}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -323,15 +374,22 @@ def _k_gauge(url: str) -> float | None:
     return None
 
 
-def summarize(runs: list[RunResult]) -> list[dict]:
+def summarize(runs: list[RunResult], servers: dict[str, dict] | None = None) -> list[dict]:
+    """One row per (concurrency, backend, speculation), in the order the backends were given; `servers` maps a
+    --backend entry to what its server reported (ServerProcess.backend_info)."""
     rows = []
-    keys = sorted({(r.concurrency, r.speculative) for r in runs}, key=lambda x: (x[0], not x[1]))
-    for c, spec in keys:
-        rs = [r for r in runs if r.concurrency == c and r.speculative == spec]
+    order = list(dict.fromkeys(r.backend for r in runs))
+    keys = sorted({(r.concurrency, r.backend, r.speculative) for r in runs},
+                  key=lambda x: (x[0], order.index(x[1]), not x[2]))
+    for c, b, spec in keys:
+        rs = [r for r in runs if r.concurrency == c and r.backend == b and r.speculative == spec]
         ok = [x for r in rs for x in r.ok]
         drafted = sum(x.draft_tokens for x in ok)
+        info = (servers or {}).get(b, {})
         rows.append({
-            "concurrency": c, "speculative": spec, "rounds": len(rs),
+            "concurrency": c, "backend": info.get("backend", b), "requested_backend": b,
+            "exactness": info.get("exactness"), "quantization": info.get("quantization"),
+            "speculative": spec, "rounds": len(rs),
             "requests": sum(len(r.results) for r in rs), "errors": sum(len(r.results) - len(r.ok) for r in rs),
             "requests_per_s": statistics.median(len(r.ok) / r.wall_s for r in rs),
             "tokens_per_s": statistics.median(sum(x.tokens for x in r.ok) / r.wall_s for r in rs),
@@ -344,7 +402,10 @@ def summarize(runs: list[RunResult]) -> list[dict]:
             "error_samples": sorted({x.error for r in rs for x in r.results if x.error})[:3],
         })
     for r in rows:
-        r["speedup_vs_none"] = paired_speedup(runs, r["concurrency"]) if r["speculative"] else 1.0
+        b = r["requested_backend"]
+        r["speedup_vs_none"] = paired_speedup(runs, r["concurrency"], b) if r["speculative"] else 1.0
+        r["vs_first_backend_none"] = (paired_ratio(runs, r["concurrency"], (b, r["speculative"]), (order[0], False))
+                                      if len(order) > 1 else None)
     return rows
 
 
@@ -352,15 +413,22 @@ def _tokens_per_s(run: RunResult) -> float:
     return sum(x.tokens for x in run.ok) / run.wall_s
 
 
-def paired_speedup(runs: list[RunResult], concurrency: int) -> float | None:
-    """Median over rounds of (tokens/s with speculation) / (tokens/s without) of the same round: the two runs of a
-    round are adjacent in time, so slow changes in the machine's load cancel out of each ratio."""
+def paired_ratio(runs: list[RunResult], concurrency: int, a: tuple[str, bool], b: tuple[str, bool]) -> float | None:
+    """Median over rounds of tokens/s of configuration a / configuration b (each a (backend, speculative) pair)
+    in the same round: a round's runs are adjacent in time, so slow changes in the machine's load cancel out of
+    each ratio."""
     ratios = []
     for rnd in sorted({r.round for r in runs if r.concurrency == concurrency}):
-        pair = {r.speculative: r for r in runs if r.concurrency == concurrency and r.round == rnd}
-        if True in pair and False in pair and _tokens_per_s(pair[False]) > 0:
-            ratios.append(_tokens_per_s(pair[True]) / _tokens_per_s(pair[False]))
+        pair = {(r.backend, r.speculative): r for r in runs if r.concurrency == concurrency and r.round == rnd}
+        if a in pair and b in pair and _tokens_per_s(pair[b]) > 0:
+            ratios.append(_tokens_per_s(pair[a]) / _tokens_per_s(pair[b]))
     return statistics.median(ratios) if ratios else None
+
+
+def paired_speedup(runs: list[RunResult], concurrency: int, backend: str | None = None) -> float | None:
+    """Speculation on / off on one backend's server (the only one when None), paired by round."""
+    backend = backend if backend is not None else next((r.backend for r in runs), "auto")
+    return paired_ratio(runs, concurrency, (backend, True), (backend, False))
 
 
 def _long_prompt_scenario(url: str, cfg: LoadBenchConfig) -> dict:
@@ -402,41 +470,55 @@ def run_load_bench(cfg: LoadBenchConfig) -> dict:
         raise ConfigError("max_tokens", "must be >= 2 (inter-token latency needs two tokens)")
     if cfg.rounds < 1:
         raise ConfigError("rounds", "must be >= 1")
+    check_backends(cfg)
+    if cfg.long_prompt_among and len(cfg.backends) > 1:
+        raise ConfigError("long_prompt_among", "the long-prompt scenario runs on one backend; give one --backend")
     with tempfile.TemporaryDirectory(prefix="leaplm-bench-serve-") as tmp:
         model, draft = cfg.model, cfg.draft
         if cfg.synthetic:
             if model or draft:
                 raise ConfigError("synthetic", "give either --synthetic or --model/--draft")
             model, draft = build_synthetic_pair(Path(tmp))
-        server = ServerProcess(cfg, model, draft, Path(tmp) / "server.log")
+        servers: dict[str, ServerProcess] = {}
         try:
-            server.wait_ready(cfg.startup_timeout_s)
-            warm = LoadBenchConfig(**{**asdict(cfg), "max_tokens": min(cfg.max_tokens, 16)})
-            for spec in (True, False):
-                asyncio.run(_run_level(server.url, 2, 4, spec, warm, 0))
+            for b in cfg.backends:          # every server up (and warm) before the first timed run
+                servers[b] = ServerProcess(cfg, model, draft, Path(tmp) / f"server-{b}.log", backend=b)
+                servers[b].wait_ready(cfg.startup_timeout_s)
+                warm = LoadBenchConfig(**{**asdict(cfg), "max_tokens": min(cfg.max_tokens, 16)})
+                for spec in (True, False):
+                    asyncio.run(_run_level(servers[b].url, 2, 4, spec, warm, 0))
+            info = {b: srv.backend_info() for b, srv in servers.items()}
+            for b, i in info.items():
+                log.info("server --backend %s: %s (%s)", b, i["backend"], i["exactness"])
             runs: list[RunResult] = []
-            long_prompt = _long_prompt_scenario(server.url, cfg) if cfg.long_prompt_among else None
+            first = servers[cfg.backends[0]]
+            long_prompt = _long_prompt_scenario(first.url, cfg) if cfg.long_prompt_among else None
             for c in cfg.concurrency:
                 n = cfg.requests or max(16, 4 * c)
                 for rnd in range(cfg.rounds):
                     order = (True, False) if rnd % 2 == 0 else (False, True)
-                    for spec in order:
-                        wall, results = asyncio.run(_run_level(server.url, c, n, spec, cfg, rnd))
-                        runs.append(RunResult(c, spec, rnd, wall, results, _k_gauge(server.url)))
-                        if cfg.out:             # what is measured so far survives a crash later in the run
-                            Path(cfg.out).write_text(json.dumps({"partial": True, "long_prompt": long_prompt,
-                                                                 "summary": summarize(runs)}, indent=2))
-                        log.info("c=%d spec=%s round=%d: %.1f s, %d errors", c, spec, rnd, wall,
-                                 sum(not r.ok for r in results))
+                    for b in (cfg.backends if rnd % 2 == 0 else cfg.backends[::-1]):
+                        url = servers[b].url
+                        for spec in order:
+                            wall, results = asyncio.run(_run_level(url, c, n, spec, cfg, rnd))
+                            runs.append(RunResult(c, spec, rnd, wall, results, _k_gauge(url), backend=b))
+                            if cfg.out:         # what is measured so far survives a crash later in the run
+                                Path(cfg.out).write_text(json.dumps({"partial": True, "long_prompt": long_prompt,
+                                                                     "summary": summarize(runs, info)}, indent=2))
+                            log.info("c=%d backend=%s spec=%s round=%d: %.1f s, %d errors", c, b, spec, rnd, wall,
+                                     sum(not r.ok for r in results))
         finally:
-            server.stop()
+            for srv in servers.values():
+                srv.stop()
     report = {
         "command": "leaplm bench serve", "settings": asdict(cfg),
         "models": {"target": cfg.model or ("synthetic" if cfg.synthetic else "embedded"),
                    "draft": cfg.draft or ("synthetic" if cfg.synthetic else "embedded"), "method": cfg.method,
                    "k": cfg.k},
-        "machine": machine(), "summary": summarize(runs), "long_prompt": long_prompt,
-        "runs": [{"concurrency": r.concurrency, "speculative": r.speculative, "round": r.round, "wall_s": r.wall_s,
+        "servers": list(info.values()),
+        "machine": machine(), "summary": summarize(runs, info), "long_prompt": long_prompt,
+        "runs": [{"concurrency": r.concurrency, "backend": info[r.backend]["backend"], "requested_backend": r.backend,
+                  "speculative": r.speculative, "round": r.round, "wall_s": r.wall_s,
                   "tokens_per_s": _tokens_per_s(r), "errors": len(r.results) - len(r.ok), "k_at_end": r.k_at_end}
                  for r in runs],
     }

@@ -132,6 +132,7 @@ def run_profiles(cfg: LoadBenchConfig, profiles: list[Profile]) -> dict:
             warm = Profile("warm-up", 100, 16, 2, 4)
             for spec in (True, False):
                 asyncio.run(_run_profile(server.url, warm, spec, cfg.timeout_s, 0))
+            info = server.backend_info()
             for p in profiles:
                 for rnd in range(cfg.rounds):
                     for spec in ((True, False) if rnd % 2 == 0 else (False, True)):
@@ -148,7 +149,7 @@ def run_profiles(cfg: LoadBenchConfig, profiles: list[Profile]) -> dict:
         "models": {"target": cfg.model or ("synthetic" if cfg.synthetic else "embedded"),
                    "draft": cfg.draft or ("synthetic" if cfg.synthetic else "embedded"), "method": cfg.method,
                    "k": cfg.k},
-        "machine": machine(), "table": summarize_profiles(profiles, runs),
+        "server": info, "machine": machine(), "table": summarize_profiles(profiles, runs),
     }
     if cfg.out:
         Path(cfg.out).write_text(json.dumps(report, indent=2))

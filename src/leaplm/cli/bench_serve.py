@@ -8,11 +8,11 @@ import typer
 from rich.table import Table
 
 from ..config import ConfigError
-from .common import err, fail, out
+from .common import EngineOptions, engine_options, err, fail, out
 
 
+@engine_options(without=("backend",))
 def bench_serve(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target (default: the embedded model)."),
     draft: Optional[str] = typer.Option(None, "--draft", "--speculative-model", help="Draft model."),
     method: str = typer.Option("draft", "--method", "--speculative-method", help="Speculative method to compare."),
     k: int = typer.Option(5, "--k", "-k", "--num-speculative-tokens"),
@@ -23,7 +23,6 @@ def bench_serve(
     max_tokens: int = typer.Option(64, "--max-tokens"),
     rounds: int = typer.Option(2, help="Runs of each configuration, interleaved (spec, none, spec, none, ...)."),
     max_batch: int = typer.Option(16, "--max-batch"),
-    threads: Optional[int] = typer.Option(None, help="torch threads of the server."),
     timeout: float = typer.Option(120.0, help="Per-request timeout, seconds."),
     out: str = typer.Option("bench-serve.json", "--out", help="JSON report path."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Latency table of traffic profiles instead of "
@@ -37,16 +36,29 @@ def bench_serve(
                                            help="Its length (capped to the server's context)."),
     adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k",
                                     help="The server's K policy (--fixed-k: always draft --k)."),
+    backend: str = typer.Option("auto", "--backend", help="What runs the model, one server each, runs "
+                                "interleaved: a comma list of auto | llamacpp | torch (e.g. llamacpp,torch: the "
+                                "same file on libllama and on PyTorch; --quantization applies to the torch ones)."),
+    *, options: EngineOptions,
 ) -> None:
     """Load-test `leaplm serve` on 127.0.0.1 at several concurrencies, with and without speculation."""
-    from ..bench.serve_load import LoadBenchConfig, run_load_bench
+    from ..bench.serve_load import LoadBenchConfig, check_backends, run_load_bench
 
+    engine = dict(model=options.model, threads=options.threads, dtype=options.dtype,
+                  quantization=options.quantization, kv_cache_dtype=options.kv_cache_dtype,
+                  max_model_len=options.max_model_len, device=options.device,
+                  backends=[b.strip() for b in backend.split(",") if b.strip()])
+    try:
+        check_backends(LoadBenchConfig(**engine))
+    except ConfigError as e:
+        fail(f"--{e.field.replace('_', '-')}: {e.message}")
     if profile is not None:
         from ..bench.serve_profiles import parse_profiles, run_profiles
 
-        cfg = LoadBenchConfig(model=model, draft=draft, method=method, k=k, synthetic=synthetic, rounds=rounds,
-                              max_batch=max_batch, threads=threads, timeout_s=timeout, out=out,
-                              fixed_k=not adaptive_k)
+        if len(engine["backends"]) > 1:
+            fail("--backend: --profile runs one server; give one backend")
+        cfg = LoadBenchConfig(draft=draft, method=method, k=k, synthetic=synthetic, rounds=rounds,
+                              max_batch=max_batch, timeout_s=timeout, out=out, fixed_k=not adaptive_k, **engine)
         try:
             print_profiles(run_profiles(cfg, parse_profiles(profile)))
         except ConfigError as e:
@@ -62,11 +74,11 @@ def bench_serve(
         fail("--concurrency: levels must be >= 1")
     if long_prompt_among < 0 or long_prompt_tokens < 2:
         fail("--long-prompt-among must be >= 0 and --long-prompt-tokens >= 2")
-    cfg = LoadBenchConfig(model=model, draft=draft, method=method, k=k, synthetic=synthetic, concurrency=levels,
+    cfg = LoadBenchConfig(draft=draft, method=method, k=k, synthetic=synthetic, concurrency=levels,
                           requests=requests, max_tokens=max_tokens, rounds=rounds, max_batch=max_batch,
-                          threads=threads, timeout_s=timeout, out=out, max_num_batched_tokens=max_num_batched_tokens,
+                          timeout_s=timeout, out=out, max_num_batched_tokens=max_num_batched_tokens,
                           long_prompt_among=long_prompt_among, long_prompt_tokens=long_prompt_tokens,
-                          fixed_k=not adaptive_k)
+                          fixed_k=not adaptive_k, **engine)
     try:
         report = run_load_bench(cfg)
     except ConfigError as e:
@@ -85,15 +97,19 @@ def print_report(report: dict) -> None:
     t = Table(title=f"leaplm bench serve: {report['models']['target']} + {report['models']['draft']} "
                     f"({report['models']['method']}, K<={report['models']['k']}), {s['max_tokens']} tokens/request, "
                     f"{s['rounds']} rounds")
-    cols = ["conc.", "spec", "req/s", "tok/s", "speedup", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "accept",
-            "K at end", "errors"]
+    several = len(report.get("servers", [])) > 1
+    first = report["servers"][0]["backend"] if several else None
+    cols = ["conc.", "backend", "spec", "req/s", "tok/s", "speedup", *([f"vs {first} off"] if several else []),
+            "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "accept", "K at end", "errors"]
     for col in cols:
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="left" if col == "backend" else "right")
     ms = lambda x: "-" if x is None else f"{1000 * x:.1f} ms"  # noqa: E731
     f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"     # noqa: E731
     for r in report["summary"]:
-        t.add_row(str(r["concurrency"]), "on" if r["speculative"] else "off", f(r["requests_per_s"]),
-                  f(r["tokens_per_s"], 1), f(r["speedup_vs_none"]) + "x" if r["speedup_vs_none"] else "-",
+        name = r["backend"] + (f" ({r['quantization']})" if r.get("quantization") else "")
+        vs = [f(r["vs_first_backend_none"]) + "x" if r["vs_first_backend_none"] else "-"] if several else []
+        t.add_row(str(r["concurrency"]), name, "on" if r["speculative"] else "off", f(r["requests_per_s"]),
+                  f(r["tokens_per_s"], 1), f(r["speedup_vs_none"]) + "x" if r["speedup_vs_none"] else "-", *vs,
                   ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
                   f(r["acceptance_rate"]), ",".join(f(k, 0) for k in r["k_at_end"]), str(r["errors"]))
     out.print(t)
@@ -109,7 +125,9 @@ def print_report(report: dict) -> None:
 
 def print_profiles(report: dict) -> None:
     m = report["models"]
+    srv = report["server"]
     t = Table(title=f"leaplm bench serve --profile: {m['target']} + {m['draft']} ({m['method']}, K<={m['k']}), "
+                    f"backend {srv['backend']}{f' ({q})' if (q := srv['quantization']) else ''}, "
                     f"{report['settings']['rounds']} rounds")
     for col in ["profile", "prompt", "tokens", "clients", "spec", "TTFT p50", "ITL p50", "ITL p99", "e2e p50",
                 "tok/s/req", "tok/s total", "speedup", "accept", "errors"]:
