@@ -18,25 +18,33 @@ N = 1200
 ROW_KINDS = [("draft", 3), ("none", None), ("draft", 1), ("ngram", 2), ("draft", 4), ("lookahead", 3)]
 
 
-def sample_in_batches(eng: Engine, params: dict, n: int = N, max_batch: int = 8, kinds=ROW_KINDS):
+def sample_in_batches(eng: Engine, params: dict, n: int = N, max_batch: int = 8, kinds=ROW_KINDS,
+                      prompt: list[int] = PROMPT, tally: dict[str, int] | None = None):
     """Empirical joint [V, V] of positions 2 and 3 over seeds 0..n-1, each seed a row of a mixed batch; every
-    fourth submission is also a greedy row, whose tokens must equal the greedy request alone."""
+    fourth submission is also a greedy row, whose tokens must equal the greedy request alone. tally, when given,
+    receives the sampled rows' "drafted" and "accepted" token counts."""
     V = eng.model.vocab_size
     greedy = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
-    greedy_ref = eng.generate(PROMPT, greedy).token_ids
-    sched = BatchScheduler(eng, max_batch=max_batch)
+    greedy_ref = eng.generate(prompt, greedy).token_ids
     outs: dict[int, list[int]] = {}
+    finals: dict[int, object] = {}                    # sampled row -> its GenerationStats (on its last chunk)
+
+    def record(o, i):
+        outs.setdefault(i, []).extend(o.chunk.token_ids if o.chunk else [])
+        if o.chunk is not None and o.chunk.stats is not None:
+            finals[i] = o.chunk.stats
+
+    sched = BatchScheduler(eng, max_batch=max_batch)
     seqs, sampled = [], []
     for seed in range(n):
         method, k = kinds[seed % len(kinds)]
         i = len(seqs)
-        seqs.append(SeqRequest(list(PROMPT), SamplingParams(max_new_tokens=3, seed=seed, ignore_eos=True, **params),
-                               lambda o, i=i: outs.setdefault(i, []).extend(o.chunk.token_ids if o.chunk else []),
-                               method=method, k=k))
+        seqs.append(SeqRequest(list(prompt), SamplingParams(max_new_tokens=3, seed=seed, ignore_eos=True, **params),
+                               lambda o, i=i: record(o, i), method=method, k=k))
         sampled.append(i)
         if seed % 4 == 0:
             j = len(seqs)
-            seqs.append(SeqRequest(list(PROMPT), greedy, lambda o, j=j: outs.setdefault(j, []).extend(
+            seqs.append(SeqRequest(list(prompt), greedy, lambda o, j=j: outs.setdefault(j, []).extend(
                 o.chunk.token_ids if o.chunk else []), method=kinds[(seed + 1) % len(kinds)][0]))
     sched.max_queue = len(seqs)
     sched.submit(seqs)
@@ -46,6 +54,9 @@ def sample_in_batches(eng: Engine, params: dict, n: int = N, max_batch: int = 8,
         assert len(outs[i]) == 3
         counts[outs[i][1], outs[i][2]] += 1
     assert all(outs[j] == greedy_ref for j in range(len(seqs)) if j not in set(sampled))
+    if tally is not None:
+        tally["drafted"] = sum(finals[i].draft_tokens for i in sampled)
+        tally["accepted"] = sum(finals[i].accepted_tokens for i in sampled)
     return counts / n
 
 
