@@ -62,9 +62,56 @@ def test_roofline_cli_report_is_consistent(checkpoint, tmp_path):
         assert c["bandwidth_floor_ms"] == pytest.approx(c["weight_bytes"] / (r["bandwidth_GBps"] * 1e9) * 1e3,
                                                         abs=1e-3)
         assert c["compute_floor_ms"][15] == pytest.approx(16 * macs / (r["int8_GMACs"] * 1e9) * 1e3, rel=1e-2, abs=1e-3)
-    assert "Q4_1: the linear layers" in res.output and "int8 compute floor" in res.output
+    assert "Q4_1: one forward over T tokens" in res.output and "int8 compute floor" in res.output
 
 
 def test_roofline_cli_refuses_bad_quantization(checkpoint):
     res = CliRunner().invoke(app, ["bench", "--roofline", "--model", checkpoint("llama3_rope"), "--quantization", "q2"])
     assert res.exit_code == 2 and "--quantization" in res.output
+
+
+@pytest.mark.skipif(not __import__("leaplm.models.llamacpp", fromlist=["available"]).available(),
+                    reason="the llamacpp extra (llama-cpp-python) is not installed")
+def test_roofline_on_libllama_has_both_engines_curves_per_type_and_the_break_even(tmp_path):
+    import sys
+    from pathlib import Path
+
+    from leaplm.models.gguf_export import export_gguf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+    from serverkit import write_pair
+
+    target, _ = write_pair(tmp_path / "pair")
+    gguf = str(export_gguf(target, str(tmp_path / "t-f32.gguf"), "f32").path)
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    res = CliRunner().invoke(app, ["bench", "--roofline", "--model", gguf, "--backend", "llamacpp", "--methods",
+                                   "none,ngram:adaptive_k=false,suffix", "--k", "3", "--threads", "1", "--prompts",
+                                   "1", "--rounds", "1", "--max-new-tokens", "8", "--json", str(out),
+                                   "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())
+    assert r["weight_type"] == "F32" and png.stat().st_size > 0
+    whole = {(c["kernel"], c["weight_type"]): c for c in r["curves"] if "forward" in c["kernel"]}
+    for wt in ("F32", "Q4_0", "Q4_1", "Q8_0"):          # the file's own type, then libllama's requantizations
+        mine = "leaplm forward (fp32)" if wt == "F32" else "leaplm forward (int8 kernel)"
+        from leaplm.kernels.build import load
+
+        ext = load()
+        if wt != "F32" and (ext is None or ext.path == 0):
+            mine = "leaplm forward (dequantized per call)"
+        for kernel in ("llama.cpp forward", "llama.cpp forward, 4 rows", mine):
+            c = whole[(kernel, wt)]
+            assert c["tokens"] == list(range(1, 17)) and c["vs_one"][0] == 1 and all(ms > 0 for ms in c["ms"])
+    m = {x["config"]: x for x in r["methods"]}
+    assert (m["none"]["k"], m["ngram k=3 adaptive_k=false"]["k"], m["suffix k=3"]["k"]) == (0, 3, 3)
+    assert m["suffix k=3"]["adaptive_k"] and not m["ngram k=3 adaptive_k=false"]["adaptive_k"]
+    # the break-even: each speculating method against each one-row whole forward of the file's type, at T = K + 1
+    be = r["break_even"]
+    assert {(b["config"], b["kernel"]) for b in be} == {
+        (c, k) for c in ("ngram k=3 adaptive_k=false", "suffix k=3")
+        for k in ("llama.cpp forward", "leaplm forward (fp32)")}
+    for b in be:
+        assert b["block_tokens"] == 4 and b["block_cost"] == whole[(b["kernel"], "F32")]["vs_one"][3]
+        assert b["mean_accepted_length"] == m[b["config"]]["mean_accepted_length"]
+        assert b["pays"] == (b["mean_accepted_length"] > b["block_cost"])
+    assert "where speculation can pay" in res.output

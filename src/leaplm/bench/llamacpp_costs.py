@@ -4,9 +4,11 @@ A verify block of T tokens costs what llama.cpp's kernels make it cost for that 
 is far from flat (its one-token kernel reads each weight once; its block kernels do more work per weight). The
 K policy learns the curve of the model it runs from the engine's calibration (engine/step.calibrate) and live
 steps; this module reports it: the model's own file, and the same model requantized by libllama to the other
-block types (Q4_0, Q4_1, Q8_0 and F32 where the file has the precision for it), each a `BlockCurve` beside
-leaplm's int8 kernel's curves. The curve is of a whole forward (every layer, attention and the output
-projection), after `ctx` cached tokens, one row and several rows.
+block types (Q4_0, Q4_1, Q8_0; every matrix in that type, the embedding and output included), each a
+`BlockCurve`. The curve is of a whole forward (every layer, attention and the output projection), after `ctx`
+cached tokens, one row and several rows, and beside it leaplm's own whole forward on the same file (PyTorch
+backend: the int8 kernel on the file's Q8_0/Q4_0/Q4_1 blocks, `--quantization gguf`; fp32 for F32/F16 files), so
+the two engines' curves per weight type come from one run.
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ def requantize(path: str, weight_type: str, out: str) -> str:
     p = lc.llama_model_quantize_default_params()
     p.ftype = FTYPES[weight_type]
     p.allow_requantize = True
+    p.pure = True                   # every matrix in weight_type (llama.cpp would pick Q6_K for the output)
     p.nthread = torch.get_num_threads()
     rc = lc.llama_model_quantize(str(path).encode(), str(out).encode(), ctypes.byref(p))
     if rc != 0:
@@ -74,9 +77,11 @@ def requantize(path: str, weight_type: str, out: str) -> str:
 def libllama_curves(path: str, bandwidth_GBps: float, weight_types=("Q4_0", "Q4_1", "Q8_0"),
                     tokens=tuple(range(1, 17)), rows=(1, 4)) -> list:
     """BlockCurves of libllama's whole forward for the file's own weight type and `weight_types` (requantized),
-    one per rows count (kernel 'llama.cpp forward' / 'llama.cpp forward, 4 rows')."""
+    one per rows count (kernel 'llama.cpp forward' / 'llama.cpp forward, 4 rows'), each followed by leaplm's whole
+    forward on the same file (kernel 'leaplm forward (int8 kernel)' or 'leaplm forward (fp32)')."""
     from ..models.llamacpp import LlamaCppLM
-    from .roofline import BlockCurve
+    from ..models.loading import load_model
+    from .roofline import BlockCurve, forward_curve
 
     own = main_weight_type(path)
     out = []
@@ -91,4 +96,12 @@ def libllama_curves(path: str, bandwidth_GBps: float, weight_types=("Q4_0", "Q4_
                                       [round(m, 3) for m in ms], [round(m / ms[0], 3) for m in ms], nbytes,
                                       round(nbytes / (bandwidth_GBps * 1e9) * 1e3, 3), []))
             del lm
+            quantized = wt in ("Q4_0", "Q4_1", "Q8_0")
+            mine = load_model(f, quantization="gguf" if quantized else None, backend="torch")
+            c = forward_curve(mine.model, wt, bandwidth_GBps, tokens)
+            q = getattr(mine.model, "quantized", {})
+            how = next(iter(q.values())).backend if q else "fp32"
+            c.kernel = f"leaplm forward ({ {'extension': 'int8 kernel', 'torch': 'dequantized per call'}.get(how, how)})"
+            out.append(c)
+            del mine
     return out

@@ -86,3 +86,35 @@ def plot_serve_speedup(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_block_costs(rep, path: Path) -> None:
+    """`leaplm bench --roofline --plot`: per weight type, each kernel's whole-forward cost over T tokens (x one
+    token), and each speculating method's mean accepted length drawn at T = K + 1 on the file's own type: a method
+    above a curve yields more tokens per verify forward than that forward costs on that kernel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .roofline import single_row_forward
+
+    whole = [c for c in rep.curves if single_row_forward(c.kernel)] or list(rep.curves)
+    types = list(dict.fromkeys(c.weight_type for c in whole)) or [rep.weight_type or "model"]
+    fig, axes = plt.subplots(1, len(types), figsize=(4.2 * len(types), 3.6), squeeze=False, sharey=True)
+    for ax, wt in zip(axes[0], types):
+        for c in (c for c in whole if c.weight_type == wt):
+            ax.plot(c.tokens, c.vs_one, marker=".", label=c.kernel)
+        if wt == rep.weight_type or len(types) == 1:
+            for i, m in enumerate(m for m in rep.methods if m.k > 0):
+                ax.scatter([m.k + 1], [m.mean_accepted_length], marker="*", s=90, zorder=3, color=f"C{5 + i}",
+                           label=f"{m.config}: mean acc. len{' (adaptive K)' if m.adaptive_k else ''}")
+        ax.axhline(1.0, color="black", linewidth=0.6)
+        ax.set_title(f"{wt}{' (the file)' if wt == rep.weight_type else ''}", fontsize=9)
+        ax.set_xlabel("tokens in the verify block (T)")
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("forward cost (x one token) / tokens per forward")
+    fig.suptitle(f"{Path(rep.model).name}, {rep.threads} thread{'s' if rep.threads != 1 else ''}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -43,6 +43,8 @@ class MethodCost:
     rest_ms: float              # host work between the stages (K choice, block building, stats)
     mean_accepted_length: float
     vs_floor: float             # ms_per_token / floor_ms
+    k: int = 0                  # the most draft tokens a step of this configuration verifies (0: plain decoding)
+    adaptive_k: bool = False    # whether the K policy chose K per step (then fewer than k were often verified)
 
 
 @dataclass
@@ -72,6 +74,8 @@ class Roofline:
     int8_GMACs: float = 0.0         # int8 multiply-adds per second (all threads), 0 when not measured
     curves: list[BlockCurve] = field(default_factory=list)
     curves_note: str = ""           # why a curve is missing, if one is
+    weight_type: str = ""           # the file's own main weight type (GGUF), "" otherwise
+    break_even: list["BreakEven"] = field(default_factory=list)
 
 
 def bytes_per_forward(model) -> int:
@@ -136,9 +140,44 @@ def method_costs(engines: dict, prompts: list[str], max_new_tokens: int, rounds:
         prop, score = tok(lambda s: s.propose_s), tok(lambda s: s.score_s)
         ver, com = tok(lambda s: s.verify_s), tok(lambda s: s.commit_s)
         tau = sum(s.new_tokens for s in stats) / max(1, sum(s.target_forwards for s in stats))
+        spec = engines[name].spec
+        k = 0 if spec.method == "none" else spec.k
         out.append(MethodCost(name, round(ms, 3), round(prop, 3), round(score, 3), round(ver, 3), round(com, 3),
                               round(max(0.0, ms - prop - score - ver - com), 3), round(tau, 3),
-                              round(ms / floor_ms, 3)))
+                              round(ms / floor_ms, 3), k, bool(k and spec.adaptive_k)))
+    return out
+
+
+@dataclass
+class BreakEven:
+    """Where speculation can pay on one kernel: a step verifying K drafts scores a block of K + 1 tokens, which
+    costs block_cost forwards of one token; the method pays for its score stage only where its mean accepted length
+    (tokens per target forward) exceeds that."""
+    config: str
+    kernel: str
+    weight_type: str
+    block_tokens: int           # K + 1
+    block_cost: float           # ms of a forward over K + 1 tokens / ms of one
+    mean_accepted_length: float
+    pays: bool                  # mean_accepted_length > block_cost
+
+
+def single_row_forward(kernel: str) -> bool:
+    """A whole forward of one row ('... forward', not '... forward, 4 rows' nor the linears alone)."""
+    return "forward" in kernel and "rows" not in kernel
+
+
+def break_even(methods: list[MethodCost], curves: list[BlockCurve], weight_type: str) -> list[BreakEven]:
+    """Each speculating method against each whole-forward curve of `weight_type` (the file's own)."""
+    out = []
+    for m in methods:
+        for c in curves:
+            if (m.k < 1 or c.weight_type != weight_type or not single_row_forward(c.kernel)
+                    or m.k + 1 not in c.tokens):
+                continue
+            cost = c.vs_one[c.tokens.index(m.k + 1)]
+            out.append(BreakEven(m.config, c.kernel, weight_type, m.k + 1, cost, m.mean_accepted_length,
+                                 m.mean_accepted_length > cost))
     return out
 
 

@@ -82,7 +82,8 @@ def bench(
     llamacpp_draft: Optional[str] = typer.Option(None, "--llamacpp-draft", help="GGUF draft for llama.cpp's "
                                                  "speculative row (default: the draft written as q8_0 GGUF)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all figures and samples here."),
-    plot: Optional[Path] = typer.Option(None, help="Write a speedup bar chart (PNG) here."),
+    plot: Optional[Path] = typer.Option(None, help="Write a speedup bar chart (PNG) here (with --roofline: the "
+                                        "block-cost curves, each method's mean accepted length at K + 1 tokens)."),
     roofline: bool = typer.Option(False, "--roofline", help="Bytes read per forward, measured streaming bandwidth, "
                                   "the floor in ms per token, forward cost for 1..16 tokens, and each method's "
                                   "time per token (propose / score / rest) against the floor."),
@@ -119,7 +120,7 @@ def bench(
         return run_roofline(model=options.model, draft=draft, configs=configs, k=k,
                             workloads=workloads, prompts=prompts, max_new_tokens=max_new_tokens, rounds=rounds,
                             dtype=options.dtype, quantization=options.quantization,
-                            json_out=json_out, fail=fail, backend=options.backend)
+                            json_out=json_out, fail=fail, backend=options.backend, plot=plot)
     kinds_of_baseline = [b.strip() for b in (baselines or "").split(",") if b.strip()]
     for b in kinds_of_baseline:
         if b not in ("hf", "llamacpp"):

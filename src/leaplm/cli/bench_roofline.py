@@ -13,8 +13,9 @@ from .common import wide as console
 
 
 def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens, rounds, dtype, quantization,
-                 json_out, fail, backend: str = "auto") -> None:
-    from ..bench.roofline import Roofline, bytes_per_forward, forward_costs, method_costs, stream_bandwidth
+                 json_out, fail, backend: str = "auto", plot=None) -> None:
+    from ..bench.roofline import (Roofline, break_even, bytes_per_forward, forward_costs, method_costs,
+                                  stream_bandwidth)
     from ..bench.workloads import fit_to_context, get_workload
     from ..engine.engine import Engine, draft_quantization
     from ..models import embedded, load_model
@@ -56,14 +57,16 @@ def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens
     rep = Roofline(target_name, quantization, kernel, nbytes, bw, floor, torch.get_num_threads())
     rep.forwards = forward_costs(m)
     block_curves(rep, m.args)
+    from ..models.gguf import is_gguf
+
+    if is_gguf(target.path):
+        from ..bench.llamacpp_costs import main_weight_type
+
+        rep.weight_type = main_weight_type(target.path)
     if q and target.backend != "llamacpp":  # leaplm's whole forward on its quantized weights, per T
         from ..bench.roofline import forward_curve
 
-        wt = {"int8": "Q8_0", "int4": "Q4_1"}.get(quantization)
-        if wt is None:                      # gguf: the file's main weight type
-            from ..bench.llamacpp_costs import main_weight_type
-
-            wt = main_weight_type(target.path)
+        wt = {"int8": "Q8_0", "int4": "Q4_1"}.get(quantization) or rep.weight_type    # gguf: the file's own
         rep.curves.append(forward_curve(m, wt, bw))
     if target.backend == "llamacpp":        # libllama's whole forward per weight type, beside the int8 kernel's
         from ..bench.llamacpp_costs import libllama_curves
@@ -71,9 +74,16 @@ def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens
         rep.curves += libllama_curves(target.path, bw)
     prompts_all = [p for w in wl for p in w.prompts]
     rep.methods = method_costs(engines, prompts_all, max_new_tokens, rounds, floor, SamplingParams)
+    if rep.weight_type:
+        rep.break_even = break_even(rep.methods, rep.curves, rep.weight_type)
     print_roofline(rep)
     if json_out:
         json_out.write_text(json.dumps(dataclasses.asdict(rep), indent=1))
+    if plot:
+        from ..bench.report import plot_block_costs
+
+        plot_block_costs(rep, plot)
+        console.print(f"[dim]wrote {plot}[/]")
 
 
 def block_curves(rep, args) -> None:
@@ -118,6 +128,15 @@ def print_roofline(r) -> None:
         t.add_row(mc.config, f"{mc.ms_per_token:.2f}", f"{mc.propose_ms:.2f}", f"{mc.score_ms:.2f}",
                   f"{mc.verify_ms:.2f}", f"{mc.commit_ms:.2f}", f"{mc.rest_ms:.2f}", f"{mc.mean_accepted_length:.2f}", f"{mc.vs_floor:.2f}x")
     console.print(t)
+    if r.break_even:
+        t = Table(title=f"where speculation can pay ({r.weight_type}): a step verifying K drafts scores K + 1 tokens; "
+                        "it pays for that forward only where the mean accepted length exceeds the block's cost")
+        for col in ("config", "K + 1", "kernel", "block cost (x one token)", "mean acc. len", "pays"):
+            t.add_column(col, justify="left" if col in ("config", "kernel") else "right")
+        for b in r.break_even:
+            t.add_row(b.config, str(b.block_tokens), b.kernel, f"{b.block_cost:.2f}x", f"{b.mean_accepted_length:.2f}",
+                      "yes" if b.pays else "no")
+        console.print(t)
 
 
 def print_curves(r) -> None:
@@ -130,7 +149,8 @@ def print_curves(r) -> None:
                   f"dot-product instruction, no memory traffic)")
     for wt in dict.fromkeys(c.weight_type for c in r.curves):
         curves = [c for c in r.curves if c.weight_type == wt]
-        t = Table(title=f"{wt}: the linear layers of one forward over T tokens (ms; x = vs the first T)")
+        t = Table(title=f"{wt}: one forward over T tokens, the linear layers alone ('leaplm int8') or whole "
+                        "('forward') (ms; x = vs the first T)")
         t.add_column("T", justify="right")
         for c in curves:
             t.add_column(f"{c.kernel} ({c.weight_bytes / 1e6:.0f} MB)", justify="right")
@@ -140,5 +160,6 @@ def print_curves(r) -> None:
         at = [dict(zip(c.tokens, zip(c.ms, c.vs_one))) for c in curves]
         for i, T in enumerate(base.tokens):
             cells = [f"{d[T][0]:.2f} ({d[T][1]:.2f}x)" if T in d else "-" for d in at]
-            t.add_row(str(T), *cells, f"{base.bandwidth_floor_ms:.2f}", f"{base.compute_floor_ms[i]:.2f}")
+            floor = base.compute_floor_ms[i] if i < len(base.compute_floor_ms) else None   # int8 types only
+            t.add_row(str(T), *cells, f"{base.bandwidth_floor_ms:.2f}", "-" if floor is None else f"{floor:.2f}")
         console.print(t)
