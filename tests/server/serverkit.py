@@ -34,17 +34,19 @@ CORPUS = [
 ] * 4
 
 
-def write_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE):
+def write_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE, eos: str = "<eos>"):
+    """eos: the special token's name; a pair exported to GGUF needs "<|endoftext|>" (transformers' GGUF
+    tokenizer adds that token to a gpt2-type vocabulary that lacks it, one token more than the model's rows)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<eos>"], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[eos], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos)
     if chat_template is not None:
         fast.chat_template = chat_template
     fast.save_pretrained(str(path))
@@ -52,7 +54,7 @@ def write_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE):
 
 
 def write_pair(root: Path, eps: float = 0.1, seed: int = 0, max_len: int = 1024, hidden: int = 64,
-               chat_template: str | None = CHAT_TEMPLATE) -> tuple[str, str]:
+               chat_template: str | None = CHAT_TEMPLATE, eos: str = "<eos>") -> tuple[str, str]:
     """(target_dir, draft_dir) under root."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -60,7 +62,7 @@ def write_pair(root: Path, eps: float = 0.1, seed: int = 0, max_len: int = 1024,
     tdir, ddir = root / "target", root / "draft"
     tdir.mkdir(parents=True, exist_ok=True)
     ddir.mkdir(parents=True, exist_ok=True)
-    tok = write_tokenizer(tdir, chat_template)
+    tok = write_tokenizer(tdir, chat_template, eos)
     tok.save_pretrained(str(ddir))
     eos = tok.eos_token_id
     kw = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
