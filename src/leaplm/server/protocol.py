@@ -120,6 +120,11 @@ class _Common(BaseModel):
     stop_token_ids: Optional[list[Annotated[int, Field(strict=True, ge=0)]]] = Field(
         None, description="leaplm extension.", max_length=MAX_STOP)
     speculative: Optional[SpeculativeOptions] = None
+    verifier: Optional[Literal[SamplingParams.VERIFIERS]] = Field(
+        None, description="leaplm extension: how sampled drafts are verified ('rejection': rejection sampling, the "
+                          "most drafts kept; 'race': the exponential race, output a function of the seed alone; "
+                          "'auto', the default: the race with a seed, rejection sampling without). All are "
+                          "lossless; greedy requests ignore it.")
     guided_json: Optional[Any] = Field(None, description="vLLM's: a JSON Schema (object or text) the output follows.")
     guided_regex: Optional[str] = Field(None, description="vLLM's: a regular expression the output matches.")
     guided_choice: Optional[list[Any]] = Field(None, description="vLLM's: the output is one of these strings.")
@@ -170,7 +175,8 @@ class _Common(BaseModel):
             top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p,
             min_p=self.min_p or 0.0, repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=seed, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=bool(self.ignore_eos), logprobs=logprobs, structured=structured)
+            ignore_eos=bool(self.ignore_eos), logprobs=logprobs, structured=structured,
+            verifier=self.verifier or "auto")
 
 
 def _field_error(field: str, message: str):
