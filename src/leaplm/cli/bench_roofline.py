@@ -16,7 +16,7 @@ def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens
                  json_out, fail, backend: str = "auto", plot=None) -> None:
     from ..bench.roofline import (Roofline, break_even, bytes_per_forward, forward_costs, method_costs,
                                   stream_bandwidth)
-    from ..bench.workloads import fit_to_context, get_workload
+    from ..bench.workloads import as_chat, fit_to_context, get_workload
     from ..engine.engine import Engine, draft_quantization
     from ..models import embedded, load_model
     from ..models.loading import draft_backend
@@ -26,10 +26,11 @@ def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens
         check_quantization(quantization)
         target_name = model or embedded.default_target()
         target = load_model(target_name, dtype=dtype, field="model", quantization=quantization, backend=backend)
-        draft_name = draft or (embedded.default_draft() if model is None else None)
+        # no --draft: as in the benchmark, the embedded default or the shipped draft trained for this target
+        draft_name = draft or (embedded.default_draft() if model is None else embedded.draft_for(target.tokenizer))
         room = target.model.max_len - max_new_tokens - max(k, 8) - 2
-        wl = [fit_to_context(get_workload(w.strip(), prompts), target.tokenizer, room)
-              for w in workloads.split(",") if w.strip()]
+        wl = [fit_to_context(as_chat(get_workload(w.strip(), prompts), target.tokenizer, target_name),
+                             target.tokenizer, room) for w in workloads.split(",") if w.strip()]
         engines, drafts = {}, {}
         for label, method, opts in configs:
             d = None
