@@ -243,7 +243,8 @@ def test_every_method_greedy_equals_none_on_libllama(name, adaptive, files, load
     target = files["target-q8_0"]
     none = Engine(target, method="none")
     assert none.backend == "llamacpp" and none.exactness == "identical"
-    eng = Engine(target, adaptive_k=adaptive, **METHODS[name](files))
+    # explicit: under auto a speculating method on Q8_0 runs on leaplm's int8 kernel (test_llamacpp_backend.py)
+    eng = Engine(target, adaptive_k=adaptive, backend="llamacpp", **METHODS[name](files))
     assert eng.backend == "llamacpp"
     for prompt in PROMPTS:
         assert eng.generate(prompt, greedy()).token_ids == none.generate(prompt, greedy()).token_ids, prompt
@@ -251,7 +252,8 @@ def test_every_method_greedy_equals_none_on_libllama(name, adaptive, files, load
 
 @needs_libllama
 def test_two_interleaved_streams_on_one_engine(files):
-    eng = Engine(files["target-q8_0"], method="ngram", k=4)
+    eng = Engine(files["target-q8_0"], method="ngram", k=4, backend="llamacpp")
+    assert eng.backend == "llamacpp"
     want = [eng.generate(p, greedy(24)).token_ids for p in PROMPTS[:2]]
     a, b = eng.stream(PROMPTS[0], greedy(24)), eng.stream(PROMPTS[1], greedy(24))
     got, live = [[], []], [a, b]
@@ -323,7 +325,7 @@ def test_a_libllama_target_takes_a_hugging_face_draft_on_torch(files):
 @needs_libllama
 def test_layerskip_is_refused_naming_the_torch_backend(files):
     with pytest.raises(ConfigError, match="--backend torch") as e:
-        Engine(files["target-q8_0"], method="layerskip", k=3)
+        Engine(files["target-q8_0"], method="layerskip", k=3, backend="llamacpp")
     assert e.value.field == "method"
     assert Engine(files["target-q8_0"], method="layerskip", k=3, skip_layers=[1], backend="torch").backend == "torch"
 
@@ -340,7 +342,9 @@ def test_continuous_batching_with_chunked_prefill_equals_each_request_alone(file
     from leaplm.engine.step import MIN_CHUNK
 
     target = files["target-q8_0"]
-    eng = Engine(target, draft=files["draft-q8_0"], method="draft", k=3, max_num_batched_tokens=MIN_CHUNK)
+    eng = Engine(target, draft=files["draft-q8_0"], method="draft", k=3, max_num_batched_tokens=MIN_CHUNK,
+                 backend="llamacpp")
+    assert eng.backend == "llamacpp"
     long = [3 + (i * 7) % 200 for i in range(90)]
     jobs = [(PROMPTS[0], "ngram"), (long, "draft"), (PROMPTS[1], "suffix"), (long[:50], "none"), (PROMPTS[2], "draft"),
             (PROMPTS[1] * 3, "lookahead")]
@@ -350,7 +354,7 @@ def test_continuous_batching_with_chunked_prefill_equals_each_request_alone(file
         o.chunk.token_ids if o.chunk is not None else []), method=m) for i, (p, m) in enumerate(jobs)])
     sched.run_until_idle()
     for i, (p, m) in enumerate(jobs):
-        alone = Engine(target, draft=files["draft-q8_0"] if m == "draft" else None, method=m, k=3)
+        alone = Engine(target, draft=files["draft-q8_0"] if m == "draft" else None, method=m, k=3, backend="llamacpp")
         assert outs[i] == alone.generate(list(p), params).token_ids, (i, m)
 
 

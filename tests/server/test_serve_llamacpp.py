@@ -67,3 +67,4 @@ def test_two_concurrent_streams_equal_each_request_alone(gguf_server, name):
     (_, ta), (_, tb) = together
     assert ta[0] < tb[-1] and tb[0] < ta[-1]
     assert gguf_server.metric("leaplm_backend_info", 'backend="llamacpp",exactness="identical"') == 1.0
+    assert gguf_server.metric("leaplm_backend_choice_info", 'backend="llamacpp",reason="--backend llamacpp"') == 1.0

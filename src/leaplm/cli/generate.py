@@ -179,12 +179,13 @@ def generate(
             "acceptance_by_position": [round(a, 4) for a in
                                                                             s.acceptance_by_position],
             "max_model_len": engine.max_model_len, "kv_cache_peak_bytes": engine.kv_cache_peak_bytes,
-            "backend": engine.backend, "exactness": engine.exactness}}))
+            "backend": engine.backend, "backend_reason": engine.backend_reason, "exactness": engine.exactness}}))
     else:
         s = total
         spec = f"{s.method} k={s.k}" if s.method != "none" else "none"
         acc = (f" | acceptance {s.acceptance_rate:.2f} | mean accepted length {s.mean_accepted_length:.2f}"
                if s.method != "none" else "")
+        err.print(f"[dim]backend {engine.backend}: {engine.backend_reason}[/]")
         err.print(f"[dim]{spec} | {s.new_tokens} tokens in {s.target_forwards} target forwards{acc} | "
                   f"{s.tokens_per_s:.1f} tokens/s | backend {engine.backend}"
                   f"{'' if engine.exactness == 'identical' else ' (' + engine.exactness + ')'}[/]")

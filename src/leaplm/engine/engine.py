@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 
-from ..config import ConfigError, SamplingParams, SpecConfig, StructuredOutput
+from ..config import METHODS, ConfigError, SamplingParams, SpecConfig, StructuredOutput
 from ..models import LoadedModel, load_model
-from ..models.loading import draft_backend, resolve_max_model_len
+from ..models.loading import BackendChoice, choose_target_backend, draft_backend, resolve_max_model_len
 from ..models import embedded
 from ..models.tokens import encode_prompt
 from ..propose.base import Proposer
@@ -65,8 +65,18 @@ class Engine:
             model = embedded.default_target()
             if draft is None and method in (None, "draft"):
                 draft = embedded.default_draft()
-        self.target = model if isinstance(model, LoadedModel) else load_model(model, device, dtype, "model",
-                                                                                quantization, kv_cache_dtype, backend)
+        # the backend before loading: a speculating method on a Q8_0/Q4_x file runs on leaplm's int8 kernel under
+        # auto (models/loading.auto_backend says why)
+        if isinstance(model, LoadedModel):
+            choice = BackendChoice(model.backend, quantization, "the caller's loaded model")
+            self.target = model
+        else:
+            first = spec.method if spec is not None else method or ("draft" if draft is not None else "none")
+            choice = choose_target_backend(model, first if first in METHODS else "none", backend, device, dtype,
+                                           quantization)
+            self.target = load_model(model, device, dtype, "model", choice.quantization or quantization,
+                                     kv_cache_dtype, choice.backend)
+        self.backend_reason = choice.reason
         if draft is None and (method == "draft" or (spec is not None and spec.method == "draft" and spec.draft is None)):
             # --method draft without --draft: the shipped draft trained for this target (matched by tokenizer).
             # Not made the default method: how much it pays depends on the draft (see its model card)
@@ -82,6 +92,8 @@ class Engine:
                      "runs on torch, where its greedy output is identical to plain decoding (--backend llamacpp "
                      "runs it on libllama, identical up to that rounding)", self.target.name, spec.method)
             self.target = load_model(model, device, dtype, "model", quantization, kv_cache_dtype, "torch")
+            self.backend_reason = (f"llama.cpp's kernels are not batch-invariant for this file's weight types, "
+                                   f"so method {spec.method} runs on torch")
         self.draft: LoadedModel | None = None
         if spec.method == "draft":
             src = draft if draft is not None else spec.draft
@@ -100,9 +112,9 @@ class Engine:
         self.exactness = exactness_of(self.target)
         self.tokenizer = self.target.tokenizer
         self.model = self.target.model
-        log.info("backend: %s for %s%s (speculation: %s)", self.backend, self.target.name,
+        log.info("backend: %s for %s%s (speculation: %s; why: %s)", self.backend, self.target.name,
                  f", {self.draft.backend} for the draft {self.draft.name}" if self.draft is not None else "",
-                 self.exactness)
+                 self.exactness, self.backend_reason)
         self.max_model_len = resolve_max_model_len(max_model_len, self.model.max_len, self.target.name)
         if self.draft is not None and self.draft.model.max_len < self.max_model_len:
             # the draft must see every committed token: past its positions it would fail mid-request

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -218,6 +220,79 @@ def choose_backend(backend: str, gguf: bool, name: str, device: str = "cpu", dty
 
     libllama("backend")              # installed? (ConfigError naming the extra)
     return "llamacpp"
+
+
+KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1")      # the block types leaplm's int8 kernel computes on as stored
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """What `--backend auto` (or an explicit backend) picked for a target, and why (logged once, in `--json` and
+    /metrics)."""
+    backend: str                    # what to load with: 'llamacpp' | 'torch' | 'auto' (load_model's usual rule)
+    quantization: str | None        # 'gguf' when the choice is leaplm's int8 kernel on the file's own blocks
+    reason: str
+
+
+def kernel_weight_type(tensor_types: dict[str, str]) -> str | None:
+    """The block type of a GGUF file's decoder matrices when every one of them is a type leaplm's int8 kernel
+    takes as stored (the most common, e.g. 'Q4_1'); None when some other type (F32, F16, a K-quant) is among them.
+    1-D tensors (norms) are F32 in every file and do not count."""
+    mats = [t for n, t in tensor_types.items() if n.startswith("blk.") and t != "F32"]
+    if not mats or any(t not in KERNEL_TYPES for t in mats):
+        return None
+    return Counter(mats).most_common(1)[0][0]
+
+
+def auto_backend(method: str, weight_type: str | None, kernel_unavailable: str | None) -> BackendChoice:
+    """`--backend auto` for a GGUF target on the CPU with nothing else asking for a path (no --quantization,
+    float32): leaplm's int8 kernel (torch, quantization 'gguf') for a method that speculates on a Q8_0/Q4_0/Q4_1
+    file, because a verify block costs far less there than on libllama; otherwise load_model's usual choice
+    (libllama when it is installed). weight_type: kernel_weight_type of the file; kernel_unavailable: why the
+    kernel cannot be built here (kernels/build.unavailable_reason), None when it can."""
+    if method == "none":
+        return BackendChoice("auto", None, "plain decoding: one token per forward costs about the same on "
+                                           "libllama and leaplm's kernel")
+    if weight_type is None:
+        return BackendChoice("auto", None, "the file's matrices are not all Q8_0/Q4_0/Q4_1, the types leaplm's "
+                                           "int8 kernel takes")
+    if kernel_unavailable is not None:
+        return BackendChoice("auto", None, f"leaplm's int8 kernel cannot be built here ({kernel_unavailable})")
+    return BackendChoice("torch", "gguf", f"method {method} verifies blocks of tokens, which leaplm's int8 kernel "
+                                          f"computes on {weight_type} blocks for far less than libllama")
+
+
+def choose_target_backend(name: str, method: str, backend: str = "auto", device: str = "cpu",
+                          dtype: str = "float32", quantization: str | None = None) -> BackendChoice:
+    """The backend choice for target `name` run with `method` (Engine calls this before loading)."""
+    from .catalog import resolve_model_name
+    from .gguf import inspect_gguf, is_gguf
+
+    if backend != "auto":
+        return BackendChoice(backend, None, f"--backend {backend}")
+    if quantization is not None:
+        return BackendChoice("auto", None, f"--quantization {quantization} selects leaplm's kernels")
+    try:
+        path = resolve_model_name(name, "model")
+    except ConfigError:
+        return BackendChoice("auto", None, "")           # load_model names the problem
+    if not is_gguf(path):
+        return BackendChoice("auto", None, "not a GGUF file")
+    if str(device) != "cpu" or dtype not in ("auto", "float32"):
+        return BackendChoice("auto", None, f"--device {device} / --dtype {dtype} ask for the PyTorch path")
+    from ..kernels.build import unavailable_reason
+    from .gguf import TENSOR_TYPES
+
+    types = inspect_gguf(path, "model", check_types=False).tensor_types
+    weight_type = kernel_weight_type(types) if all(t in TENSOR_TYPES for t in types.values()) else None
+    choice = auto_backend(method, weight_type, unavailable_reason() if method != "none" else None)
+    if choice.backend != "auto":
+        return choice
+    from .llamacpp import available
+
+    if not available():
+        return BackendChoice("torch", None, "the llamacpp extra (llama-cpp-python) is not installed")
+    return BackendChoice("llamacpp", None, f"{choice.reason}; GGUF files run on libllama")
 
 
 def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: str = "model",

@@ -64,6 +64,9 @@ class ServerMetrics:
         self.backend = Gauge(P + "backend_info", "1 for what runs the target's forwards (torch or llamacpp) and "
                              "what greedy speculation promises on it (identical, or identical up to llama.cpp's "
                              "batch variance).", ["backend", "exactness"], registry=r)
+        self.backend_choice = Gauge(P + "backend_choice_info", "1 for why the target runs on its backend (the "
+                                    "`--backend auto` rule, or the explicit choice).", ["backend", "reason"],
+                                    registry=r)
         self.spec_memory = Gauge(P + "speculative_memory_bytes", "Memory speculation adds to the target alone, by "
                                  "part: draft_weights, and draft_kv_cache_per_row (each running request that drafts "
                                  "with the draft model holds one).", ["part"], registry=r)
@@ -80,6 +83,7 @@ class ServerMetrics:
             self.budget_tokens.set_function(lambda: admission.budget_tokens or 0)
         eng = scheduler.engine
         self.backend.labels(getattr(eng, "backend", "torch"), getattr(eng, "exactness", "identical")).set(1)
+        self.backend_choice.labels(getattr(eng, "backend", "torch"), getattr(eng, "backend_reason", "")).set(1)
         draft = getattr(scheduler.engine, "draft", None)
         if draft is not None:
             from ..models.footprint import draft_footprint

@@ -1,0 +1,105 @@
+"""`--backend auto` for GGUF targets (models/loading.auto_backend): a method that speculates on a Q8_0/Q4_0/Q4_1
+file runs on leaplm's int8 kernel (torch, quantization 'gguf'), plain decoding and other weight types on
+libllama; the choice and its reason reach the engine, `generate --json` and /metrics."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from leaplm.config import SamplingParams
+from leaplm.engine.engine import Engine
+from leaplm.models.gguf_export import export_gguf
+from leaplm.models.llamacpp import available
+from leaplm.models.loading import BackendChoice, auto_backend, choose_target_backend, kernel_weight_type
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gguf_writer import _root_conftest  # noqa: E402
+from test_llamacpp import write_eot_tokenizer  # noqa: E402
+
+needs_libllama = pytest.mark.skipif(not available(), reason="the llamacpp extra (llama-cpp-python) is not installed")
+
+Q4_1_FILE = {"token_embd.weight": "Q8_0", "output_norm.weight": "F32", "blk.0.attn_norm.weight": "F32",
+             "blk.0.attn_q.weight": "Q4_1", "blk.0.ffn_down.weight": "Q4_1", "blk.0.attn_v.weight": "Q8_0"}
+
+
+def test_kernel_weight_type_reads_the_decoder_matrices():
+    assert kernel_weight_type(Q4_1_FILE) == "Q4_1"                     # the most common; Q8_0 beside it is fine
+    assert kernel_weight_type({**Q4_1_FILE, "blk.1.ffn_up.weight": "Q4_K"}) is None
+    assert kernel_weight_type({**Q4_1_FILE, "blk.0.attn_q.weight": "F16"}) is None
+    assert kernel_weight_type({"token_embd.weight": "F32", "blk.0.attn_q.weight": "F32"}) is None    # an f32 file
+    assert kernel_weight_type({"token_embd.weight": "Q4_1"}) is None                                 # no decoder
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "lookahead", "eagle", "medusa"])
+def test_auto_puts_speculation_on_quantized_blocks_on_the_kernel(method):
+    got = auto_backend(method, "Q4_1", None)
+    assert (got.backend, got.quantization) == ("torch", "gguf")
+    assert method in got.reason and "Q4_1" in got.reason and "int8 kernel" in got.reason
+
+
+def test_auto_leaves_the_rest_to_libllama():
+    none = auto_backend("none", "Q4_1", None)
+    assert (none.backend, none.quantization) == ("auto", None) and "plain decoding" in none.reason
+    other = auto_backend("ngram", None, None)
+    assert (other.backend, other.quantization) == ("auto", None) and "Q8_0/Q4_0/Q4_1" in other.reason
+    nokernel = auto_backend("ngram", "Q8_0", "no C++ compiler found")
+    assert (nokernel.backend, nokernel.quantization) == ("auto", None) and "no C++ compiler" in nokernel.reason
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("backend_choice")
+    tok = write_eot_tokenizer(d / "tok")
+    hf = _root_conftest().write_family_checkpoint(d / "target", "llama_tied", tok)
+    return {"hf": hf, **{kind: str(export_gguf(hf, str(d / f"target-{kind}.gguf"), kind).path)
+                         for kind in ("f32", "q8_0")}}
+
+
+@needs_libllama
+def test_choose_target_backend_on_files(files):
+    from leaplm.kernels.build import unavailable_reason
+
+    kernel = unavailable_reason() is None
+    assert choose_target_backend(files["q8_0"], "ngram") == (
+        BackendChoice("torch", "gguf", auto_backend("ngram", "Q8_0", None).reason) if kernel
+        else BackendChoice("llamacpp", None, auto_backend("ngram", "Q8_0", unavailable_reason()).reason
+                           + "; GGUF files run on libllama"))
+    assert choose_target_backend(files["q8_0"], "none").backend == "llamacpp"
+    assert choose_target_backend(files["f32"], "ngram").backend == "llamacpp"
+    assert choose_target_backend(files["q8_0"], "ngram", backend="llamacpp") == BackendChoice(
+        "llamacpp", None, "--backend llamacpp")
+    assert choose_target_backend(files["q8_0"], "ngram", quantization="int8").quantization is None
+    assert choose_target_backend(files["hf"], "ngram").reason == "not a GGUF file"
+    assert choose_target_backend(files["q8_0"], "ngram", dtype="bfloat16").backend == "auto"
+
+
+@needs_libllama
+def test_the_engine_follows_the_choice_and_stays_identical_to_plain_decoding_on_its_path(files):
+    from leaplm.kernels.build import unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(f"leaplm's int8 kernel cannot be built here ({unavailable_reason()})")
+    greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    spec = Engine(files["q8_0"], method="ngram", k=4)
+    assert (spec.backend, spec.exactness) == ("torch", "identical") and "int8 kernel" in spec.backend_reason
+    assert spec.target.model.quantized                               # the file's blocks on the kernel
+    plain_kernel = Engine(files["q8_0"], method="none", backend="torch", quantization="gguf")
+    assert spec.generate([1, 2, 3, 1, 2], greedy).token_ids == plain_kernel.generate([1, 2, 3, 1, 2], greedy).token_ids
+    none = Engine(files["q8_0"], method="none")
+    assert none.backend == "llamacpp" and "plain decoding" in none.backend_reason
+
+
+@needs_libllama
+def test_generate_json_reports_the_reason(files):
+    from typer.testing import CliRunner
+
+    from leaplm.cli import app
+
+    res = CliRunner().invoke(app, ["generate", "hello", "--model", files["q8_0"], "--method", "none",
+                                   "--max-new-tokens", "4", "--ignore-eos", "--json"])
+    assert res.exit_code == 0, res.output
+    stats = json.loads(res.stdout)["stats"]
+    assert stats["backend"] == "llamacpp" and "plain decoding" in stats["backend_reason"]
