@@ -103,3 +103,19 @@ def test_generate_json_reports_the_reason(files):
     assert res.exit_code == 0, res.output
     stats = json.loads(res.stdout)["stats"]
     assert stats["backend"] == "llamacpp" and "plain decoding" in stats["backend_reason"]
+
+
+@needs_libllama
+def test_serve_checks_a_catalog_name_as_its_fetched_file(files, monkeypatch):
+    """`leaplm serve --model smollm2` checks the model before loading it in the background (check_source): the
+    catalog name resolves to its fetched file there too, or is refused naming the command that fetches it."""
+    from leaplm.config import ConfigError
+    from leaplm.models import catalog
+    from leaplm.models.loading import check_source
+
+    monkeypatch.setattr(catalog, "fetched", lambda name: Path(files["q8_0"]))
+    check_source("smollm2")
+    monkeypatch.setattr(catalog, "fetched", lambda name: None)
+    with pytest.raises(ConfigError, match="leaplm models fetch smollm2") as e:
+        check_source("smollm2")
+    assert e.value.field == "model"

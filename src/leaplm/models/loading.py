@@ -83,8 +83,10 @@ def resolve_path(name: str, field: str = "model") -> Path:
 def check_source(name: str, field: str = "model", backend: str = "auto") -> None:
     """What can be checked about `name` without loading weights (a GGUF file's header and tensor types, a local
     directory's config.json), so a command that loads in the background (serve) refuses bad input at once."""
+    from .catalog import resolve_model_name
     from .gguf import inspect_gguf, is_gguf
 
+    name = resolve_model_name(name, field)     # `smollm2` -> its fetched file, as load_model reads it
     if is_gguf(name):
         if choose_backend(backend, True, name) == "llamacpp":
             from .llamacpp import check_file
