@@ -513,7 +513,8 @@ def run_load_bench(cfg: LoadBenchConfig) -> dict:
     report = {
         "command": "leaplm bench serve", "settings": asdict(cfg),
         "models": {"target": cfg.model or ("synthetic" if cfg.synthetic else "embedded"),
-                   "draft": cfg.draft or ("synthetic" if cfg.synthetic else "embedded"), "method": cfg.method,
+                   "draft": cfg.draft or ("synthetic" if cfg.synthetic else "embedded" if cfg.model is None
+                                          else "the server's default"), "method": cfg.method,
                    "k": cfg.k},
         "servers": list(info.values()),
         "machine": machine(), "summary": summarize(runs, info), "long_prompt": long_prompt,

@@ -147,7 +147,8 @@ def run_profiles(cfg: LoadBenchConfig, profiles: list[Profile]) -> dict:
         "settings": {"rounds": cfg.rounds, "k": cfg.k, "method": cfg.method, "max_batch": cfg.max_batch,
                      "threads": cfg.threads, "profiles": [asdict(p) for p in profiles]},
         "models": {"target": cfg.model or ("synthetic" if cfg.synthetic else "embedded"),
-                   "draft": cfg.draft or ("synthetic" if cfg.synthetic else "embedded"), "method": cfg.method,
+                   "draft": cfg.draft or ("synthetic" if cfg.synthetic else "embedded" if cfg.model is None
+                                          else "the server's default"), "method": cfg.method,
                    "k": cfg.k},
         "server": info, "machine": machine(), "table": summarize_profiles(profiles, runs),
     }
