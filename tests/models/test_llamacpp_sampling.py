@@ -13,8 +13,8 @@ sampling code.
 
 The bound is mc_bounds.py's (Weissman et al. 2003, cells below 0.01 pooled, DELTA = 1e-6): a correct engine
 exceeds it with probability below one in a million. Negative controls: the same check with the race replaced by a
-verifier that keeps every draft, and with rejection sampling recovering from p instead of the residual
-max(0, p - q); both must exceed the bound.
+verifier that keeps every draft, with rejection sampling recovering from p instead of the residual max(0, p - q),
+and with the tree race keeping the first candidate whatever p says; each must exceed the bound.
 """
 from __future__ import annotations
 
@@ -155,4 +155,26 @@ def test_negative_control_rejection_recovering_from_p_fails(q8, ref_probs, monke
     recover_from_p.calls = 0
     mc = run(q8, "draft", "rejection", ref_probs)
     assert recover_from_p.calls >= N
+    assert mc.tv > mc.bound, f"the wrong verifier passed: TV {mc.tv:.4f} < bound {mc.bound:.4f}"
+
+
+def keeps_first_candidate(nodes, parents, p, seed, base):
+    """A wrong tree race: the root's first child is always kept, the rest verified as the race would."""
+    from leaplm.sampling.positional import race
+    from leaplm.verify import verify_tree_greedy
+
+    keeps_first_candidate.calls += 1
+    depth: list[int] = []
+    for par in parents:
+        depth.append(1 if par < 0 else depth[par] + 1)
+    target = race(p, seed, [base] + [base + d for d in depth]).clone()        # [K + 1] the target's own samples
+    target[0] = nodes[0]
+    return verify_tree_greedy(nodes, parents, target)
+
+
+def test_negative_control_the_tree_race_keeping_a_candidate_fails(q8, ref_probs, monkeypatch):
+    patch_everywhere(monkeypatch, "verify_tree_coupled", keeps_first_candidate)
+    keeps_first_candidate.calls = 0
+    mc = run(q8, "eagle", "race", ref_probs)
+    assert keeps_first_candidate.calls >= N
     assert mc.tv > mc.bound, f"the wrong verifier passed: TV {mc.tv:.4f} < bound {mc.bound:.4f}"
