@@ -73,9 +73,13 @@ def test_shipped_draft_is_picked_and_lossless(smollm2):
     tgt = load_model(smollm2)
     if embedded.draft_for(tgt.tokenizer) is None:
         pytest.skip("no embedded draft matches SmolLM2's tokenizer in this build")
-    with_draft = cli_generate(smollm2, "--method", "draft")  # no --draft: the matched shipped draft
+    # on torch, where greedy speculation is token-identical (libllama's verifying batches may part from its
+    # one-token decode on near ties: "identical up to llama.cpp's batch variance"); --fixed-k so the cost model
+    # cannot price drafting out of the test
+    with_draft = cli_generate(smollm2, "--method", "draft", "--backend", "torch", "--fixed-k")  # the matched draft
     assert with_draft["stats"]["method"] == "draft" and with_draft["stats"]["draft_tokens"] > 0
-    assert _ids(with_draft) == _ids(cli_generate(smollm2, "--method", "none"))
+    assert with_draft["stats"]["accepted_tokens"] > 0
+    assert _ids(with_draft) == _ids(cli_generate(smollm2, "--method", "none", "--backend", "torch"))
 
 
 def test_shipped_eagle_head_is_picked_and_lossless(smollm2):
