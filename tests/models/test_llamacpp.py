@@ -241,9 +241,9 @@ def loaded_q8(files, tmp_path_factory):
 @pytest.mark.parametrize("name", METHODS)
 def test_every_method_greedy_equals_none_on_libllama(name, adaptive, files, loaded_q8):
     target = files["target-q8_0"]
-    none = Engine(target, method="none")
+    # explicit: under auto a Q8_0 file runs on leaplm's int8 kernel (test_llamacpp_backend.py)
+    none = Engine(target, method="none", backend="llamacpp")
     assert none.backend == "llamacpp" and none.exactness == "identical"
-    # explicit: under auto a speculating method on Q8_0 runs on leaplm's int8 kernel (test_llamacpp_backend.py)
     eng = Engine(target, adaptive_k=adaptive, backend="llamacpp", **METHODS[name](files))
     assert eng.backend == "llamacpp"
     for prompt in PROMPTS:
@@ -266,6 +266,56 @@ def test_two_interleaved_streams_on_one_engine(files):
                 else:
                     got[i] += c.token_ids
     assert got == want
+
+
+def scramble_then_score(lm, cache, rows: int, seed: int = 3) -> torch.Tensor:
+    """Row 0 of `cache` through a server's worst day, with `rows` rows of tokens drawn for 3: every row prefills,
+    decodes blocks of which 3 of 5 tokens are rolled back, the other rows finish (freeing cells in the middle of
+    the KV buffer) and row 0 decodes on into whatever cells are free. rows == 1: row 0's same tokens and
+    rollbacks alone. Returns row 0's logits of its last 6 one-token forwards, [6, V]."""
+    g = torch.Generator().manual_seed(seed)
+    V = lm.vocab_size
+    ctx = torch.randint(0, V, (3, 12), generator=g)[:rows]                               # [rows, 12]
+    blocks = torch.randint(0, V, (4, 3, 5), generator=g)[:, :rows]                       # [4, rows, 5]
+    tail = torch.randint(0, V, (6,), generator=g)                                         # [6]
+    lm(ctx, cache, last_only=True)
+    for b in range(rows):
+        cache.advance(12, b)
+    for blk in blocks:                                  # 2 tokens of 5 kept; the rest dropped at the next forward
+        lm(blk, cache)
+        for b in range(rows):
+            cache.advance(2, b)
+    for b in range(1, rows):                            # the other requests end: their cells are freed
+        cache.truncate(0, b)
+    out = []
+    for t in range(6):
+        out.append(lm(tail[t: t + 1].unsqueeze(0), cache.row_view(0))[0, 0])
+        cache.advance(1, 0)
+    return torch.stack(out)                                                               # [6, V]
+
+
+@needs_libllama
+def test_a_row_beside_others_that_free_cells_equals_it_alone(files):
+    """Where llama.cpp is batch-invariant (Q8_0), rows live in contexts of their own (LlamaCppRows), so a row's
+    logits are bit for bit those it gets alone even after other rows rolled back and finished around it (in one
+    shared context their freed cells are refilled out of position order and attention rounds differently)."""
+    from leaplm.models.llamacpp import LlamaCppLM, LlamaCppRows
+
+    lm = LlamaCppLM(files["target-q8_0"])
+    assert lm.batch_invariant
+    many = lm.new_cache(3, 64)
+    assert isinstance(many, LlamaCppRows)
+    assert torch.equal(scramble_then_score(lm, many, 3), scramble_then_score(lm, lm.new_cache(1, 64), 1))
+    # moving a row moves its context: the moved row decodes on exactly as before, the source is left empty
+    ctx = torch.randint(0, lm.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    many.truncate(0, 0)
+    lm(ctx, many, last_only=True)
+    many.advance(12, 0)
+    many.advance(12, 1)
+    before = lm(ctx[:1, :1], many.row_view(1))[0, 0]
+    many.move_row(1, 0)
+    assert many.lengths[:2] == [12, 0]
+    assert torch.equal(lm(ctx[:1, :1], many.row_view(0))[0, 0], before)
 
 
 # --- bad input: errors, never an abort -----------------------------------------------------------------------------

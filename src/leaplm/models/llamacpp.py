@@ -3,9 +3,16 @@
 The weights stay as the file stores them (every type llama.cpp computes on, K-quants and IQ included); leaplm's
 engine drives the forwards. One `LlamaCppCache` is one llama.cpp context:
 
-  rows      row b of a batch is llama.cpp sequence b of one context (n_seq_max = rows + TREE_SEQS, a unified KV
-            cache: `llama_memory_seq_cp` needs one). A forward over [B, T] tokens is one `llama_decode` of B * T
-            batch entries (split into N_BATCH-entry calls only for a long prefill).
+  rows      where llama.cpp is batch-invariant for the file (LlamaCppLM.batch_invariant), each row of a batch
+            has a context of its own (LlamaCppRows): a row's KV cells then depend on its own tokens alone. In one
+            shared context, rows that finish or roll back free cells that other rows refill, so a row's cells stop
+            being in position order, and llama.cpp's attention (flash attention visits cells in cell order; the
+            non-flash kernels reduce in SIMD lanes by cell index) rounds differently than for the same request
+            alone: greedy near-ties flip under concurrency. A forward over [B, T] tokens is then B `llama_decode`s.
+            Where llama.cpp is not batch-invariant anyway (F32, F16, repacked K-quants), rows are sequences
+            b of one context (n_seq_max = rows + TREE_SEQS, a unified KV cache: `llama_memory_seq_cp` needs
+            one) and a forward is one `llama_decode` of B * T batch entries (split into N_BATCH-entry calls only
+            for a long prefill), which batches the weight reads.
   rollback  the same rule as cache/kv_cache.py: a forward writes a row's T tokens at positions [length, length + T)
             without moving `lengths[b]`; commit moves it. What a forward wrote past the committed length is removed
             (`llama_memory_seq_rm`) before the row's next forward, so a rejected draft costs nothing until then.
@@ -55,6 +62,7 @@ log = logging.getLogger(__name__)
 EXTRA = "llamacpp"
 INSTALL = f'pip install "leaplm[{EXTRA}]"'
 N_BATCH = 512          # batch entries per llama_decode (a longer prefill is split; a tree must fit in one)
+ROW_N_BATCH = 128      # the same for a row's own context (LlamaCppRows): its compute buffer scales with it
 TREE_SEQS = 64         # scratch sequences for a tree block's leaves
 TREE_SLACK = 512       # KV cells beyond rows * max_len: a tree block's nodes live in scratch sequences
 # ggml type ids of the KV cache: 'auto' is llama.cpp's own default (f16), as its command-line tools run
@@ -284,10 +292,16 @@ class LlamaCppLM:
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.kv_width * KV_BYTES.get(self.kv_type, 2)
 
-    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> "LlamaCppCache":
-        if self._choose_attention:
-            self.batch_variance                # chooses flash attention before the first context is made
-        return LlamaCppCache(self, batch_size, max_len or self.max_len)
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> "LlamaCppCache | LlamaCppRows":
+        """Rows in contexts of their own where llama.cpp is batch-invariant for this file (so a row's logits do not
+        depend on the other rows: see the module docstring), else rows as sequences of one context."""
+        invariant = self.batch_invariant       # measured once; also chooses flash attention before any context
+        if batch_size > 1 and invariant:
+            return LlamaCppRows(self, batch_size, max_len or self.max_len)
+        # a lone row decodes in llama_decode calls of the same size as a row of LlamaCppRows, so a long prompt
+        # is split the same way whichever cache holds it
+        return LlamaCppCache(self, batch_size, max_len or self.max_len,
+                             n_batch=ROW_N_BATCH if invariant else N_BATCH)
 
     def parameters(self):                      # what callers count; libllama holds the weights
         return iter(())
@@ -323,6 +337,9 @@ class LlamaCppLM:
         if layers is not None:
             raise ValueError("libllama runs every layer of the model: a layer subset (layerskip) needs the torch "
                              "backend (--backend torch)")
+        if isinstance(cache, LlamaCppRows):
+            return self._run_rows(input_ids, cache, tree_mask, position_offsets, last_only, hidden, hidden_all,
+                                  row_tokens)
         parent, seqs, lens = _resolve(cache, input_ids.shape[0])
         if parent.lm is not self:
             raise ValueError("this cache belongs to another llama.cpp model")
@@ -358,6 +375,30 @@ class LlamaCppLM:
                 parent.written[s] = max(parent.written[s], n + r)
             parent.clear_tree()
         return parent.decode(entries, rows_out, B, T, last_only, hidden, hidden_all)
+
+
+    def _run_rows(self, input_ids, cache: "LlamaCppRows", tree_mask, position_offsets, last_only, hidden,
+                  hidden_all, row_tokens) -> Scored:
+        """A forward over rows that each have a context: one decode per row with real tokens, gathered."""
+        B, T = input_ids.shape
+        if B > cache.batch_size:
+            raise ValueError(f"{B} rows for a cache of {cache.batch_size}")
+        if tree_mask is not None and B != 1:
+            raise ValueError("a tree block is scored one row at a time")
+        real = list(row_tokens) if row_tokens is not None else [T] * B
+        if len(real) != B or any(not 0 <= r <= T for r in real):
+            raise ValueError(f"row_tokens must be {B} counts in [0, {T}], got {real}")
+        logits = torch.zeros(B, 1 if last_only else T, self.vocab_size)                # [B, T | 1, V]
+        hid = torch.zeros(B, T, self.hidden_size) if hidden else None                   # [B, T, hid]
+        for b in range(B):
+            if real[b] == 0:
+                continue                     # a padding row: nothing decoded, nothing written
+            out = self._run(input_ids[b: b + 1], cache.rows[b], tree_mask, position_offsets, None, last_only,
+                            hidden, hidden_all, None if real[b] == T else [real[b]])
+            logits[b] = out.logits[0]
+            if hidden:
+                hid[b] = out.hidden[0]
+        return Scored(logits, hid)
 
 
 def _resolve(cache, B: int) -> tuple["LlamaCppCache", list[int], list[int]]:
@@ -408,11 +449,15 @@ class LlamaCppCache:
     """One llama.cpp context: rows [0, batch_size) are its sequences (see the module docstring). Same interface as
     cache.kv_cache.KVCache: lengths, advance, truncate, compact, move_row, row_view, reset_row, check_room."""
 
-    def __init__(self, lm: LlamaCppLM, batch_size: int, max_len: int):
+    def __init__(self, lm: LlamaCppLM, batch_size: int, max_len: int, lengths: "list[int] | _RowLength | None" = None,
+                 n_batch: int = N_BATCH):
+        """lengths: the committed lengths to keep (LlamaCppRows hands each row's context a view of its own
+        list); n_batch: batch entries per llama_decode."""
         lc = lm.lc
         self.lm, self.lc = lm, lc
         self.max_len = max_len
-        self.lengths = [0] * batch_size        # committed tokens per row
+        self.n_batch = n_batch
+        self.lengths = lengths if lengths is not None else [0] * batch_size   # committed tokens per row
         self.written = [0] * batch_size        # positions [0, written[b]) may hold cells in sequence b
         self.tree: TreeSeqs | None = None
         self.n_seq = batch_size + TREE_SEQS
@@ -421,7 +466,7 @@ class LlamaCppCache:
         cp = lc.llama_context_default_params()
         self.n_ctx = batch_size * max_len + TREE_SLACK
         cp.n_ctx = self.n_ctx
-        cp.n_batch = cp.n_ubatch = N_BATCH
+        cp.n_batch = cp.n_ubatch = n_batch
         cp.n_seq_max = self.n_seq
         cp.kv_unified = True
         threads = lm.threads or torch.get_num_threads()
@@ -437,14 +482,14 @@ class LlamaCppCache:
                                f"({_recent_log(seen) or 'no reason given'})")
         self.ctx = ctx
         self.mem = lc.llama_get_memory(ctx)
-        self.batch = lc.llama_batch_init(N_BATCH, 0, self.n_seq)
+        self.batch = lc.llama_batch_init(n_batch, 0, self.n_seq)
         self._free = weakref.finalize(self, _free_context, lc, ctx, self.batch, lm)
         b = self.batch
-        self._tok = np.ctypeslib.as_array(b.token, (N_BATCH,))
-        self._pos = np.ctypeslib.as_array(b.pos, (N_BATCH,))
-        self._nseq = np.ctypeslib.as_array(b.n_seq_id, (N_BATCH,))
-        self._out = np.ctypeslib.as_array(b.logits, (N_BATCH,))
-        self._seq = [b.seq_id[i] for i in range(N_BATCH)]
+        self._tok = np.ctypeslib.as_array(b.token, (n_batch,))
+        self._pos = np.ctypeslib.as_array(b.pos, (n_batch,))
+        self._nseq = np.ctypeslib.as_array(b.n_seq_id, (n_batch,))
+        self._out = np.ctypeslib.as_array(b.logits, (n_batch,))
+        self._seq = [b.seq_id[i] for i in range(n_batch)]
         self._embeddings = False
         self.peak_nbytes = self.nbytes
 
@@ -550,8 +595,8 @@ class LlamaCppCache:
         """Batch entries (token, position, sequences, output) of a tree block of `row` at committed length L."""
         T = len(ids)
         dl = depths.tolist() if depths is not None else list(range(T))
-        if T > N_BATCH:
-            raise ValueError(f"a tree block of {T} tokens exceeds one llama_decode ({N_BATCH})")
+        if T > self.n_batch:
+            raise ValueError(f"a tree block of {T} tokens exceeds one llama_decode ({self.n_batch})")
         parents = tree_parents(mask, dl)
         kids = [0] * T
         for p in parents[1:]:
@@ -586,8 +631,8 @@ class LlamaCppCache:
         logits = np.zeros((B, 1 if last_only else T, V), dtype=np.float32)                 # [B, T | 1, V]
         hid = np.zeros((B, T, self.lm.hidden_size), dtype=np.float32) if hidden else None  # [B, T, hid]
         full = len(entries) == B * T
-        for c0 in range(0, len(entries), N_BATCH):
-            chunk = entries[c0: c0 + N_BATCH]
+        for c0 in range(0, len(entries), self.n_batch):
+            chunk = entries[c0: c0 + self.n_batch]
             n = len(chunk)
             self._tok[:n] = [e[0] for e in chunk]
             self._pos[:n] = [e[1] for e in chunk]
@@ -623,6 +668,109 @@ class LlamaCppCache:
                 logits[[w[0] for _, w in keep], [0 if last_only else w[1] for _, w in keep]] = \
                     lg[[k for k, _ in keep]]
         return Scored(torch.from_numpy(logits), torch.from_numpy(hid) if hidden else None)
+
+
+class _RowLength:
+    """Row `row` of a LlamaCppRows' lengths, seen by that row's own context as its one-row `lengths` list."""
+
+    def __init__(self, owner: list[int], row: int):
+        self.owner, self.row = owner, row
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.owner[self.row]][i]
+        if i not in (0, -1):
+            raise IndexError(i)
+        return self.owner[self.row]
+
+    def __setitem__(self, i, value: int) -> None:
+        if i not in (0, -1):
+            raise IndexError(i)
+        self.owner[self.row] = value
+
+    def __iter__(self):
+        return iter([self.owner[self.row]])
+
+
+class LlamaCppRows:
+    """Rows in llama.cpp contexts of their own (see the module docstring: a row's attention must not depend on
+    where other rows' cells lie). Same interface as LlamaCppCache; `lengths` is one list, each row's context
+    reads and writes its own entry. Moving a row moves its context (nothing is copied)."""
+
+    def __init__(self, lm: LlamaCppLM, batch_size: int, max_len: int):
+        self.lm = lm
+        self.max_len = max_len
+        self.lengths = [0] * batch_size        # committed tokens per row
+        self.rows = [LlamaCppCache(lm, 1, max_len, _RowLength(self.lengths, b), n_batch=ROW_N_BATCH)
+                     for b in range(batch_size)]
+        self.peak_nbytes = self.nbytes
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.rows[0].weight_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.lm.bytes_per_token
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.rows)
+
+    @property
+    def capacity(self) -> int:
+        return self.max_len
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.batch_size * self.max_len
+
+    def check_room(self, T: int, B: int = 1) -> None:
+        longest = max(self.lengths[:B])
+        if longest + T > self.max_len:
+            raise ValueError(f"KV cache full: {longest} + {T} tokens exceed max_len={self.max_len}")
+
+    def reserve(self, needed: int) -> None:
+        if needed > self.max_len:
+            raise ValueError(f"KV cache full: {needed} slots exceed max_len={self.max_len}")
+
+    def advance(self, n: int, row: int = 0) -> None:
+        self.lengths[row] += n
+
+    def truncate(self, length: int, row: int = 0) -> None:
+        self.rows[row].truncate(length, 0)
+
+    def reset_row(self, row: int) -> None:
+        self.rows[row].reset_row(0)
+
+    def compact(self, offsets: list[int], row: int = 0) -> None:
+        self.rows[row].compact(offsets, 0)
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row src's committed cells become row dst's: src's context moves to dst (its cells stay where they
+        are, so dst decodes on exactly as src would have) and src gets dst's old context, emptied. Unlike a
+        shared context's move, src is left empty: the engine frees src right after a move anyway."""
+        if src == dst:
+            return
+        a, b = self.rows[src], self.rows[dst]
+        a.sync(0, self.lengths[src])
+        self.rows[dst], self.rows[src] = a, b
+        a.lengths.row, b.lengths.row = dst, src
+        self.lengths[dst] = self.lengths[src]
+        self.lengths[src] = 0
+        b.clear_tree()
+        b._rm(0, -1)
+        b.written[0] = 0
+
+    def row_view(self, row: int) -> "LlamaCppRowView":
+        return LlamaCppRowView(self.rows[row], 0)
 
 
 def _free_context(lc, ctx, batch, lm) -> None:
