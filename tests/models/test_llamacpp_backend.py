@@ -1,6 +1,7 @@
-"""`--backend auto` for GGUF targets (models/loading.auto_backend): a method that speculates on a Q8_0/Q4_0/Q4_1
-file runs on leaplm's int8 kernel (torch, quantization 'gguf'), plain decoding and other weight types on
-libllama; the choice and its reason reach the engine, `generate --json` and /metrics."""
+"""`--backend auto` for GGUF targets (models/loading.auto_backend): every method on a Q8_0/Q4_0/Q4_1 file runs on
+leaplm's int8 kernel (torch, quantization 'gguf') unless dequantizing the file would take more than half the
+memory available; other weight types on libllama; the choice and its reason reach the engine, `generate --json`
+and /metrics."""
 from __future__ import annotations
 
 import json
@@ -35,14 +36,19 @@ def test_kernel_weight_type_reads_the_decoder_matrices():
 
 @pytest.mark.parametrize("method", ["draft", "ngram", "suffix", "lookahead", "eagle", "medusa"])
 def test_auto_puts_speculation_on_quantized_blocks_on_the_kernel(method):
-    got = auto_backend(method, "Q4_1", None)
+    got = auto_backend(method, "Q4_1", None, 10 * 2**20, 2**30)
     assert (got.backend, got.quantization) == ("torch", "gguf")
     assert method in got.reason and "Q4_1" in got.reason and "int8 kernel" in got.reason
 
 
+def test_auto_puts_plain_decoding_there_too_unless_memory_is_short():
+    none = auto_backend("none", "Q4_1", None, 10 * 2**20, None)
+    assert (none.backend, none.quantization) == ("torch", "gguf") and "plain decoding" in none.reason
+    big = auto_backend("ngram", "Q4_1", None, 28 * 2**30, 24 * 2**30)          # a 7B file dequantized: 28 GiB
+    assert (big.backend, big.quantization) == ("auto", None) and "more than half the memory" in big.reason
+
+
 def test_auto_leaves_the_rest_to_libllama():
-    none = auto_backend("none", "Q4_1", None)
-    assert (none.backend, none.quantization) == ("auto", None) and "plain decoding" in none.reason
     other = auto_backend("ngram", None, None)
     assert (other.backend, other.quantization) == ("auto", None) and "Q8_0/Q4_0/Q4_1" in other.reason
     nokernel = auto_backend("ngram", "Q8_0", "no C++ compiler found")
@@ -67,7 +73,7 @@ def test_choose_target_backend_on_files(files):
         BackendChoice("torch", "gguf", auto_backend("ngram", "Q8_0", None).reason) if kernel
         else BackendChoice("llamacpp", None, auto_backend("ngram", "Q8_0", unavailable_reason()).reason
                            + "; GGUF files run on libllama"))
-    assert choose_target_backend(files["q8_0"], "none").backend == "llamacpp"
+    assert choose_target_backend(files["q8_0"], "none").backend == ("torch" if kernel else "llamacpp")
     assert choose_target_backend(files["f32"], "ngram").backend == "llamacpp"
     assert choose_target_backend(files["q8_0"], "ngram", backend="llamacpp") == BackendChoice(
         "llamacpp", None, "--backend llamacpp")
@@ -86,10 +92,11 @@ def test_the_engine_follows_the_choice_and_stays_identical_to_plain_decoding_on_
     spec = Engine(files["q8_0"], method="ngram", k=4)
     assert (spec.backend, spec.exactness) == ("torch", "identical") and "int8 kernel" in spec.backend_reason
     assert spec.target.model.quantized                               # the file's blocks on the kernel
-    plain_kernel = Engine(files["q8_0"], method="none", backend="torch", quantization="gguf")
-    assert spec.generate([1, 2, 3, 1, 2], greedy).token_ids == plain_kernel.generate([1, 2, 3, 1, 2], greedy).token_ids
-    none = Engine(files["q8_0"], method="none")
-    assert none.backend == "llamacpp" and "plain decoding" in none.backend_reason
+    plain = Engine(files["q8_0"], method="none")                      # auto: the same path as speculation
+    assert plain.backend == "torch" and plain.target.model.quantized and "plain decoding" in plain.backend_reason
+    assert spec.generate([1, 2, 3, 1, 2], greedy).token_ids == plain.generate([1, 2, 3, 1, 2], greedy).token_ids
+    f32 = Engine(files["f32"], method="none")
+    assert f32.backend == "llamacpp" and "Q8_0/Q4_0/Q4_1" in f32.backend_reason
 
 
 @needs_libllama
@@ -98,11 +105,11 @@ def test_generate_json_reports_the_reason(files):
 
     from leaplm.cli import app
 
-    res = CliRunner().invoke(app, ["generate", "hello", "--model", files["q8_0"], "--method", "none",
+    res = CliRunner().invoke(app, ["generate", "hello", "--model", files["f32"], "--method", "none",
                                    "--max-new-tokens", "4", "--ignore-eos", "--json"])
     assert res.exit_code == 0, res.output
     stats = json.loads(res.stdout)["stats"]
-    assert stats["backend"] == "llamacpp" and "plain decoding" in stats["backend_reason"]
+    assert stats["backend"] == "llamacpp" and "Q8_0/Q4_0/Q4_1" in stats["backend_reason"]
 
 
 @needs_libllama

@@ -47,6 +47,7 @@ class GGUFInfo:
     architecture: str
     tensor_types: dict[str, str]        # tensor name -> GGML type name
     add_bos_token: bool | None          # tokenizer.ggml.add_bos_token, None when absent
+    n_elements: int = 0                 # weights in all tensors (what a dequantized copy holds)
 
 
 def _field(reader, key: str):
@@ -90,7 +91,8 @@ def inspect_gguf(name: str, field: str = "model", check_types: bool = True) -> G
     if "tokenizer.ggml.tokens" not in reader.fields:
         raise ConfigError(field, f"{name}: the file has no tokenizer (tokenizer.ggml.tokens is missing)")
     add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
-    return GGUFInfo(p, arch, types, None if add_bos is None else bool(add_bos))
+    return GGUFInfo(p, arch, types, None if add_bos is None else bool(add_bos),
+                    sum(int(t.n_elements) for t in reader.tensors))
 
 
 def file_dtype(info: GGUFInfo) -> str:

@@ -246,22 +246,40 @@ def kernel_weight_type(tensor_types: dict[str, str]) -> str | None:
     return Counter(mats).most_common(1)[0][0]
 
 
-def auto_backend(method: str, weight_type: str | None, kernel_unavailable: str | None) -> BackendChoice:
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux's MemAvailable), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def auto_backend(method: str, weight_type: str | None, kernel_unavailable: str | None,
+                 fp32_bytes: int = 0, free_bytes: int | None = None) -> BackendChoice:
     """`--backend auto` for a GGUF target on the CPU with nothing else asking for a path (no --quantization,
-    float32): leaplm's int8 kernel (torch, quantization 'gguf') for a method that speculates on a Q8_0/Q4_0/Q4_1
-    file, because a verify block costs far less there than on libllama; otherwise load_model's usual choice
-    (libllama when it is installed). weight_type: kernel_weight_type of the file; kernel_unavailable: why the
-    kernel cannot be built here (kernels/build.unavailable_reason), None when it can."""
-    if method == "none":
-        return BackendChoice("auto", None, "plain decoding: one token per forward costs about the same on "
-                                           "libllama and leaplm's kernel")
+    float32): leaplm's int8 kernel (torch, quantization 'gguf') for a Q8_0/Q4_0/Q4_1 file, every method, because
+    there a verify block costs far less than on libllama and one token no more (measured on SmolLM2: kernel
+    vs libllama in one run, docs/backends.md); otherwise load_model's usual choice (libllama when it is
+    installed). weight_type: kernel_weight_type of the file; kernel_unavailable: why the kernel cannot be built
+    here (kernels/build.unavailable_reason), None when it can; fp32_bytes: the file's weights dequantized (the
+    kernel path reads them so before packing its blocks); free_bytes: memory available (None: unknown)."""
     if weight_type is None:
         return BackendChoice("auto", None, "the file's matrices are not all Q8_0/Q4_0/Q4_1, the types leaplm's "
                                            "int8 kernel takes")
     if kernel_unavailable is not None:
         return BackendChoice("auto", None, f"leaplm's int8 kernel cannot be built here ({kernel_unavailable})")
-    return BackendChoice("torch", "gguf", f"method {method} verifies blocks of tokens, which leaplm's int8 kernel "
-                                          f"computes on {weight_type} blocks for far less than libllama")
+    if free_bytes is not None and 2 * fp32_bytes > free_bytes:
+        return BackendChoice("auto", None, f"packing the file for leaplm's int8 kernel reads it dequantized "
+                                           f"({fp32_bytes / 2**30:.1f} GiB), more than half the memory available "
+                                           f"({free_bytes / 2**30:.1f} GiB)")
+    what = ("plain decoding: one token costs no more" if method == "none" else
+            f"method {method} verifies blocks of tokens, which cost far less")
+    return BackendChoice("torch", "gguf", f"{what} on leaplm's int8 kernel over the file's {weight_type} blocks "
+                                          f"than on libllama")
 
 
 def choose_target_backend(name: str, method: str, backend: str = "auto", device: str = "cpu",
@@ -285,9 +303,11 @@ def choose_target_backend(name: str, method: str, backend: str = "auto", device:
     from ..kernels.build import unavailable_reason
     from .gguf import TENSOR_TYPES
 
-    types = inspect_gguf(path, "model", check_types=False).tensor_types
+    info = inspect_gguf(path, "model", check_types=False)
+    types = info.tensor_types
     weight_type = kernel_weight_type(types) if all(t in TENSOR_TYPES for t in types.values()) else None
-    choice = auto_backend(method, weight_type, unavailable_reason() if method != "none" else None)
+    choice = auto_backend(method, weight_type, unavailable_reason() if weight_type else None,
+                          4 * info.n_elements, available_memory())
     if choice.backend != "auto":
         return choice
     from .llamacpp import available
