@@ -180,7 +180,8 @@ def _quantize(model, quantization: str, device: str, field: str, gguf_path: str 
 
     if str(device) != "cpu":
         raise ConfigError("quantization", f"quantized kernels run on the CPU only, not on {device!r}")
-    quantize_model(model, quantization, gguf_path=gguf_path)
+    # a reduced-vocabulary draft: its inner model's linears (the wrapper only maps token ids)
+    quantize_model(model.inner if isinstance(model, VocabMappedDraft) else model, quantization, gguf_path=gguf_path)
 
 
 BACKENDS = ("auto", "llamacpp", "torch")
