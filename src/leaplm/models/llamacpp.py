@@ -445,7 +445,41 @@ def tree_parents(mask: torch.Tensor, depths: list[int]) -> list[int]:
     return parents
 
 
-class LlamaCppCache:
+class _CacheSizes:
+    """What the server's metrics and admission read of a libllama cache, and the room checks (both caches: they
+    have lm, max_len, lengths and batch_size)."""
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as libllama holds them."""
+        return self.lm.weight_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.lm.bytes_per_token
+
+    @property
+    def capacity(self) -> int:
+        return self.max_len
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.batch_size * self.max_len
+
+    def check_room(self, T: int, B: int = 1) -> None:
+        longest = max(self.lengths[:B])
+        if longest + T > self.max_len:
+            raise ValueError(f"KV cache full: {longest} + {T} tokens exceed max_len={self.max_len}")
+
+    def reserve(self, needed: int) -> None:
+        if needed > self.max_len:
+            raise ValueError(f"KV cache full: {needed} slots exceed max_len={self.max_len}")
+
+    def advance(self, n: int, row: int = 0) -> None:
+        self.lengths[row] += n
+
+
+class LlamaCppCache(_CacheSizes):
     """One llama.cpp context: rows [0, batch_size) are its sequences (see the module docstring). Same interface as
     cache.kv_cache.KVCache: lengths, advance, truncate, compact, move_row, row_view, reset_row, check_room."""
 
@@ -499,35 +533,9 @@ class LlamaCppCache:
         return len(self.lengths)
 
     @property
-    def weight_bytes(self) -> int:
-        """Bytes of the weights as libllama holds them."""
-        return int(self.lc.llama_model_size(self._model))
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.lm.bytes_per_token
-
-    @property
     def nbytes(self) -> int:
         """Bytes of the KV cells allocated (libllama allocates them all with the context)."""
         return self.n_ctx * self.bytes_per_token
-
-    @property
-    def capacity(self) -> int:
-        return self.max_len
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.batch_size * self.max_len
-
-    def check_room(self, T: int, B: int = 1) -> None:
-        longest = max(self.lengths[:B])
-        if longest + T > self.max_len:
-            raise ValueError(f"KV cache full: {longest} + {T} tokens exceed max_len={self.max_len}")
-
-    def reserve(self, needed: int) -> None:
-        if needed > self.max_len:
-            raise ValueError(f"KV cache full: {needed} slots exceed max_len={self.max_len}")
 
     # --- llama.cpp memory ------------------------------------------------------------------------------------------
     def _rm(self, seq: int, p0: int, p1: int = -1) -> None:
@@ -547,9 +555,6 @@ class LlamaCppCache:
             self.tree = None
 
     # --- commit-time operations ------------------------------------------------------------------------------------
-    def advance(self, n: int, row: int = 0) -> None:
-        self.lengths[row] += n
-
     def truncate(self, length: int, row: int = 0) -> None:
         if not 0 <= length <= self.lengths[row]:
             raise ValueError(f"truncate to {length} outside [0, {self.lengths[row]}]")
@@ -695,7 +700,7 @@ class _RowLength:
         return iter([self.owner[self.row]])
 
 
-class LlamaCppRows:
+class LlamaCppRows(_CacheSizes):
     """Rows in llama.cpp contexts of their own (see the module docstring: a row's attention must not depend on
     where other rows' cells lie). Same interface as LlamaCppCache; `lengths` is one list, each row's context
     reads and writes its own entry. Moving a row moves its context (nothing is copied)."""
@@ -713,36 +718,8 @@ class LlamaCppRows:
         return len(self.rows)
 
     @property
-    def weight_bytes(self) -> int:
-        return self.rows[0].weight_bytes
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.lm.bytes_per_token
-
-    @property
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.rows)
-
-    @property
-    def capacity(self) -> int:
-        return self.max_len
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.batch_size * self.max_len
-
-    def check_room(self, T: int, B: int = 1) -> None:
-        longest = max(self.lengths[:B])
-        if longest + T > self.max_len:
-            raise ValueError(f"KV cache full: {longest} + {T} tokens exceed max_len={self.max_len}")
-
-    def reserve(self, needed: int) -> None:
-        if needed > self.max_len:
-            raise ValueError(f"KV cache full: {needed} slots exceed max_len={self.max_len}")
-
-    def advance(self, n: int, row: int = 0) -> None:
-        self.lengths[row] += n
 
     def truncate(self, length: int, row: int = 0) -> None:
         self.rows[row].truncate(length, 0)
