@@ -60,8 +60,8 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("backend_choice")
     tok = write_eot_tokenizer(d / "tok")
     hf = _root_conftest().write_family_checkpoint(d / "target", "llama_tied", tok)
-    return {"hf": hf, **{kind: str(export_gguf(hf, str(d / f"target-{kind}.gguf"), kind).path)
-                         for kind in ("f32", "q8_0")}}
+    return {"hf": hf, "draft": _root_conftest().write_family_checkpoint(d / "draft", "llama_draft", tok),
+            **{kind: str(export_gguf(hf, str(d / f"target-{kind}.gguf"), kind).path) for kind in ("f32", "q8_0")}}
 
 
 @needs_libllama
@@ -97,6 +97,21 @@ def test_the_engine_follows_the_choice_and_stays_identical_to_plain_decoding_on_
     assert spec.generate([1, 2, 3, 1, 2], greedy).token_ids == plain.generate([1, 2, 3, 1, 2], greedy).token_ids
     f32 = Engine(files["f32"], method="none")
     assert f32.backend == "llamacpp" and "Q8_0/Q4_0/Q4_1" in f32.backend_reason
+
+
+@needs_libllama
+def test_a_draft_beside_the_kernel_is_packed_too_and_stays_identical_to_plain_decoding(files):
+    from leaplm.kernels.build import unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(f"leaplm's int8 kernel cannot be built here ({unavailable_reason()})")
+    greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    spec = Engine(files["q8_0"], draft=files["draft"], method="draft", k=4, adaptive_k=False)
+    assert spec.backend == "torch" and spec.target.model.quantized
+    assert spec.draft.model.quantized                                # the Hugging Face draft in int8 blocks too
+    plain = Engine(files["q8_0"], method="none")
+    for prompt in ([1, 2, 3, 1, 2], [7, 3, 9]):
+        assert spec.generate(prompt, greedy).token_ids == plain.generate(prompt, greedy).token_ids
 
 
 @needs_libllama
