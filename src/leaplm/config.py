@@ -252,7 +252,8 @@ class SpecConfig:
     k: int = 5
     """Speculative tokens per step (K >= 1); for tree proposers the number of tree nodes."""
     draft: str | None = None
-    """Draft model (local directory or hub id) for method 'draft'."""
+    """Draft model for method 'draft': a local directory or GGUF file, a hub id, or a shipped draft's name
+    (`smollm2-draft`, `draft-1m`; `leaplm models` lists them)."""
     ngram_min: int = 1
     """ngram/suffix: shortest suffix of the context matched."""
     ngram_max: int = 4
@@ -271,7 +272,8 @@ class SpecConfig:
     corpus: str | None = None
     """suffix: optional file or directory of text whose n-grams seed the static cache."""
     head: str | None = None
-    """eagle/medusa: head directory (leaplm, Speculators or EAGLE layout); None = the head shipped for the target."""
+    """eagle/medusa: head directory (leaplm, Speculators or EAGLE layout) or a shipped head's name
+    (`eagle-smollm2`); None = the head shipped for the target."""
     adaptive_k: bool = True
     """Lower K (to 0) when measured acceptance says speculation costs more than it saves."""
     verifier: str = "auto"
@@ -310,7 +312,11 @@ class SpecConfig:
         _check(isinstance(self.verifier, str) and self.verifier in SamplingParams.VERIFIERS, "verifier",
                f"must be one of {', '.join(SamplingParams.VERIFIERS)}, got {self.verifier!r}")
         if self.head is not None:
-            _check(isinstance(self.head, str) and os.path.exists(self.head), "head",
+            # a path must exist; a bare name is a shipped head's, looked up when the head loads (heads/loader.py)
+            _check(isinstance(self.head, str) and bool(self.head.strip()), "head",
+                   f"must be a head directory or a shipped head's name, got {self.head!r}")
+            bare = "/" not in self.head and os.sep not in self.head and not self.head.startswith((".", "~"))
+            _check(bare or os.path.exists(os.path.expanduser(self.head)), "head",
                    f"no such head directory: {self.head!r}")
         if self.corpus is not None:
             _check(isinstance(self.corpus, str) and os.path.exists(self.corpus), "corpus",

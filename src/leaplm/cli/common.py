@@ -203,7 +203,8 @@ def engine_options(*, without: tuple[str, ...] = ()) -> Callable:
 
 # ---- speculation options that generate and serve share (vLLM's and llama.cpp's spellings: cli/aliases.py) -------
 DRAFT = typer.Option(None, "--draft", "--speculative-model", "-md", "--model-draft",
-                     help="Draft model for --method draft (default: the embedded draft).")
+                     help="Draft model for --method draft: a path, hub id or shipped draft's name (smollm2-draft, "
+                          "draft-3m; `leaplm models` lists them). Default: the shipped draft for the target.")
 K = typer.Option(5, "--k", "-k", "--num-speculative-tokens", "--draft-max",
                  help="Most speculative tokens per step (tree nodes for tree methods); measured costs may lower it.")
 SPECULATIVE_CONFIG = typer.Option(None, "--speculative-config", help="vLLM's JSON, e.g. '{\"method\": \"ngram\", "

@@ -56,8 +56,9 @@ def generate(
     draft: Optional[str] = DRAFT,
     method: Optional[str] = typer.Option(None, help="none|draft|ngram|suffix|lookahead|layerskip|eagle|medusa "
                                                     "(default: draft when a draft is known, else none)."),
-    head: Optional[str] = typer.Option(None, "--head", help="eagle/medusa: head directory (default: the head "
-                                                            "shipped for the target)."),
+    head: Optional[str] = typer.Option(None, "--head", help="eagle/medusa: head directory or a shipped head's "
+                                                            "name, e.g. eagle-smollm2 (default: the head shipped "
+                                                            "for the target)."),
     k: int = K,
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "--max-tokens", "--n-predict"),
     temperature: float = typer.Option(0.0, help="0 = greedy (the default here), > 0 samples."),

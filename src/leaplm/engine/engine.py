@@ -61,9 +61,13 @@ class Engine:
             from ..devices import check_device
 
             check_device(draft_device, "draft_device")
+        check_names(draft if draft is not None else spec.draft if spec is not None else None,
+                    spec.head if spec is not None else spec_options.get("head"), backend)
         if model is None:
             model = embedded.default_target()
-            if draft is None and method in (None, "draft"):
+            wants_default = (spec.method == "draft" and spec.draft is None) if spec is not None else \
+                method in (None, "draft")         # a spec's own draft is never replaced by the default
+            if draft is None and wants_default:
                 draft = embedded.default_draft()
         # the backend before loading: a speculating method on a Q8_0/Q4_x file runs on leaplm's int8 kernel under
         # auto (models/loading.auto_backend says why)
@@ -277,6 +281,18 @@ def exactness_of(target: LoadedModel) -> str:
     if target.backend != "llamacpp" or target.model.batch_invariant:
         return "identical"
     return "identical up to llama.cpp's batch variance"
+
+
+def check_names(draft, head, backend: str) -> None:
+    """A draft and a head given by path or shipped name (`smollm2-draft`, `eagle-smollm2`) are checked before the
+    target loads, so a misspelt name fails at once, naming its field and the shipped names."""
+    from ..heads.loader import head_dir
+    from ..models.loading import check_source
+
+    if isinstance(draft, str):
+        check_source(draft, "draft", draft_backend(backend))
+    if isinstance(head, str):
+        head_dir(head)
 
 
 def draft_quantization(quantization: str | None, draft: str) -> str | None:

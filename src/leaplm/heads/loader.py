@@ -35,6 +35,19 @@ def default_head_dir(target, kind: str) -> Path | None:
     return None
 
 
+def head_dir(head: str) -> Path:
+    """The directory of head `head`: a path, else the name of a shipped head (`eagle-smollm2`). A local path of
+    that name wins; anything else is refused listing the shipped heads."""
+    d = Path(head).expanduser()
+    if d.exists():
+        return d
+    shipped = shipped_heads()
+    if head in shipped:
+        return shipped[head]
+    raise ConfigError("head", f"{head!r} is neither a head directory nor a shipped head "
+                              f"({', '.join(shipped) or 'none ship'})")
+
+
 def load_head_for(head: str | None, target, kind: str = "eagle"):
     """The runtime head (heads/runtime.py: EagleHead or MedusaHeads) for `target`."""
     if head is None:
@@ -43,9 +56,7 @@ def load_head_for(head: str | None, target, kind: str = "eagle"):
             raise ConfigError("head", f"no {kind} head ships for {target.name}; pass --head DIR "
                                       f"(train one with `leaplm train {kind}`)")
     else:
-        d = Path(head)
-        if not d.exists():
-            raise ConfigError("head", f"{head!r} does not exist")
+        d = head_dir(head)
     from .formats import read_any
 
     hf = read_any(d, target)

@@ -50,17 +50,36 @@ def fetched(name: str) -> Path | None:
 
 
 def resolve_model_name(name: str, field: str = "model") -> str:
-    """A catalog name to its fetched file; anything else is returned unchanged (a path or hub id).
+    """A catalog name to its fetched file, and for field 'draft' a shipped draft's name (models/embedded.py:
+    `smollm2-draft`, `draft-1m`) to its directory; anything else is returned unchanged (a path or hub id).
 
-    A catalog name that is not fetched yet is refused with the command that fetches it, unless a local
-    path of that name exists."""
-    if name in CATALOG and not Path(name).exists():
+    A local path of that name always wins. A catalog name that is not fetched yet is refused with the command
+    that fetches it. A draft given as a bare name (no path separator, so neither a path nor an owner/name hub id)
+    that ships with no draft is refused listing the shipped drafts."""
+    if Path(name).expanduser().exists():
+        return name
+    if name in CATALOG:
         p = fetched(name)
         if p is None:
             raise ConfigError(field, f"{name!r} is not fetched yet: run `leaplm models fetch {name}` "
                                      f"(cache: {cache_dir()})")
         return str(p)
+    if field == "draft":
+        from .embedded import shipped_drafts
+
+        shipped = shipped_drafts()
+        if name in shipped:
+            return str(shipped[name])
+        if is_bare_name(name):
+            raise ConfigError(field, f"unknown draft {name!r}: not a local path, a hub id (owner/name) or a "
+                                     f"shipped draft ({', '.join(shipped) or 'none ship'})")
     return name
+
+
+def is_bare_name(name: str) -> bool:
+    """A name with no path separator and no leading '.' or '~': a shipped or catalog name, never a path or an
+    owner/name hub id."""
+    return bool(name) and "/" not in name and os.sep not in name and not name.startswith((".", "~"))
 
 
 def fetch(name: str, pip_args: list[str] | None = None) -> Path:

@@ -19,6 +19,15 @@ def available() -> dict[str, Path]:
         if EMBEDDED_DIR.is_dir() else {}
 
 
+def shipped_drafts() -> dict[str, Path]:
+    """The drafts shipped in the package, by name (what `--draft NAME` accepts): every embedded causal LM but the
+    default target. Heads are not drafts: they have their own format (heads/loader.shipped_heads lists them)."""
+    import json
+
+    return {name: path for name, path in available().items()
+            if name != TARGET and "architectures" in json.loads((path / "config.json").read_text())}
+
+
 def default_target() -> str:
     p = embedded_path(TARGET)
     if not (p / "config.json").exists():
