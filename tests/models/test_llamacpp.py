@@ -429,3 +429,15 @@ def test_generate_names_the_backend_and_what_speculation_promises(files):
     assert len(got["llamacpp"]) == 6
     res = runner.invoke(app, ["generate", "hello", "--model", files["target-q8_0"], "--backend", "vulkan"])
     assert res.exit_code != 0 and "--backend" in res.output
+
+
+@needs_libllama
+def test_head_training_loads_a_gguf_target_on_torch_whatever_auto_serves_it_on(files):
+    """`train eagle --target FILE.gguf` needs the target's features and weights in torch; `auto` serves this f32
+    file on libllama, which has neither."""
+    from leaplm.models.llamacpp import LlamaCppLM
+    from leaplm.training.eagle import _load_target
+
+    assert isinstance(load_model(files["target-f32"]).model, LlamaCppLM)
+    loaded = _load_target(files["target-f32"])
+    assert hasattr(loaded.model, "forward_hidden") and hasattr(loaded.model, "embed_tokens")

@@ -133,7 +133,7 @@ def export_cmd(
     from ..models.loading import load_model
 
     with user_errors(["head", "layout", "target_dir"]):
-        target = load_model(target_dir, field="target_dir")
+        target = load_model(target_dir, field="target_dir", backend="torch")
         export_head(head, out_dir, target, layout, speculative_tokens)
     out.print(f"wrote {layout} layout to {out_dir}")
 

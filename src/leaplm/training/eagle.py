@@ -225,7 +225,9 @@ def lr_at(step: int, cfg: EagleTrainConfig) -> float:
 def _load_target(target_dir: str):
     from ..models.loading import load_model
 
-    loaded = load_model(target_dir, dtype="float32", field="target_dir")
+    # the head trains on the target's features and gradients through torch: a GGUF target is dequantized onto the
+    # PyTorch backend whatever `--backend auto` would choose to serve it on
+    loaded = load_model(target_dir, dtype="float32", field="target_dir", backend="torch")
     if not hasattr(loaded.model, "forward_hidden"):
         raise ConfigError("target_dir", f"{target_dir}: EAGLE heads need a native Llama-family target")
     return loaded
