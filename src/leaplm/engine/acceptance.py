@@ -99,6 +99,7 @@ class AcceptanceEstimate:
     prior_weight: float = 3.0                            # pseudo-steps behind each position's extrapolated prior
     # match bucket -> counts of proposals known before K was chosen (cheap proposers), see the module docstring
     by_match: dict[int, Counts] = field(default_factory=dict)
+    version: int = 0                                     # observations so far (the K policy's hold at K = 0)
 
     @classmethod
     def seeded(cls, seen: "AcceptanceEstimate", strength: float = 5.0) -> "AcceptanceEstimate":
@@ -132,6 +133,7 @@ class AcceptanceEstimate:
         asked = drafted if asked is None else asked
         if asked <= 0:
             return
+        self.version += 1
         d = self.decay
         if not known:
             self.observe_match(drafted > 0)
@@ -143,6 +145,7 @@ class AcceptanceEstimate:
 
     def observe_match(self, had: bool) -> None:
         """The proposer was asked and had a proposal (or not)."""
+        self.version += 1
         d = self.decay
         self.proposed = d * self.proposed + (1.0 if had else 0.0)
         self.empty = d * self.empty + (0.0 if had else 1.0)

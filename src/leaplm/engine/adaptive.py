@@ -164,6 +164,17 @@ class BatchAdaptiveK:
         self._chosen = K
         return K
 
+    def hold(self, n: int) -> bool:
+        """K = 0 again over the same n rows without pricing the step, when the last step chose K = 0 and no probe
+        is due: True when held (the step is counted towards the next probe). The caller checks that nothing the
+        choice read has changed (kpolicy.KPolicy: the rows and their acceptance estimates)."""
+        if self._chosen or self.probes.due_next(n):
+            return False
+        self.probes.due(n)
+        self.probes.probing = False
+        self._predicted = self.costs.cost(n, 1)
+        return True
+
     def _choose(self, rows: list[RowSpec]) -> int:
         probes = self.probes
         probes.probing = False

@@ -3,7 +3,10 @@
   plan     each row's cap (its own K, its room, nothing on a row's first step under the adaptive policy: its first
            token costs one target forward, not a draft model catching up with the prompt as well), the cheap
            proposers' proposals made at that cap, then one K for the step (adaptive.BatchAdaptiveK over the rows
-           that follow the policy; a row that asked for a fixed K drafts its cap) -> StepPlan
+           that follow the policy; a row that asked for a fixed K drafts its cap) -> StepPlan. At K = 0 over the
+           same rows with no new acceptance evidence (a draft model or a head learns nothing while it does not
+           draft), the step is not priced again until a probe is due (at most HOLD_STEPS steps): a plain step
+           then costs what plain decoding costs, not a pricing of every K
   proposed whether any row had a proposal (a probe without one is retried at the next step)
   observe  per row: drafted, accepted, the tokens scored (acceptance estimates, per row and per method); the step's
            seconds without its commits (the overrun of drafting, probe losses)
@@ -21,6 +24,9 @@ from .acceptance import AcceptanceEstimate, expected_tokens
 from .adaptive import BatchAdaptiveK, RowSpec, with_proposal
 from .estimates import Estimates
 from .row import Row
+
+# Steps at K = 0 held without pricing before the choice is priced again (the costs' level moves with the load)
+HOLD_STEPS = 16
 
 
 @dataclass
@@ -46,6 +52,8 @@ class KPolicy:
         self.estimates = estimates
         self.choice = BatchAdaptiveK(estimates.costs, enabled=enabled)
         self.max_len = max_len
+        self._held: tuple | None = None      # what the last K = 0 choice read (_hold_key), None: not held
+        self._held_steps = 0
 
     @property
     def enabled(self) -> bool:
@@ -62,6 +70,10 @@ class KPolicy:
         """propose_cheap(i, cap): row i's cheap proposer's proposal at its cap (None: nothing). room: the most
         drafts the cache has slots (and positions) for in every row. free: rows whose drafts this step cost nothing
         to propose (a grammar's forced tokens): their proposers are not asked."""
+        key = self._hold_key(rows, free)
+        if key is not None and key == self._held and self._held_steps < HOLD_STEPS and self.choice.hold(len(rows)):
+            self._held_steps += 1
+            return StepPlan(0, [0] * len(rows), {}, True)
         drafting = _drafting_rows(rows)
         specs = [self._row_spec(r, drafting) for r in rows]
         for i in free:
@@ -77,7 +89,17 @@ class KPolicy:
         chosen = self.choice.choose([sp for sp, r in zip(specs, rows) if not r.fixed_k])
         K = max([chosen] + [sp.cap for sp, r in zip(specs, rows) if r.fixed_k])   # a fixed-K row drafts its K
         K = min(K, room)
+        held = key is not None and K == 0 and not self.choice.probes.retry
+        self._held, self._held_steps = (key if held else None), 0
         return StepPlan(K, [min(K, sp.cap) for sp in specs], early, K == chosen)
+
+    def _hold_key(self, rows: list[Row], free: frozenset[int]) -> tuple | None:
+        """What a K = 0 choice over these rows read that can change between steps: each row, its acceptance
+        evidence, whether it is on its first step. None: rows whose plan cannot be held (a cheap proposer proposes
+        anew at every step, a fixed-K row drafts, a grammar's forced tokens are free)."""
+        if not self.enabled or free or any(r.fixed_k or (r.proposer is not None and r.proposer.cheap) for r in rows):
+            return None
+        return tuple((id(r), r.acceptance.version, r.req.stats.target_forwards == 0) for r in rows)
 
     def _row_spec(self, r: Row, drafting: dict[str, int]) -> RowSpec:
         room = max(0, self.max_len - len(r.req.tokens) - 1)

@@ -43,6 +43,10 @@ class ProbeSchedule:
         self.since += 1
         return self.since >= self.interval * n or self.retry
 
+    def due_next(self, n: int) -> bool:
+        """Would the next step at K = 0 over n rows be a probe (due() without counting the step)?"""
+        return self.since + 1 >= (self.interval or self.probe_every) * n or self.retry
+
     def start(self, n: int, cost: float, near: bool, upside: bool) -> None:
         """A probe runs now; cost: what it is expected to cost, in steps of plain decoding beyond one."""
         budget = self.probe_budget * (self.upside_budget_factor if upside else 1)
