@@ -24,10 +24,10 @@ def smollm2_like() -> Estimates:
     return est
 
 
-def draft_row(acceptance: float, lag: int = 0) -> Row:
+def draft_row(acceptance: float, lag: int = 0, remaining: int = 500) -> Row:
     """A draft-model row (not cheap, one acceptance state) whose estimate has seen `acceptance` per token."""
     proposer = SimpleNamespace(cheap=False, bursty=False, group=object(), reads_hidden=False, lag=lambda n: lag)
-    req = SimpleNamespace(tokens=list(range(200)), remaining=500,
+    req = SimpleNamespace(tokens=list(range(200)), remaining=remaining,
                           stats=SimpleNamespace(target_forwards=1, method="draft"))
     est = AcceptanceEstimate(bursty=False)
     rng = random.Random(0)
@@ -46,6 +46,7 @@ def run(policy: KPolicy, row: Row, steps: int, rng: random.Random, evidence_at: 
                 row.acceptance.observe(4, 4, 4)
         plan = policy.plan([row], lambda i, cap: None, 64)
         k = plan.k
+        policy.proposed([object() if k else None])          # the draft always has a proposal
         acc = 0
         while acc < k and rng.random() < 0.2:
             acc += 1
@@ -78,3 +79,13 @@ def test_holding_k0_chooses_what_pricing_every_step_chooses(monkeypatch, accepta
     assert held == priced
     if evidence_at is not None:
         assert all(k > 0 for k in held[evidence_at + 1: evidence_at + 20])      # the evidence was acted on
+
+
+@pytest.mark.parametrize("lag,remaining,probes", [(300, 120, False), (0, 120, True), (300, 2000, True)])
+def test_a_probe_is_made_only_while_the_drafts_catching_up_fits_the_probe_budget(lag, remaining, probes):
+    """A draft model that has not drafted yet must first prefill the whole prompt (300 tokens at 0.1 ms: 4.3
+    plain steps at once, whatever the probe finds): a probe is made only while that is within the probe budget (2%)
+    of the plain steps the request has left, so a short request where the draft does not pay runs as plain
+    decoding. Controls: without the catching up (lag 0), or with 2000 tokens left, the same row probes."""
+    ks = run(KPolicy(smollm2_like(), True, 4096), draft_row(0.2, lag, remaining), 120, random.Random(3))
+    assert any(k > 0 for k in ks) == probes, ks

@@ -44,6 +44,8 @@ class RowSpec:
     match: float = 1.0             # how often the proposer has a proposal when asked
     tokens_by_k_after_hit: list[float] | None = None   # [cap + 1] the same after a proposal whose first token
                                                        # was accepted (what a probe that hits leads to)
+    catchup_now_s: float = 0.0     # the same prefill paid at once, by the next step that drafts (a probe's cost)
+    remaining: int = 0             # tokens the request has left (what a probe's catching up is weighed against)
 
     def given_proposal(self, k: int) -> float:
         if self.tokens_by_k is not None and k < len(self.tokens_by_k):
@@ -203,8 +205,17 @@ class BatchAdaptiveK:
                if r.tokens_by_k_after_hit is not None]
         upside = self.best(hit) if len(hit) == n else 0
         probe = upside or probe
+        # a draft model's catching up on what it has not seen (the whole prompt, at a request's first probe) is paid
+        # at once by the probe, whatever it finds: a row probes only while that fits the probe budget of the plain
+        # steps its request has left (on SmolLM2, where its draft never paid, each request's one probe cost a
+        # prompt's prefill of 3-6 plain steps, a few percent of a 128-token request)
+        plain = self.costs.cost(n, 1)
+        if any(min(probe, r.cap) and r.catchup_now_s > probes.probe_budget * r.remaining * plain for r in rows):
+            probes.defer(n)
+            return 0
+        plain = self.costs.cost(n, 1)
         # what a probe is expected to cost, in steps of plain decoding
-        cost = self._step_seconds(rows, probe) / self.costs.cost(n, 1) - 1.0
+        cost = self._step_seconds(rows, probe) / plain - 1.0
         probes.start(n, cost, near, bool(upside))
         return probe
 

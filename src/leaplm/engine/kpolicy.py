@@ -106,19 +106,28 @@ class KPolicy:
         first = r.req.stats.target_forwards == 0 and self.enabled and not r.fixed_k
         cap = max(0, min(r.cap, room, r.req.remaining - 1)) if r.proposer is not None and not first else 0
         method = r.req.stats.method
+        now = self.catchup_now_s(r)
         return RowSpec(cap, r.acceptance.rate, self.estimates.propose_cost(method, drafting.get(method, 1)),
-                       self.catchup_s(r), extra_tokens=r.extra_tokens, tokens_by_k=r.acceptance.tokens_by_k(cap),
-                       match=r.acceptance.match, tokens_by_k_after_hit=r.acceptance.tokens_by_k_after_hit(cap))
+                       self._spread(r, now), extra_tokens=r.extra_tokens, tokens_by_k=r.acceptance.tokens_by_k(cap),
+                       match=r.acceptance.match, tokens_by_k_after_hit=r.acceptance.tokens_by_k_after_hit(cap),
+                       catchup_now_s=now, remaining=r.req.remaining)
+
+    def catchup_now_s(self, r: Row) -> float:
+        """Seconds a draft model needs to prefill what it has not seen (a row that has not drafted yet: its whole
+        context), paid by the next step that drafts."""
+        per_token = self.estimates.draft_prefill_s_per_token
+        lag = r.proposer.lag(len(r.req.tokens)) if r.proposer is not None and per_token else 0
+        return lag * per_token
 
     def catchup_s(self, r: Row) -> float:
-        """Seconds a draft model needs to prefill what it has not seen (a row that has not drafted yet: its whole
-        context), spread over the steps the request has left: near the end of a request it does not pay."""
-        per_token = self.estimates.draft_prefill_s_per_token
-        lag = r.proposer.lag(len(r.req.tokens)) if r.proposer is not None else 0
-        if not lag or not per_token:
+        """The same spread over the steps the request has left: near the end of a request it does not pay."""
+        return self._spread(r, self.catchup_now_s(r))
+
+    def _spread(self, r: Row, seconds: float) -> float:
+        if not seconds:
             return 0.0
         steps_left = max(1.0, r.req.remaining / expected_tokens(r.acceptance.rate, max(1, r.cap)))
-        return lag * per_token / steps_left
+        return seconds / steps_left
 
     # --- observe -------------------------------------------------------------------------------------------------
     def proposed(self, proposals: list[Proposal | None]) -> None:

@@ -5,7 +5,9 @@ One probe (a step at the K > 0 with the best predicted rate) follows probe_every
 probe widens every row's block: n times rarer). While that K is predicted within `near` of plain decoding
 (estimates that noise could have pushed below break-even) it keeps probing at that pace; further below, the wait
 doubles after each probe, up to max_probe_every * n steps and to what keeps probes within probe_budget of plain
-decoding's time (a proposer that rarely has a proposal is probed more often: its probes rarely cost). A probe in
+decoding's time (a proposer that rarely has a proposal is probed more often: its probes rarely cost); a probe that
+would first pay a draft model's catching up at once beyond the budget of the plain steps its request has left
+is not made (`defer`). A probe in
 which no row had a proposal taught nothing and cost nothing: the next step probes again. A probe's measured loss
 (its seconds in plain steps less the tokens it yielded per row) sets the shortest wait before the next, in the
 near range and past max_probe_every too, so that probes stay within their budget whatever the prediction says.
@@ -46,6 +48,12 @@ class ProbeSchedule:
     def due_next(self, n: int) -> bool:
         """Would the next step at K = 0 over n rows be a probe (due() without counting the step)?"""
         return self.since + 1 >= (self.interval or self.probe_every) * n or self.retry
+
+    def defer(self, n: int) -> None:
+        """A probe due now would first pay more than its budget at once (a draft model's catching up on a long
+        context): not now, asked again after the current wait (the wait itself is not lengthened: the schedule
+        outlives the request, and the next request's first probe must not wait for this one's context)."""
+        self.since = 0
 
     def start(self, n: int, cost: float, near: bool, upside: bool) -> None:
         """A probe runs now; cost: what it is expected to cost, in steps of plain decoding beyond one."""
