@@ -8,6 +8,12 @@ import torch
 
 from .estimates import Estimates, rows_bucket
 
+# Rounds of every block length at start-up: at least `repeats`, then up to ROUNDS while they take less than
+# ROUNDS_BUDGET_S in all (per row count). The cost model keeps each length's fastest time (costs.calibrated says
+# why): on a busy machine a few more rounds are what makes it meet a quiet moment.
+ROUNDS = 8
+ROUNDS_BUDGET_S = 2.0
+
 
 def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> None:
     """The one cost calibration: batched forward costs at n in 1, 2, 4, ... max_rows rows and T = 1 .. K + 1
@@ -28,8 +34,12 @@ def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> No
             forward(Ts[-1])                              # warm-up: the first forward of a shape is not its cost
             # rounds of every T back to back, the order reversed every other round (a trend in the machine's
             # speed within a round cancels); the cost model keeps their paired ratios (shape) and level
-            rounds = [{T: _timed(lambda: forward(T)) for T in (Ts if j % 2 == 0 else Ts[::-1])}
-                      for j in range(max(2, repeats))]
+            rounds: list[dict[int, float]] = []
+            t_start = time.perf_counter()
+            while len(rounds) < max(2, repeats) or (len(rounds) < ROUNDS
+                                                     and time.perf_counter() - t_start < ROUNDS_BUDGET_S):
+                j = len(rounds)
+                rounds.append({T: _timed(lambda: forward(T)) for T in (Ts if j % 2 == 0 else Ts[::-1])})
             est.costs.calibrated(n, rounds)
             cache.lengths[:n] = [0] * n
         est.calibrated_rows.update(ns)

@@ -49,13 +49,22 @@ class BatchCostModel:
 
     def calibrated(self, n: int, rounds: list[dict[int, float]]) -> None:
         """Start-up measurements at n rows: rounds of {T: seconds}, each round's T's measured back to back. The
-        shape of T is the median over rounds of its time relative to the round's smallest T (paired, so a load
-        that changes between rounds cancels); the level is the median time of that smallest T."""
+        shape of T is its fastest time over the rounds relative to the smallest T's fastest; the level is the
+        median time of that smallest T (what a forward costs now, load included).
+
+        Why the fastest: a forward's time is its cost plus interference (another process on the core, one of the
+        kernel's threads descheduled), and interference only adds. On a machine whose other core ran a training
+        job, one forward of the same shape took anywhere from 1x to 10x its fastest time, so ratios of single
+        forwards (the median of three paired ratios) put a block of 2 tokens at 1.0x to 8.9x one token from one
+        start-up to the next, and the K policy drafted or not by chance. The fastest of a few rounds is the time
+        with the least interference; it is stable between start-ups, and a load that changes between rounds
+        cancels in the ratio as long as each T met a quiet moment once."""
         self._mono.pop(n, None)
         t0 = min(rounds[0])
         self.level[n], self.ref[n] = statistics.median(r[t0] for r in rounds), t0
+        fastest0 = min(r[t0] for r in rounds)
         for T in rounds[0]:
-            self.shape[(n, T)] = statistics.median(r[T] / r[t0] for r in rounds)
+            self.shape[(n, T)] = min(r[T] for r in rounds) / fastest0
             self.weight[(n, T)] = 1.0
 
     def cost(self, n: int, T: int) -> float:
