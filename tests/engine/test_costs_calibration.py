@@ -42,3 +42,53 @@ def test_a_load_that_changes_between_rounds_cancels():
     c = BatchCostModel()
     c.calibrated(1, [{T: 0.01 * s * f for T, s in SHAPE.items()} for f in (3.0, 3.0, 1.0, 1.0)])
     assert [c.cost(1, T) / c.cost(1, 1) for T in SHAPE] == pytest.approx(list(SHAPE.values()))
+
+
+class _Cache:
+    def __init__(self):
+        self.lengths = [0]
+
+
+class _SleepyModel:
+    """A one-token forward that sleeps `at_threads` seconds at torch's thread count and `at_one` at one thread."""
+    device = "cpu"
+
+    def __init__(self, threads: int, at_threads: float, at_one: float):
+        self.threads, self.at_threads, self.at_one = threads, at_threads, at_one
+
+    def new_cache(self, rows, max_len):
+        return _Cache()
+
+    def __call__(self, x, cache):
+        import time
+
+        import torch
+        time.sleep(self.at_one if torch.get_num_threads() == 1 else self.at_threads)
+
+
+class _Engine:
+    backend = "torch"
+    max_model_len = 128
+
+    def __init__(self, model):
+        self.model = model
+
+
+@pytest.mark.parametrize("at_threads, contended", [(0.02, True), (0.004, False)])
+def test_the_thread_check_warns_when_more_threads_run_slower(at_threads, contended, caplog):
+    import torch
+
+    from leaplm.engine.calibrate import check_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with caplog.at_level("WARNING", logger="leaplm.engine.calibrate"):
+            check = check_threads(_Engine(_SleepyModel(2, at_threads, 0.005)))
+        assert torch.get_num_threads() == 2                   # restored
+        assert check.threads == 2 and check.contended is contended
+        assert ("--threads 1" in caplog.text) is contended
+        torch.set_num_threads(1)
+        assert check_threads(_Engine(_SleepyModel(1, 0.02, 0.005))) is None     # one thread: nothing to compare
+    finally:
+        torch.set_num_threads(before)

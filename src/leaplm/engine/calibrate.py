@@ -2,7 +2,10 @@
 start-up (live steps keep refreshing them; engine/costs.py)."""
 from __future__ import annotations
 
+import logging
+import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -13,6 +16,10 @@ from .estimates import Estimates, rows_bucket
 # why): on a busy machine a few more rounds are what makes it meet a quiet moment.
 ROUNDS = 8
 ROUNDS_BUDGET_S = 2.0
+# torch's threads are slower than one when one forward at them takes this many times the one-thread forward
+CONTENDED = 1.3
+
+log = logging.getLogger(__name__)
 
 
 def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> None:
@@ -78,3 +85,50 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+@dataclass(frozen=True)
+class ThreadCheck:
+    """A one-token forward at torch's thread count against the same forward at one thread (the median of a few:
+    what a run will see, interference included)."""
+    threads: int
+    s_threads: float              # seconds per one-token forward at `threads`
+    s_one: float                  # ... at one thread
+
+    @property
+    def contended(self) -> bool:
+        """More threads run slower than one: other processes hold the cores some of them wait for."""
+        return self.s_threads > CONTENDED * self.s_one
+
+
+def check_threads(engine, tries: int = 6) -> ThreadCheck | None:
+    """On a CPU whose cores are partly held by other work, torch's default threads (one per core) wait for each
+    other at every kernel: on 2 cores with one running a training job, the embedded target's one-token forward
+    took 40-100 ms at 2 threads and 12 ms at 1, and block forwards varied 1x-10x, so the cost calibration and the
+    K policy's choices changed from run to run. This measures it (tries one-token forwards at each count,
+    interleaved; torch's setting is restored) and warns with the remedy. None: one thread, or not torch on a CPU."""
+    n = torch.get_num_threads()
+    model = engine.model
+    if n <= 1 or engine.backend != "torch" or str(model.device) != "cpu":
+        return None
+    ctx = max(1, min(64, engine.max_model_len // 2))
+    cache = model.new_cache(1, ctx + 2)
+    x = torch.zeros(1, 1, dtype=torch.long)
+    times: dict[int, list[float]] = {n: [], 1: []}
+    try:
+        for j in range(tries + 1):
+            for t in ((n, 1) if j % 2 == 0 else (1, n)):
+                torch.set_num_threads(t)
+                cache.lengths[:1] = [ctx]
+                s = _timed(lambda: model(x, cache))
+                if j:                                    # the first forward at a thread count is its warm-up
+                    times[t].append(s)
+    finally:
+        torch.set_num_threads(n)
+    check = ThreadCheck(n, statistics.median(times[n]), statistics.median(times[1]))
+    if check.contended:
+        log.warning("torch's %d threads run a one-token forward in %.1f ms, one thread in %.1f ms: other processes "
+                    "hold some of the cores, so speeds (and the adaptive K's choices) vary from run to run; "
+                    "--threads 1 (or the number of idle cores) is faster and steadier here",
+                    n, 1e3 * check.s_threads, 1e3 * check.s_one)
+    return check

@@ -23,7 +23,7 @@ from ..structured.state import GrammarState, GrammarVocab
 from .estimates import Estimates
 from .commit import token_logprobs  # noqa: F401  (re-exported: its home before the refactor)
 from .request import StreamChunk, TokenLogprob
-from .calibrate import calibrate
+from .calibrate import calibrate, check_threads
 from .step import Batch
 from .stats import GenerationStats
 
@@ -132,6 +132,8 @@ class Engine:
         self.estimates = Estimates()              # the one cost calibration, shared by every batch
         self._batch: Batch | None = None
         self._batch_busy = False
+        # torch's threads against one thread: a warning when other work makes more threads slower (its docstring)
+        self.thread_check = check_threads(self)
         if spec.method != "none" and spec.adaptive_k:
             calibrate(self, max_rows=1, ctx=64, repeats=3)
 
