@@ -115,3 +115,4 @@ def test_bench_refuses_an_unknown_draft_name():
 def test_serve_refuses_an_unknown_draft_name_before_starting(args):
     r = runner.invoke(app, ["serve", *args, "--port", "0"])
     assert r.exit_code == 2 and "--draft" in r.output and "smollm2-draft" in r.output
+

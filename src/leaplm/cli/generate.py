@@ -184,6 +184,8 @@ def generate(
     else:
         s = total
         spec = f"{s.method} k={s.k}" if s.method != "none" else "none"
+        if s.method != "none" and engine.spec.adaptive_k:    # how often adaptive K chose to draft at all
+            spec += f" (adaptive: drafted in {s.steps_with_draft} of {s.target_forwards} steps)"
         acc = (f" | acceptance {s.acceptance_rate:.2f} | mean accepted length {s.mean_accepted_length:.2f}"
                if s.method != "none" else "")
         err.print(f"[dim]backend {engine.backend}: {engine.backend_reason}[/]")
