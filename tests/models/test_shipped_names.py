@@ -116,3 +116,13 @@ def test_serve_refuses_an_unknown_draft_name_before_starting(args):
     r = runner.invoke(app, ["serve", *args, "--port", "0"])
     assert r.exit_code == 2 and "--draft" in r.output and "smollm2-draft" in r.output
 
+
+
+@pytest.mark.parametrize("name", ["x" * 5000, "dr\0aft"])
+def test_a_name_no_file_can_have_is_refused_as_an_unknown_name(name):
+    with pytest.raises(ConfigError) as e:
+        catalog.resolve_model_name(name, "draft")
+    assert e.value.field == "draft"
+    with pytest.raises(ConfigError) as e:
+        head_dir(name)
+    assert e.value.field == "head"

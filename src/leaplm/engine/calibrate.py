@@ -40,7 +40,8 @@ def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> No
             forward = lambda T: model(torch.zeros(n, T, dtype=torch.long, device=dev), cache)  # noqa: E731
             forward(Ts[-1])                              # warm-up: the first forward of a shape is not its cost
             # rounds of every T back to back, the order reversed every other round (a trend in the machine's
-            # speed within a round cancels); the cost model keeps their paired ratios (shape) and level
+            # speed within a round cancels); the cost model keeps each T's fastest time (shape) and the median of
+            # the smallest T's (level)
             rounds: list[dict[int, float]] = []
             t_start = time.perf_counter()
             while len(rounds) < max(2, repeats) or (len(rounds) < ROUNDS

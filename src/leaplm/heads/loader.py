@@ -39,8 +39,11 @@ def head_dir(head: str) -> Path:
     """The directory of head `head`: a path, else the name of a shipped head (`eagle-smollm2`). A local path of
     that name wins; anything else is refused listing the shipped heads."""
     d = Path(head).expanduser()
-    if d.exists():
-        return d
+    try:
+        if d.exists():
+            return d
+    except (OSError, ValueError):             # a name no file can have (too long, a NUL): not a path
+        pass
     shipped = shipped_heads()
     if head in shipped:
         return shipped[head]

@@ -56,7 +56,7 @@ def resolve_model_name(name: str, field: str = "model") -> str:
     A local path of that name always wins. A catalog name that is not fetched yet is refused with the command
     that fetches it. A draft given as a bare name (no path separator, so neither a path nor an owner/name hub id)
     that ships with no draft is refused listing the shipped drafts."""
-    if Path(name).expanduser().exists():
+    if _exists(name):
         return name
     if name in CATALOG:
         p = fetched(name)
@@ -74,6 +74,14 @@ def resolve_model_name(name: str, field: str = "model") -> str:
             raise ConfigError(field, f"unknown draft {name!r}: not a local path, a hub id (owner/name) or a "
                                      f"shipped draft ({', '.join(shipped) or 'none ship'})")
     return name
+
+
+def _exists(name: str) -> bool:
+    """A local file or directory of that name (a name no file can have, too long or with a NUL, is none)."""
+    try:
+        return Path(name).expanduser().exists()
+    except (OSError, ValueError):
+        return False
 
 
 def is_bare_name(name: str) -> bool:
