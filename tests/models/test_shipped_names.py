@@ -126,3 +126,13 @@ def test_a_name_no_file_can_have_is_refused_as_an_unknown_name(name):
     with pytest.raises(ConfigError) as e:
         head_dir(name)
     assert e.value.field == "head"
+
+
+@pytest.mark.parametrize("name", SHIPPED_DRAFTS)
+def test_serve_checks_a_shipped_draft_name_as_it_loads_it(name):
+    """serve refuses bad sources before starting with check_source; a shipped name passes it."""
+    from leaplm.models.loading import check_source
+
+    check_source(name, "draft")
+    with pytest.raises(ConfigError):
+        check_source(name + "-x", "draft")
