@@ -1,7 +1,7 @@
 """Exact algebra of speculative rejection sampling (verify/rejection.py), no sampling noise.
 
 verify_rejection draws from its generator twice: u ~ U[0, 1)^K (torch.rand) and the recovered or bonus token
-(torch.multinomial). `Branches` replaces both inside the module: rand returns a chosen u, multinomial records
+(sampling/categorical.py). `Branches` replaces both inside the module: rand returns a chosen u, the draw records
 the distribution it was asked to sample from. Running the real function at the midpoint of every interval of u
 between breakpoints (every ratio p/q, q/p, p, q the function could threshold on, plus a grid), weighting by
 the interval's length, gives the exact distribution of what it emits. Lossless means that distribution is
@@ -61,6 +61,7 @@ def emitted_joint(p_fn, q_fn, K: int, V: int, n_out: int, monkeypatch, draft_fn=
     drafts are sampled from q. With draft_fn(prefix) -> token the proposer is deterministic (q = None)."""
     shim = Branches()
     monkeypatch.setattr(rejection, "torch", shim)
+    monkeypatch.setattr(rejection, "sample_categorical", lambda probs, generator=None: shim.multinomial(probs, 1))
     out = torch.zeros([V] * n_out, dtype=torch.float64)
 
     def add(seq: tuple, w: float) -> None:               # complete seq with the target, truncate to n_out

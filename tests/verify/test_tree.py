@@ -2,7 +2,7 @@
 
 Exactness is computed on the real function, without sampling noise: `Replay` stands in for `torch` inside the
 module, so every uniform u becomes a symbol and every comparison `u * s < t` follows a script of accept /
-reject decisions while the run's probability multiplies by P(u * s < t) or its complement; multinomial
+reject decisions while the run's probability multiplies by P(u * s < t) or its complement; the categorical draw
 records the distribution it was asked to sample from. Replaying every decision script enumerates all that one
 verification can emit, with its probability.
 
@@ -125,6 +125,7 @@ def exact_outcomes(tokens: list[int], parents: list[int], q, p, monkeypatch) -> 
         script = scripts.pop()
         shim = Replay(script)
         monkeypatch.setattr(tree_mod, "torch", shim)
+        monkeypatch.setattr(tree_mod, "sample_categorical", lambda probs, generator=None: shim.multinomial(probs, 1))
         res = verify_tree_rejection(torch.tensor(tokens, dtype=torch.long), parents, q, p, None)
         for j in range(len(script), len(shim.taken)):      # each default decision may go the other way
             scripts.append(shim.taken[:j] + [False])

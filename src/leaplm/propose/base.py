@@ -14,6 +14,7 @@ import torch
 
 from ..config import SamplingParams
 from ..sampling import LogitsProcessor
+from ..sampling.categorical import sample_categorical
 from ..sampling.positional import ranked
 from ..verify import VerifyResult
 
@@ -38,7 +39,7 @@ class ProposeContext:
         never accepted more often than chance."""
         if self.seed is not None:
             return ranked(q, self.seed, len(self.tokens) + offset, candidate + 1)[candidate]
-        return int(torch.multinomial(q.reshape(-1), 1, generator=self.generator))
+        return int(sample_categorical(q.reshape(-1), self.generator))
 
 
 @dataclass

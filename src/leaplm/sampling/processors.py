@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SamplingParams
+from .categorical import sample_categorical
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
@@ -112,4 +113,4 @@ class LogitsProcessor:
     @staticmethod
     def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """One token per row of probs [N, V] -> [N] long."""
-        return torch.multinomial(probs, 1, generator=generator).view(-1)
+        return sample_categorical(probs, generator).view(-1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling.categorical import sample_categorical
 from .result import VerifyResult
 
 
@@ -41,7 +42,7 @@ def verify_rejection(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tenso
                 r = p[n].clone()
                 r[draft[n]] = 0
                 r = r / r.sum() if r.sum() > 0 else p[n]
-            emitted.append(int(torch.multinomial(r, 1, generator=generator)))
+            emitted.append(int(sample_categorical(r, generator)))
             return VerifyResult(tokens=emitted, accepted=n)
-    emitted.append(int(torch.multinomial(p[K], 1, generator=generator)))
+    emitted.append(int(sample_categorical(p[K], generator)))
     return VerifyResult(tokens=emitted, accepted=K)

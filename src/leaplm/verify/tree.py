@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.tree import children
+from ..sampling.categorical import sample_categorical
 from .rejection import residual
 from .result import VerifyResult
 
@@ -58,7 +59,7 @@ def verify_tree_rejection(nodes: torch.Tensor, parents: list[int], q: torch.Tens
         else:
             nxt, r = _try_sampled(kids[row], toks, q, u, p[row])
         if nxt is None:
-            token = int(torch.multinomial(r, 1, generator=generator))
+            token = int(sample_categorical(r, generator))
             return VerifyResult(tokens=[toks[c] for c in path] + [token], accepted=len(path), path=path)
         path.append(nxt)
         row = nxt + 1
