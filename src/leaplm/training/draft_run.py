@@ -30,7 +30,7 @@ RESUMABLE = ("steps", "threads", "save_every", "eval_every", "batch_size_data", 
 
 @dataclass
 class DraftRunConfig:
-    """Defaults: a short run. The shipped SmolLM2 draft (embedded/smollm2-draft) is n_prompts=768, steps=480,
+    """Defaults: a short run. The shipped SmolLM2 draft (embedded/smollm2-draft) is n_prompts=2048, steps=800,
     sampled_steps=100 (its card has the command); a larger n_prompts and steps buy acceptance with time
     (docs/drafts-and-heads.md)."""
     target: str                                   # GGUF file or checkpoint directory of the target
