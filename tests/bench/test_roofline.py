@@ -40,7 +40,8 @@ def test_roofline_cli_report_is_consistent(checkpoint, tmp_path):
     assert [m["config"] for m in r["methods"]] == ["none", "ngram k=4"]
     for m in r["methods"]:
         parts = m["propose_ms"] + m["score_ms"] + m["verify_ms"] + m["commit_ms"] + m["rest_ms"]
-        assert parts == pytest.approx(m["ms_per_token"], abs=2e-3)     # the split adds up (rounding only)
+        # the split adds up: six values each rounded to 3 decimals differ by at most 6 x 0.0005 (rounding only)
+        assert parts == pytest.approx(m["ms_per_token"], abs=6 * 0.0005 + 1e-9)
     assert "roofline" in res.output and "floor" in res.output
     from leaplm.kernels.build import load
 
