@@ -46,8 +46,11 @@ def parse_methods(text: str, k: int) -> list[tuple[str, str, dict]]:
                 except ValueError:
                     fail(f"--methods: option {key!r} of {method!r} needs an integer, got {val!r}")
         extra = ";".join(x for x in rest.split(";") if x and not x.startswith("k="))
+        # the first plain decoding is the baseline every speedup pairs with, labelled "none" whatever options it
+        # names (`none:verifier=rejection` beside methods that name it too; settings.methods keeps them)
+        baseline = method == "none" and not opts.get("structured") and not any(m == "none" for _, m, _ in out)
         label = method if method == "none" else f"{method} k={opts['k']}"
-        label += (" " + SCHEMA if opts.get("structured") else "") + (f" {extra}" if extra else "")
+        label += (" " + SCHEMA if opts.get("structured") else "") + (f" {extra}" if extra and not baseline else "")
         out.append((label, method, opts))
     if not out or out[0][1] != "none":
         out.insert(0, ("none", "none", {"k": k}))
