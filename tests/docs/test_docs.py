@@ -55,6 +55,44 @@ def test_history_check_catches_history_and_passes_reference_text():
         assert not history_findings(good), good
 
 
+README_MAX_LINES = 300
+
+
+def test_readme_is_a_short_reference():
+    """The README is the reference in brief (one results table per model); tables and details live in docs/."""
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move details to docs/"
+
+
+MD_NAME = re.compile(r"(?<![\w./-])([\w./-]*[A-Za-z0-9_-]\.md)\b")
+
+
+def md_names(text: str) -> set[str]:
+    """Markdown file names a text mentions (`docs/cli.md`, `adaptive-k.md`), URLs left out."""
+    text = re.sub(r"[a-z]+://\S+", "", text)
+    return {m.group(1).lstrip("./") for m in MD_NAME.finditer(text)}
+
+
+def test_md_names_are_found_in_text():
+    """Negative control for the dead-reference check: the pattern finds the names it is for."""
+    assert md_names("see NOTES.md rule 9 and [x](docs/cli.md#a), ../deploy/triton/README.md") == {
+        "NOTES.md", "docs/cli.md", "deploy/triton/README.md"}
+    assert not md_names("https://example.com/guide.md and a .md suffix")
+
+
+def test_every_markdown_file_named_is_in_the_repository():
+    """A document the prose, the code or the tests cite is one a reader of the repository can open."""
+    names = {p.name for p in ROOT.rglob("*.md") if ".venv" not in p.parts}
+    sources = PROSE + sorted((ROOT / "src").rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py"))
+    sources.remove(Path(__file__).resolve())   # its negative control names a document on purpose
+    dead = []
+    for path in sources:
+        for name in md_names(path.read_text()):
+            if Path(name).name not in names:
+                dead.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not dead, "documents cited but not in the repository:\n" + "\n".join(dead)
+
+
 # --- docs/cli.md against the command line ------------------------------------------------------------------------
 def cli_tree() -> dict[str, set[str]]:
     """'leaplm bench serve' -> its option spellings (without --help), for every command and group."""

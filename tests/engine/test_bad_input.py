@@ -1,4 +1,4 @@
-"""Bad input fails early with a ConfigError naming the field (DESIGN.md rule 9), before any model runs."""
+"""Bad input fails early with a ConfigError naming the field, before any model runs."""
 from __future__ import annotations
 
 import json

@@ -109,7 +109,7 @@ def test_context_filled_exactly(prompt_len, loaded):
 
 
 def test_greedy_draws_no_random_numbers(loaded):
-    """Greedy requests carry no generator and leave the global RNG alone (DESIGN rule 8)."""
+    """Greedy requests carry no generator and leave the global RNG alone."""
     import torch
 
     target = loaded("llama_tied")

@@ -5,9 +5,9 @@ One `leaplm serve` subprocess on 127.0.0.1 per backend (`--backend llamacpp,torc
 file) serves every run; "without speculation" is the same server with the per-request extension
 `speculative: {"method": "none"}`, so both configurations share the process, the warm-up and the machine's state.
 Runs are interleaved (spec, none, none, spec, ...; the backends' order alternating by round too) after a warm-up,
-as DESIGN.md asks. Each row names its backend as the server reported it (`leaplm_backend_info` on /metrics), and
-with several backends each row's tokens/s is also paired with the first backend's plain decoding
-(`vs_first_backend_none`).
+so that drift in the machine falls on both alike. Each row names its backend as the server reported it
+(`leaplm_backend_info` on /metrics), and with several backends each row's tokens/s is also paired with the first
+backend's plain decoding (`vs_first_backend_none`).
 Each run sends a bounded number of streaming greedy requests (ignore_eos, so every request generates exactly
 max_tokens) from `concurrency` client workers, each request with a timeout.
 
