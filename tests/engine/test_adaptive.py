@@ -1,4 +1,4 @@
-"""The one K policy (engine/adaptive.py) and its cost model (engine/costs.py) on synthetic costs and acceptance:
+"""The one K policy (engine/kpolicy/adaptive.py) and its cost model (engine/kpolicy/costs.py) on synthetic costs and acceptance:
 deterministic (seeded), no model, no timing."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from leaplm.engine.acceptance import AcceptanceEstimate, Counts, expected_tokens
-from leaplm.engine.adaptive import BatchAdaptiveK, RowSpec, with_proposal
-from leaplm.engine.costs import BatchCostModel
+from leaplm.engine.kpolicy.acceptance import AcceptanceEstimate, Counts, expected_tokens
+from leaplm.engine.kpolicy.adaptive import BatchAdaptiveK, RowSpec, with_proposal
+from leaplm.engine.kpolicy.costs import BatchCostModel
 
 
 def costs_from(fn, ns=(1, 2, 4, 8, 16), k_max: int = 8) -> BatchCostModel:

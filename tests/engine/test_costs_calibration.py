@@ -1,13 +1,13 @@
 """The start-up calibration on a busy machine: a forward's time is its cost plus interference that only adds
 (another process on the core, a descheduled thread), so the shape of the cost model is taken from each block
-length's fastest time (engine/costs.py BatchCostModel.calibrated)."""
+length's fastest time (engine/kpolicy/costs.py BatchCostModel.calibrated)."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from leaplm.engine.costs import BatchCostModel
+from leaplm.engine.kpolicy.costs import BatchCostModel
 
 SHAPE = {1: 1.0, 2: 1.3, 3: 1.4, 4: 1.5, 5: 1.6, 6: 1.7}       # a CPU block of T tokens vs one token
 
@@ -78,12 +78,12 @@ class _Engine:
 def test_the_thread_check_warns_when_more_threads_run_slower(at_threads, contended, caplog):
     import torch
 
-    from leaplm.engine.calibrate import check_threads
+    from leaplm.engine.kpolicy.calibrate import check_threads
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with caplog.at_level("WARNING", logger="leaplm.engine.calibrate"):
+        with caplog.at_level("WARNING", logger="leaplm.engine.kpolicy.calibrate"):
             check = check_threads(_Engine(_SleepyModel(2, at_threads, 0.005)))
         assert torch.get_num_threads() == 2                   # restored
         assert check.threads == 2 and check.contended is contended

@@ -1,4 +1,4 @@
-"""The K policy as the batch step sees it (engine/kpolicy.py) on fake rows and a fixed cost model: what a step at
+"""The K policy as the batch step sees it (engine/kpolicy/policy.py) on fake rows and a fixed cost model: what a step at
 K = 0 costs the policy, and that holding K = 0 never changes a choice. Deterministic, no model, no timing."""
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from leaplm.engine import adaptive, kpolicy
-from leaplm.engine.acceptance import AcceptanceEstimate
-from leaplm.engine.estimates import Estimates
-from leaplm.engine.kpolicy import KPolicy, RowStep
+from leaplm.engine.kpolicy import adaptive
+from leaplm.engine.kpolicy import policy as kpolicy
+from leaplm.engine.kpolicy.acceptance import AcceptanceEstimate
+from leaplm.engine.kpolicy.estimates import Estimates
+from leaplm.engine.kpolicy.policy import KPolicy, RowStep
 from leaplm.engine.row import Row
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from leaplm import Engine, SamplingParams
-from leaplm.engine.acceptance import expected_tokens
+from leaplm.engine.kpolicy.acceptance import expected_tokens
 from leaplm.engine.scheduler import BatchScheduler, QueueFull, SchedulerClosed, SeqRequest
 from leaplm.verify import VerifyResult
 
@@ -267,7 +267,7 @@ def test_cheap_proposers_propose_before_k_is_chosen(target, loaded, reference, m
     so the policy sees each row certain to have a proposal (or none: cap 0), K at most its length, priced by its
     match length, its cost already spent; the proposal is then trimmed to K (a tree to its first K nodes).
     Output stays plain decoding's."""
-    from leaplm.engine import adaptive
+    from leaplm.engine.kpolicy import adaptive
     seen = []
     choose = adaptive.BatchAdaptiveK.choose
 

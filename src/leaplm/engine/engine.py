@@ -20,10 +20,10 @@ from ..models.tokens import encode_prompt
 from ..propose.base import Proposer
 from ..propose.registry import make_proposer_factory
 from ..structured.state import GrammarState, GrammarVocab
-from .estimates import Estimates
+from .kpolicy.estimates import Estimates
 from .commit import token_logprobs  # noqa: F401  (re-exported: its home before the refactor)
 from .request import StreamChunk, TokenLogprob
-from .calibrate import calibrate, check_threads
+from .kpolicy.calibrate import calibrate, check_threads
 from .step import Batch
 from .stats import GenerationStats
 

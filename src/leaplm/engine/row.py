@@ -1,11 +1,11 @@
-"""A running request as the batch step holds it (engine/step.py) and the K policy reads it (engine/kpolicy.py)."""
+"""A running request as the batch step holds it (engine/step.py) and the K policy reads it (engine/kpolicy/policy.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ..propose.base import Proposer
 from ..sampling import LogitsProcessor
-from .acceptance import AcceptanceEstimate
+from .kpolicy.acceptance import AcceptanceEstimate
 from .request import Request
 
 

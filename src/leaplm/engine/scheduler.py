@@ -21,7 +21,7 @@ from typing import Callable
 
 from ..config import ConfigError, SamplingParams
 from ..propose.base import Proposer
-from .calibrate import calibrate
+from .kpolicy.calibrate import calibrate
 from .request import StreamChunk, TokenLogprob
 from .step import Batch, Row, StepReport, prompt_token_logprobs  # noqa: F401  (StepReport: re-exported)
 

@@ -4,7 +4,7 @@ Every caller goes through `Batch.step`: Engine.generate and Engine.stream (a bat
 (N rows), `leaplm bench` and the server's scheduler (a batch of up to max_batch rows, which requests join and
 leave between steps). A step over the n running rows:
 
-  1. propose  the K policy (engine/kpolicy.py) plans the step: one K, each row drafting k_i = min(K, its cap, its
+  1. propose  the K policy (engine/kpolicy/policy.py) plans the step: one K, each row drafting k_i = min(K, its cap, its
               room); cheap proposers (n-gram, suffix) propose at their cap inside the plan, so the policy knows
               what they have, and are trimmed to K after. Proposers that share a group (the draft model) draft for
               all their rows in one call, one batched draft forward per draft position; the others row by row
@@ -42,11 +42,11 @@ import torch
 from ..config import SamplingParams, SpecConfig, StructuredOutput
 from ..propose.base import Proposal, ProposeContext, Proposer, ProposerFactory
 from ..sampling import LogitsProcessor
-from .calibrate import calibrate  # noqa: F401  (re-exported: the engine's and the scheduler's calibration)
+from .kpolicy.calibrate import calibrate  # noqa: F401  (re-exported: the engine's and the scheduler's calibration)
 from .commit import commit, finish_chunk, new_request
 from .constrain import RowConstraint, constrain_proposal, dead_end, forced_proposal, masked
-from .estimates import Estimates
-from .kpolicy import KPolicy, RowStep, StepPlan
+from .kpolicy.estimates import Estimates
+from .kpolicy.policy import KPolicy, RowStep, StepPlan
 from .request import StreamChunk, TokenLogprob
 from .row import Row
 from .stats import StepClock

@@ -80,7 +80,7 @@ class Proposer(Protocol):
     group: "ProposerGroup | None"   # the batch's group when it drafts together with other rows (the draft model)
     reads_hidden: bool   # it reads the target's features of committed tokens through observe_hidden
     bursty: bool         # its acceptance comes in stretches the last outcome tells (copying proposers: n-gram,
-                         # suffix, lookahead): the K policy keeps its estimate in two states (engine/acceptance.py)
+                         # suffix, lookahead): the K policy keeps its estimate in two states (engine/kpolicy/acceptance.py)
 
     def propose(self, ctx: ProposeContext) -> Proposal: ...
 

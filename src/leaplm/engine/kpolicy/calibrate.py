@@ -1,5 +1,5 @@
 """The one cost calibration of an engine: batched target forward costs and a draft model's costs, measured at
-start-up (live steps keep refreshing them; engine/costs.py)."""
+start-up (live steps keep refreshing them; engine/kpolicy/costs.py)."""
 from __future__ import annotations
 
 import logging

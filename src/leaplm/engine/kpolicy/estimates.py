@@ -1,5 +1,5 @@
 """What an engine has measured, shared by every batch it runs (the one cost calibration): batched forward costs
-(engine/costs.py), proposer seconds per drafted token and acceptance per method, a draft model's prefill cost."""
+(engine/kpolicy/costs.py), proposer seconds per drafted token and acceptance per method, a draft model's prefill cost."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -19,11 +19,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from ..propose.base import Proposal
+from ...propose.base import Proposal
 from .acceptance import AcceptanceEstimate, expected_tokens
 from .adaptive import BatchAdaptiveK, RowSpec, with_proposal
 from .estimates import Estimates
-from .row import Row
+from ..row import Row
 
 # Steps at K = 0 held without pricing before the choice is priced again (the costs' level moves with the load)
 HOLD_STEPS = 16

@@ -1,13 +1,13 @@
 """Adaptive K, the one K policy's choice: each step's K from measured costs and measured acceptance, down to 0
 (no speculation) when speculating would be slower than plain decoding. A single request is a batch of one.
 
-The inputs are per row (`RowSpec`: its cap, its acceptance estimate from engine/acceptance.py, its proposer's
-cost) and the target's costs per (rows, block length) (engine/costs.py: a level that follows the load times a
+The inputs are per row (`RowSpec`: its cap, its acceptance estimate from engine/kpolicy/acceptance.py, its proposer's
+cost) and the target's costs per (rows, block length) (engine/kpolicy/costs.py: a level that follows the load times a
 shape measured pairwise at start-up); the step's cost is the wide forward only when some row has a proposal.
 Cheap proposers (n-gram, suffix: a proposal costs next to nothing) propose before K is chosen, at their row's
 cap (`with_proposal`): whether a row has a proposal is then known, its length caps the row's K, its match length
 selects the acceptance estimate, and its cost is spent whatever K is chosen, so it is not charged. When K falls
-to 0 engine/probes.py decides when to try K > 0 again. engine/kpolicy.py wires this to the batch step.
+to 0 engine/kpolicy/probes.py decides when to try K > 0 again. engine/kpolicy/policy.py wires this to the batch step.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class BatchAdaptiveK:
     """Chooses the K of each batched step from measured forward costs and per-row acceptance (see above): the K
     of the best predicted token rate (K > 0 must beat K = 0 by min_gain), drafting priced at the measured
     overrun; at K = 0 chosen for low acceptance (not for cost: when even perfect acceptance would not pay at this
-    batch size, drafting a token would only cost) the probe schedule (engine/probes.py) tries K > 0 now and then.
+    batch size, drafting a token would only cost) the probe schedule (engine/kpolicy/probes.py) tries K > 0 now and then.
     Every step is measured (observe_step, from the step)."""
 
     def __init__(self, costs: BatchCostModel, enabled: bool = True, min_gain: float = 0.03, **probe_settings):
