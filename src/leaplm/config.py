@@ -185,6 +185,12 @@ class SamplingParams:
     kept, but the output is a function of the seed alone, the same whatever K and batch); 'auto': the race for
     seeded requests and for trees of sampling proposers (eagle, medusa: their candidates are drawn by the race),
     rejection sampling otherwise."""
+    prediction: str | dict | None = None
+    """Predicted Outputs (OpenAI's `prediction`): text the output is expected to repeat in large part (the file
+    an edit rewrites, the paragraph a proofreading returns). Its tokens are drafted where the output follows it
+    (propose/prediction.py), ahead of the request's own method, and verified like any draft, so the output is
+    the same with or without it. A string, or OpenAI's {"type": "content", "content": STRING | [{"type": "text",
+    "text": STRING}, ...]}; normalised to the string by validate. Empty: no prediction."""
     structured: StructuredOutput | None = None
     """Constrain the output to a JSON Schema, any JSON object, a regex, a list of choices or a grammar
     (structured/spec.py). The target's p at every verified position is masked by the grammar before verification,
@@ -196,6 +202,7 @@ class SamplingParams:
     MAX_NEW_TOKENS = 1 << 20
     MAX_STOP = 16
     MAX_LOGPROBS = 20
+    MAX_PREDICTION_CHARS = 1 << 20
 
     def __post_init__(self) -> None:
         self.validate()
@@ -238,6 +245,41 @@ class SamplingParams:
                f"must be null or an integer in [0, {self.MAX_LOGPROBS}], got {lp!r}")
         _check(isinstance(self.verifier, str) and self.verifier in self.VERIFIERS, "verifier",
                f"must be one of {', '.join(self.VERIFIERS)}, got {self.verifier!r}")
+        self.prediction = prediction_text(self.prediction, self.MAX_PREDICTION_CHARS)
+
+
+def prediction_text(prediction, max_chars: int = SamplingParams.MAX_PREDICTION_CHARS) -> str | None:
+    """OpenAI's `prediction` (or a plain string) -> its text, None when empty. Errors name `prediction` and the
+    part at fault (`prediction.type`, `prediction.content[1].text`)."""
+    if prediction is None:
+        return None
+    if isinstance(prediction, dict):
+        extra = sorted(set(prediction) - {"type", "content"})
+        _check(not extra, f"prediction.{extra[0] if extra else ''}", "unknown field; a prediction has `type` and "
+                                                                    "`content`")
+        _check(prediction.get("type") == "content", "prediction.type",
+               f"must be 'content', got {prediction.get('type')!r}")
+        _check("content" in prediction, "prediction.content", "is required")
+        content = prediction["content"]
+        if isinstance(content, list):
+            parts = []
+            for i, part in enumerate(content):
+                name = f"prediction.content[{i}]"
+                _check(isinstance(part, dict), name, f"must be a text part, got {type(part).__name__}")
+                _check(part.get("type") == "text", f"{name}.type", f"must be 'text', got {part.get('type')!r}")
+                unknown = sorted(set(part) - {"type", "text"})
+                _check(not unknown, f"{name}.{unknown[0] if unknown else ''}", "unknown field of a text part")
+                _check(isinstance(part.get("text"), str), f"{name}.text",
+                       f"must be a string, got {type(part.get('text')).__name__}")
+                parts.append(part["text"])
+            content = "".join(parts)
+        _check(isinstance(content, str), "prediction.content",
+               f"must be a string or a list of text parts, got {type(content).__name__}")
+        prediction = content
+    _check(isinstance(prediction, str), "prediction",
+           f"must be a string or {{\"type\": \"content\", \"content\": ...}}, got {type(prediction).__name__}")
+    _check(len(prediction) <= max_chars, "prediction", f"at most {max_chars} characters, got {len(prediction)}")
+    return prediction or None
 
 
 METHODS = ("none", "draft", "ngram", "suffix", "lookahead", "layerskip", "eagle", "medusa")

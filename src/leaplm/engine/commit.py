@@ -49,7 +49,7 @@ def new_request(ids: list[int], params: SamplingParams, *, tokenizer, eos_token_
 
 
 def commit(req: Request, result: VerifyResult, logits: torch.Tensor, drafted: int, cache,
-           row: int = 0, forced: bool = False) -> StreamChunk:
+           row: int = 0, forced: bool = False, predicted: bool = False) -> StreamChunk:
     """Append the verified tokens, cut at a stop token, stop string or max_new_tokens; move row's cache length.
 
     What is kept equals plain decoding token for token: nothing after the token that ended the request is returned,
@@ -90,6 +90,10 @@ def commit(req: Request, result: VerifyResult, logits: torch.Tensor, drafted: in
         req.stats.forced_accepted += result.accepted
     else:
         req.stats.record_step(drafted, result.accepted, len(emitted))
+    if predicted:
+        kept = min(result.accepted, len(emitted))
+        req.stats.accepted_prediction_tokens += kept
+        req.stats.rejected_prediction_tokens += drafted - kept
     if req.logprobs is not None and emitted:
         req.logprobs.extend(token_logprobs(logits, result, emitted, req.params.logprobs or 0))
     req.tokens.extend(emitted)

@@ -18,6 +18,7 @@ from ..models.loading import BackendChoice, choose_target_backend, draft_backend
 from ..models import embedded
 from ..models.tokens import encode_prompt
 from ..propose.base import Proposer
+from ..propose.prediction import check_prediction
 from ..propose.registry import make_proposer_factory
 from ..structured.state import GrammarState, GrammarVocab
 from .kpolicy.estimates import Estimates
@@ -153,6 +154,8 @@ class Engine:
         self._last_prompt_ids = ids
         if len(params) == 1 or not self.model.supports_batch:
             return [self.generate(ids, sp) for sp in params]
+        for sp in params:
+            self._calibrate_for(sp)
         batch = Batch(self, len(params))
         chunks: list[list[StreamChunk]] = [[] for _ in params]
         try:
@@ -196,7 +199,14 @@ class Engine:
         if len(ids) + params.max_new_tokens > self.max_model_len:
             raise ConfigError("max_new_tokens", f"prompt ({len(ids)} tokens) + max_new_tokens "
                                                 f"({params.max_new_tokens}) exceed the context of {self.max_model_len}")
+        check_prediction(self.tokenizer, params.prediction, len(ids), self.max_model_len)
         return ids
+
+    def _calibrate_for(self, params: SamplingParams) -> None:
+        """A request with a prediction speculates under any method, `none` included: the cost calibration an
+        engine of method `none` skipped at start-up is made before its first such request."""
+        if params.prediction is not None and self.spec.adaptive_k and 1 not in self.estimates.calibrated_rows:
+            calibrate(self, max_rows=1, ctx=64, repeats=3)
 
     @property
     def kv_cache_peak_bytes(self) -> int:
@@ -244,6 +254,7 @@ class Engine:
 
     def _run(self, ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
         self._last_prompt_ids = ids
+        self._calibrate_for(params)
         batch = self._acquire_batch()
         try:
             batch.join(ids, params)

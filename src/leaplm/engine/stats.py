@@ -26,6 +26,8 @@ class GenerationStats:
     forced_tokens: int = 0                  # structured output: tokens the grammar forced, drafted for free
     forced_accepted: int = 0                # ... and accepted (not in draft_tokens / accepted_tokens)
     grammar_s: float = 0.0                  # decode time spent in the grammar (masks, forced tokens, advancing)
+    accepted_prediction_tokens: int = 0     # Predicted Outputs: drafted prediction tokens the output kept
+    rejected_prediction_tokens: int = 0     # ... and drafted but not kept (both also in draft/accepted_tokens)
 
     @property
     def acceptance_rate(self) -> float:
@@ -64,7 +66,8 @@ class GenerationStats:
         """Accumulate another request's figures (for -n samples and benchmark totals)."""
         for f in ("prompt_tokens", "new_tokens", "target_forwards", "draft_tokens", "accepted_tokens",
                   "steps_with_draft", "prefill_s", "decode_s", "propose_s", "score_s",
-                  "verify_s", "commit_s", "forced_tokens", "forced_accepted", "grammar_s"):
+                  "verify_s", "commit_s", "forced_tokens", "forced_accepted", "grammar_s",
+                  "accepted_prediction_tokens", "rejected_prediction_tokens"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         n = max(len(self.drafted_by_position), len(other.drafted_by_position))
         for name in ("drafted_by_position", "accepted_by_position"):

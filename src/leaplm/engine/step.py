@@ -41,6 +41,7 @@ import torch
 
 from ..config import SamplingParams, SpecConfig, StructuredOutput
 from ..propose.base import Proposal, ProposeContext, Proposer, ProposerFactory
+from ..propose.prediction import with_prediction
 from ..sampling import LogitsProcessor
 from .kpolicy.calibrate import calibrate  # noqa: F401  (re-exported: the engine's and the scheduler's calibration)
 from .commit import commit, finish_chunk, new_request
@@ -172,6 +173,10 @@ class Batch:
         # prefilled at once unless a budget chunks it; prompt logprobs come back with the join, so whole too
         whole = self.max_num_batched_tokens is None or prompt_logprobs is not None
         proposer = self._new_proposer(method, factory) if factory is not None else None
+        if params.prediction is not None:        # drafted ahead of the method's proposer (propose/prediction.py)
+            proposer, cap = with_prediction(proposer, cap, params.prediction, self.tokenizer, len(ids), req.tokens,
+                                            self.model.device, self.groups)
+            req.stats.k = cap
         try:
             if len(ids) > 1 and whole:
                 want = prompt_logprobs is not None
@@ -368,7 +373,8 @@ class Batch:
             forced = rc is not None and rc.forced                    # the grammar's drafts, not the proposer's
             if p is not None and not forced:
                 r.proposer.observe(p, result, extra_logits(p, row_logits))
-            out.chunk = commit(r.req, result, row_logits, d, self.cache, row=i, forced=forced)
+            out.chunk = commit(r.req, result, row_logits, d, self.cache, row=i, forced=forced,
+                               predicted=p is not None and p.predicted)
             clock.row(r.req.stats, score_s, t1 - t0 - score_s, time.perf_counter() - t1)
         except Exception as e:  # noqa: BLE001 - one request's failure is its own
             log.exception("a request failed in a step")

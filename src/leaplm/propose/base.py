@@ -65,6 +65,8 @@ class Proposal:
     # cheap proposers: how many context tokens agree with the text the proposal was copied from (its n-gram
     # included; a long match is a copying stretch): the K policy keeps acceptance per match length
     match: int | None = None
+    # the drafts are the request's prediction (Predicted Outputs, propose/prediction.py): counted apart in the stats
+    predicted: bool = False
 
     @property
     def k(self) -> int:

@@ -16,6 +16,11 @@ from .estimates import Estimates, rows_bucket
 # why): on a busy machine a few more rounds are what makes it meet a quiet moment.
 ROUNDS = 8
 ROUNDS_BUDGET_S = 2.0
+# Block lengths measured beyond K + 1 at up to LONG_ROWS rows: a row with a prediction drafts up to 32 tokens
+# (propose/prediction.py), and its K is chosen from what these blocks cost (a CPU forward over 33 tokens costs a
+# few times one token's, far less than the 33 / 6 times a linear extrapolation from K + 1 = 6 would price it)
+LONG_BLOCKS = (9, 17, 33)
+LONG_ROWS = 2
 # torch's threads are slower than one when one forward at them takes this many times the one-thread forward
 CONTENDED = 1.3
 
@@ -34,8 +39,10 @@ def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> No
     dev = model.device
     if ns:
         cache = model.new_cache(max(ns), engine.max_model_len)
-        Ts = list(range(1, min(k + 1, engine.max_model_len - ctx) + 1))
+        top = engine.max_model_len - ctx
+        short = list(range(1, min(k + 1, top) + 1))
         for n in ns:
+            Ts = short + ([T for T in LONG_BLOCKS if k + 1 < T <= top] if n <= LONG_ROWS else [])
             cache.lengths[:n] = [ctx] * n
             forward = lambda T: model(torch.zeros(n, T, dtype=torch.long, device=dev), cache)  # noqa: E731
             forward(Ts[-1])                              # warm-up: the first forward of a shape is not its cost
