@@ -105,6 +105,17 @@ CASES = [
     ("speculative-k-zero", CMPL, c(speculative={"method": "draft", "k": 0}), 400, "speculative.k", []),
     ("speculative-not-object", CMPL, c(speculative="none"), 400, "speculative", []),
     ("unknown-model", CMPL, c(model="gpt-4"), 404, "model", ["gpt-4"]),
+    ("prediction-type", CHAT, ch(prediction={"type": "text", "content": "x"}), 400, "prediction.type", ["content"]),
+    ("prediction-not-text", CMPL, c(prediction={"type": "content", "content": [{"type": "image_url", "text": "x"}]}),
+     400, "prediction.content[0].type", ["text"]),
+    ("prediction-text-number", CHAT, ch(prediction={"type": "content", "content": [{"type": "text", "text": 3}]}),
+     400, "prediction.content[0].text", ["string"]),
+    ("prediction-missing-content", CMPL, c(prediction={"type": "content"}), 400, "prediction.content", ["required"]),
+    ("prediction-string", CHAT, ch(prediction="just text"), 400, "prediction", ["an object"]),
+    ("prediction-too-long", CMPL, c(prediction={"type": "content", "content": LONG}), 400, "prediction",
+     ["longer than"]),
+    ("prediction-huge", CHAT, ch(prediction={"type": "content", "content": "x" * 3_000_000}), 400, "prediction",
+     ["characters"]),
 ]
 
 

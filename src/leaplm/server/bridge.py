@@ -134,6 +134,9 @@ class Job:
                 res.tokens += len(c.token_ids)
             if c.finish_reason is not None:
                 res.finish_reason, res.stats = c.finish_reason, c.stats
+                if c.stats is not None:
+                    m.accepted_prediction.inc(c.stats.accepted_prediction_tokens)
+                    m.rejected_prediction.inc(c.stats.rejected_prediction_tokens)
                 m.e2e.observe(out.time - self.arrival)
                 m.finished.labels(c.finish_reason).inc()
         if out.error is not None:

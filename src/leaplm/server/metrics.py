@@ -56,6 +56,10 @@ class ServerMetrics:
         self.accepted_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by position in the draft (0 = first).",
                                         ["position"], registry=r)
+        self.accepted_prediction = Counter(P + "accepted_prediction_tokens", "Predicted Outputs: prediction tokens "
+                                           "drafted and kept in the output.", registry=r)
+        self.rejected_prediction = Counter(P + "rejected_prediction_tokens", "Predicted Outputs: prediction tokens "
+                                           "drafted and not kept.", registry=r)
         self.k = Gauge(P + "spec_decode_k", "K of the last step (0: speculation off because it would not pay "
                        "at this batch size, or no request speculates).", registry=r)
         self.k_by_batch = Gauge(P + "spec_decode_k_by_batch_size", "K of the last step at each batch size.",

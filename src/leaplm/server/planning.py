@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ConfigError, SamplingParams
+from ..config import ConfigError, SamplingParams, prediction_text
+from ..propose.prediction import check_prediction
 from .protocol import APIError, chat_prompt
 from .state import ServerState, max_prompt_chars
 
@@ -95,6 +96,7 @@ def plan_request(state: ServerState, body, chat: bool) -> Plan:
         raise APIError(400, f"{max_field}: the prompt ({longest} tokens) + {max_field} ({max_tokens}) = "
                             f"{longest + max_tokens} tokens exceed the context of {L} tokens", max_field,
                        "context_length_exceeded")
+    check_prediction_field(body.prediction, tok, longest, L, limit)
     n = body.n or 1
     method = k = None
     if body.speculative is not None:
@@ -121,3 +123,21 @@ def plan_request(state: ServerState, body, chat: bool) -> Plan:
             raise APIError(400, f"{f}: {e.message}", f, "invalid_value") from None
     adaptive_k = body.speculative.adaptive_k if body.speculative is not None else None
     return Plan(prompts, params, n, method, k, adaptive_k, prompt_logprobs, max_tokens, max_field, prompt_field)
+
+
+def check_prediction_field(prediction, tok, prompt_tokens: int, L: int, limit: int) -> None:
+    """`prediction` (APIError 400 naming the field): well formed, and no longer than the context leaves after the
+    prompt (its characters checked before it is tokenized)."""
+    if prediction is None:
+        return
+    try:
+        if not isinstance(prediction, dict):
+            raise ConfigError("prediction", 'must be an object {"type": "content", "content": a string or a list of '
+                                            f'text parts}}, got {type(prediction).__name__}')
+        text = prediction_text(prediction)
+        if text is not None and len(text) > limit:
+            raise ConfigError("prediction", f"{len(text)} characters are more than the context of {L} tokens can "
+                                            f"hold (at most {limit} characters)")
+        check_prediction(tok, text, prompt_tokens, L)
+    except ConfigError as e:
+        raise APIError(400, f"{e.field}: {e.message}", e.field, "invalid_value") from None

@@ -8,6 +8,7 @@ other than text) is refused with a message that says so. Every error becomes an 
 
 leaplm extensions (accepted on both endpoints): top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
 `speculative: {"method": ..., "k": ...}` (or {"method": "none"}) and stream_options.continuous_usage_stats.
+Predicted Outputs: OpenAI's `prediction` (both endpoints), counted in usage.completion_tokens_details.
 Structured output: response_format (chat: text, json_object, json_schema) and vLLM's guided_json, guided_regex,
 guided_choice, guided_grammar and structured_outputs (both endpoints); structured/requests.py reads them.
 """
@@ -95,6 +96,12 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+class TextPart(BaseModel):
+    model_config = _strict
+    type: Literal["text"]
+    text: str
+
+
 class _Common(BaseModel):
     """Fields both endpoints share."""
     model_config = _strict
@@ -131,6 +138,14 @@ class _Common(BaseModel):
     guided_grammar: Optional[str] = Field(None, description="vLLM's: a grammar (Lark or GBNF) the output follows.")
     structured_outputs: Optional[dict[str, Any]] = Field(
         None, description="vLLM's: one of json, regex, choice, grammar, json_object.")
+    prediction: Annotated[Any, WithJsonSchema({"anyOf": [{"type": "object", "properties": {
+        "type": {"const": "content"}, "content": {"anyOf": [{"type": "string"}, {
+            "type": "array", "items": TextPart.model_json_schema()}]}}, "required": ["type", "content"]},
+        {"type": "null"}]})] = Field(
+        None, description="Predicted Outputs: {'type': 'content', 'content': text or text parts} the output is "
+                          "expected to repeat largely; drafted where the output follows it, verified like any draft "
+                          "(the output is the same with or without it). Usage counts accepted and rejected "
+                          "prediction tokens.")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -176,7 +191,7 @@ class _Common(BaseModel):
             min_p=self.min_p or 0.0, repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=seed, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=bool(self.ignore_eos), logprobs=logprobs, structured=structured,
-            verifier=self.verifier or "auto")
+            verifier=self.verifier or "auto", prediction=self.prediction)
 
 
 def _field_error(field: str, message: str):
@@ -227,12 +242,6 @@ class CompletionRequest(_Common):
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise _field_error("best_of", "is only supported equal to n (leaplm does not rank samples)")
         return self
-
-
-class TextPart(BaseModel):
-    model_config = _strict
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(BaseModel):
@@ -338,10 +347,17 @@ class SpeculativeUsage(BaseModel):
     target_forwards: int
 
 
+class CompletionTokensDetails(BaseModel):
+    """Predicted Outputs' counts (OpenAI's meaning), summed over the request's choices."""
+    accepted_prediction_tokens: int = Field(description="Prediction tokens drafted and kept in the output.")
+    rejected_prediction_tokens: int = Field(description="Prediction tokens drafted and not kept.")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: Optional[CompletionTokensDetails] = None
     speculative: Optional[SpeculativeUsage] = None
 
 

@@ -108,6 +108,8 @@ def usage(prompt_tokens: int, stats: list[GenerationStats]) -> dict:
         total = GenerationStats(stats[0].method, stats[0].k)
         for s in stats:
             total.merge(s)
+        u["completion_tokens_details"] = {"accepted_prediction_tokens": total.accepted_prediction_tokens,
+                                          "rejected_prediction_tokens": total.rejected_prediction_tokens}
         u["speculative"] = {
             "method": total.method, "k": total.k, "draft_tokens": total.draft_tokens,
             "accepted_tokens": total.accepted_tokens, "acceptance_rate": total.acceptance_rate,
