@@ -104,3 +104,21 @@ def test_missing_model_path():
 def test_empty_prompt(target):
     res = runner.invoke(app, ["generate", "", "--model", target, "--method", "none"])
     assert res.exit_code == 2 and "prompt" in res.output
+
+
+def test_prediction_file_reports_its_counts(target, tmp_path):
+    """--prediction FILE: the same tokens as without it, and --json reports the accepted and rejected prediction
+    tokens; an unreadable file is an error naming the flag."""
+    common = [PROMPT, "--model", target, "--temperature", "0", "--max-new-tokens", "30", "--ignore-eos",
+              "--method", "none"]
+    plain = run_json(*common)
+    p = tmp_path / "prediction.txt"
+    p.write_text(plain["samples"][0]["text"], encoding="utf-8")
+    got = run_json(*common, "--prediction", str(p), "--fixed-k")
+    assert got["samples"][0]["token_ids"] == plain["samples"][0]["token_ids"]
+    st = got["stats"]
+    assert st["accepted_prediction_tokens"] > 0
+    assert st["accepted_prediction_tokens"] + st["rejected_prediction_tokens"] <= st["draft_tokens"]
+    assert plain["stats"]["accepted_prediction_tokens"] == plain["stats"]["rejected_prediction_tokens"] == 0
+    res = runner.invoke(app, ["generate", *common, "--prediction", str(tmp_path / "missing.txt")])
+    assert res.exit_code != 0 and "--prediction" in res.output

@@ -85,6 +85,9 @@ def generate(
                                           "llguidance's dialect, or GBNF) the output follows."),
     choice: Optional[list[str]] = typer.Option(None, "--choice", help="Structured output: the output is one of "
                                                "these strings (repeatable)."),
+    prediction: Optional[str] = typer.Option(None, "--prediction", help="Predicted Outputs: a text file the output "
+                                             "is expected to repeat largely (the file an edit rewrites); its tokens "
+                                             "are drafted where the output follows it (the output is the same)."),
     adaptive_k: bool = ADAPTIVE_K,
     ngram_min: int = typer.Option(1, "--ngram-min"),
     ngram_max: int = typer.Option(4, "--ngram-max"),
@@ -121,11 +124,19 @@ def generate(
     ngram_min = sc.ngram_min if sc.ngram_min is not None else ngram_min
     ngram_max = sc.ngram_max if sc.ngram_max is not None else ngram_max
     structured = _structured(json_schema, regex, grammar, choice)
+    predicted = None
+    if prediction is not None:
+        try:
+            with open(prediction, encoding="utf-8") as f:
+                predicted = f.read()
+        except (OSError, UnicodeError) as e:
+            fail(f"--prediction: cannot read {prediction!r} ({getattr(e, 'strerror', None) or e})")
     try:
         params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  min_p=min_p, repetition_penalty=repetition_penalty,
                                  seed=None if seed is None else seed + i, stop=list(stop or []),
-                                 ignore_eos=ignore_eos, verifier=verifier, structured=structured)
+                                 ignore_eos=ignore_eos, verifier=verifier, structured=structured,
+                                 prediction=predicted)
                   for i in range(n)]
         engine = Engine(model=options.model, draft=draft, method=method, k=k, device=options.device,
                         dtype=options.dtype, kv_cache_dtype=options.kv_cache_dtype,
@@ -177,6 +188,8 @@ def generate(
             "prefill_s": round(s.prefill_s, 4),
             **{f: round(getattr(s, f), 6) for f in ("propose_s", "score_s", "verify_s", "commit_s", "grammar_s")},
             "forced_tokens": s.forced_tokens, "forced_accepted": s.forced_accepted,
+            "accepted_prediction_tokens": s.accepted_prediction_tokens,
+            "rejected_prediction_tokens": s.rejected_prediction_tokens,
             "acceptance_by_position": [round(a, 4) for a in
                                                                             s.acceptance_by_position],
             "max_model_len": engine.max_model_len, "kv_cache_peak_bytes": engine.kv_cache_peak_bytes,
@@ -187,7 +200,10 @@ def generate(
         if s.method != "none" and engine.spec.adaptive_k:    # how often adaptive K chose to draft at all
             spec += f" (adaptive: drafted in {s.steps_with_draft} of {s.target_forwards} steps)"
         acc = (f" | acceptance {s.acceptance_rate:.2f} | mean accepted length {s.mean_accepted_length:.2f}"
-               if s.method != "none" else "")
+               if s.method != "none" or predicted else "")
+        if predicted:
+            acc += (f" | prediction tokens accepted {s.accepted_prediction_tokens}, rejected "
+                    f"{s.rejected_prediction_tokens}")
         err.print(f"[dim]backend {engine.backend}: {engine.backend_reason}[/]")
         err.print(f"[dim]{spec} | {s.new_tokens} tokens in {s.target_forwards} target forwards{acc} | "
                   f"{s.tokens_per_s:.1f} tokens/s | backend {engine.backend}"
