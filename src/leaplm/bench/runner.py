@@ -36,6 +36,9 @@ class Sample:
     text: str | None = None                     # an external engine's generated text (it reports no token ids)
     prompt_tokens: int | None = None            # as the external engine tokenized the prompt
     constrained: bool = False                   # run with the prompt's constraint (a `+schema` configuration)
+    predicted: bool = False                     # run with the prompt's prediction (a `+prediction` configuration)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     valid: bool | None = None                   # structured workloads: the output parses and fits the schema
     grammar_seconds: float = 0.0                # structured output: seconds in the grammar (masks, forced tokens)
     forced_tokens: int = 0                      # structured output: tokens the grammar forced (drafted for free)
@@ -106,25 +109,36 @@ class Contender:
     run: Runner
     constrained: bool = False                               # runs take structured=<the prompt's constraint>
     decode: Callable[[list[int]], str] | None = None        # token ids -> text (validity of structured outputs)
+    predicted: bool = False                                 # runs take prediction=<the prompt's prediction>
 
 
-def leaplm_contender(name: str, engine, params: SamplingParams, constrained: bool = False) -> Contender:
-    def run(prompt: str, max_new: int, structured=None):
-        sp = SamplingParams(**{**params.__dict__, "max_new_tokens": max_new, "structured": structured})
+def leaplm_contender(name: str, engine, params: SamplingParams, constrained: bool = False,
+                     predicted: bool = False) -> Contender:
+    def run(prompt: str, max_new: int, structured=None, prediction=None):
+        sp = SamplingParams(**{**params.__dict__, "max_new_tokens": max_new, "structured": structured,
+                               "prediction": prediction})
         engine.forget_history()          # every run is a new request: no copying of the same prompt's last answer
         o = engine.generate(prompt, sp)
         return o.token_ids, o.stats
-    return Contender(name, run, constrained, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True))
+    return Contender(name, run, constrained, lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True),
+                     predicted)
 
 
 def _constraint(c: Contender, w: Workload, prompt: int) -> dict:
-    """The structured= argument of a constrained contender's run on a workload that has constraints."""
+    """The structured= (and prediction=) arguments of a constrained (predicted) contender's run on a workload that
+    has constraints (predictions)."""
+    out = {}
+    if c.predicted:
+        if w.predictions is None:
+            raise ValueError(f"{c.name}: workload {w.name} has no predictions (a +prediction configuration needs "
+                             f"edit, proofread, quote, agent or complete)")
+        out["prediction"] = w.predictions[prompt]
     if not c.constrained:
-        return {}
+        return out
     if w.constraints is None:
         raise ValueError(f"{c.name}: workload {w.name} has no constraints (a +schema configuration needs "
                          f"json-extract or tool-call)")
-    return {"structured": w.constraints[prompt]}
+    return out | {"structured": w.constraints[prompt]}
 
 
 def hf_contenders(target_path: str, draft_path: str | None, k: int, kinds: list[str], ignore_eos: bool,
@@ -221,7 +235,10 @@ def run_bench(contenders: list[Contender], workloads: list[Workload], max_new_to
                     t = time.perf_counter()
                     ids, st = c.run(prompt, max_new_tokens, **_constraint(c, w, pi))
                     dt = time.perf_counter() - t
-                    s = Sample(c.name, w.name, pi, r, len(ids), dt, ids, constrained=c.constrained)
+                    s = Sample(c.name, w.name, pi, r, len(ids), dt, ids, constrained=c.constrained,
+                               predicted=c.predicted)
+                    s.accepted_prediction_tokens = getattr(st, "accepted_prediction_tokens", 0)
+                    s.rejected_prediction_tokens = getattr(st, "rejected_prediction_tokens", 0)
                     if w.constraints is not None and c.decode is not None:
                         from .structured import valid
 

@@ -21,6 +21,7 @@ bench_app = typer.Typer(add_completion=False, invoke_without_command=True,
 
 
 SCHEMA = "+schema"          # a method run with each prompt's constraint (structured workloads)
+PREDICTION = "+prediction"  # a method run with each prompt's prediction (edit, proofread, quote, agent, complete)
 
 
 def parse_methods(text: str, k: int) -> list[tuple[str, str, dict]]:
@@ -30,6 +31,8 @@ def parse_methods(text: str, k: int) -> list[tuple[str, str, dict]]:
     for item in [x.strip() for x in text.split(",") if x.strip()]:
         method, _, rest = item.partition(":")
         opts: dict = {"k": k}
+        if method.endswith(PREDICTION):
+            method, opts["predicted"] = method[: -len(PREDICTION)], True
         if method.endswith(SCHEMA):
             method, opts["structured"] = method[: -len(SCHEMA)], True
         for kv in [x for x in rest.split(";") if x]:
@@ -48,11 +51,13 @@ def parse_methods(text: str, k: int) -> list[tuple[str, str, dict]]:
         extra = ";".join(x for x in rest.split(";") if x and not x.startswith("k="))
         # the first plain decoding is the baseline every speedup pairs with, labelled "none" whatever options it
         # names (`none:verifier=rejection` beside methods that name it too; settings.methods keeps them)
-        baseline = method == "none" and not opts.get("structured") and not any(m == "none" for _, m, _ in out)
+        baseline = (method == "none" and not opts.get("structured") and not opts.get("predicted")
+                    and not any(m == "none" and not o.get("predicted") for _, m, o in out))
         label = method if method == "none" else f"{method} k={opts['k']}"
-        label += (" " + SCHEMA if opts.get("structured") else "") + (f" {extra}" if extra and not baseline else "")
+        label += (" " + SCHEMA if opts.get("structured") else "") + (" " + PREDICTION if opts.get("predicted") else "")
+        label += f" {extra}" if extra and not baseline else ""
         out.append((label, method, opts))
-    if not out or out[0][1] != "none":
+    if not out or out[0][1] != "none" or out[0][2].get("predicted") or out[0][2].get("structured"):
         out.insert(0, ("none", "none", {"k": k}))
     return out
 
@@ -67,7 +72,9 @@ def bench(
     k: int = typer.Option(4, "--k", "-k"),
     workloads: str = typer.Option("code,copy", help="Comma list of: code, copy, chat-code, chat-edit, chat-question, "
                                                     "json-extract, tool-call (structured: a method written "
-                                                    "name+schema runs with each prompt's JSON Schema)."),
+                                                    "name+schema runs with each prompt's JSON Schema), edit, "
+                                                    "proofread, quote, agent, complete (a method written "
+                                                    "name+prediction runs with each prompt's prediction)."),
     prompts: int = typer.Option(6, help="Prompts per workload."),
     max_new_tokens: int = typer.Option(96, "--max-new-tokens"),
     rounds: int = typer.Option(2, help="Timed rounds over all prompts (after one warm-up)."),
@@ -161,8 +168,12 @@ def bench(
         contenders = []
         for label, method, opts in configs:
             constrained = opts.pop("structured", False)
+            predicted = opts.pop("predicted", False)
             if constrained and not all(w.constraints for w in wls):
                 fail(f"--methods: {label} needs workloads with constraints (json-extract, tool-call)")
+            if predicted and not all(w.predictions for w in wls):
+                fail(f"--methods: {label} needs workloads with predictions (edit, proofread, quote, agent, "
+                     f"complete)")
             d = None
             if method == "draft":
                 dn = opts.pop("draft", None) or draft_name
@@ -174,7 +185,7 @@ def bench(
                                             backend=draft_backend(options.backend))
                 d = drafts[dn]
             eng = Engine(target, draft=d, method=method, max_model_len=context, **opts)
-            contenders.append(leaplm_contender(label, eng, params, constrained))
+            contenders.append(leaplm_contender(label, eng, params, constrained, predicted))
     except ConfigError as e:
         fail(f"--{e.field.replace('_', '-')}: {e.message}")
     import tempfile
