@@ -34,6 +34,10 @@ def bench_serve(
                                           "inter-token latency with and without a long prompt arriving."),
     long_prompt_tokens: int = typer.Option(2000, "--long-prompt-tokens",
                                            help="Its length (capped to the server's context)."),
+    workloads: Optional[str] = typer.Option(None, "--workloads", help="Copy-heavy requests instead of the "
+                                            "concurrency sweep: edit,proofread,quote,agent,complete, each streamed "
+                                            "with and without its prediction, under none and --method."),
+    prompts: int = typer.Option(4, "--prompts", help="--workloads: prompts per workload."),
     adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k",
                                     help="The server's K policy (--fixed-k: always draft --k)."),
     backend: str = typer.Option("auto", "--backend", help="What runs the model, one server each, runs "
@@ -52,6 +56,25 @@ def bench_serve(
         check_backends(LoadBenchConfig(**engine))
     except ConfigError as e:
         fail(f"--{e.field.replace('_', '-')}: {e.message}")
+    if workloads is not None:
+        from ..bench.workloads import PREDICTED_WORKLOADS
+
+        names = [x.strip() for x in workloads.split(",") if x.strip()]
+        bad = [x for x in names if x not in PREDICTED_WORKLOADS]
+        if not names or bad:
+            fail(f"--workloads: a comma list of {', '.join(PREDICTED_WORKLOADS)}, got {workloads!r}")
+        if prompts < 1 or rounds < 1:
+            fail("--prompts and --rounds must be >= 1")
+        if len(engine["backends"]) > 1:
+            fail("--backend: --workloads runs one server; give one backend")
+        from ..bench.serve_workloads import run_workloads_bench
+
+        cfg = LoadBenchConfig(draft=draft, method=method, k=k, rounds=rounds, max_tokens=max_tokens,
+                              max_batch=max_batch, timeout_s=timeout, out=out, fixed_k=not adaptive_k,
+                              concurrency=[1], **engine)
+        print_workloads(run_workloads_bench(cfg, names, prompts))
+        err.print(f"wrote {out}")
+        return
     if profile is not None:
         from ..bench.serve_profiles import parse_profiles, run_profiles
 
@@ -140,4 +163,21 @@ def print_profiles(report: dict) -> None:
                   ms(r["e2e_p50_s"]), f(r["tokens_per_s_request"]), f(r["tokens_per_s_total"]),
                   f(r["speedup_vs_off"], 2) + "x" if r["speedup_vs_off"] else "-", f(r["acceptance_rate"], 2),
                   str(r["errors"]))
+    out.print(t)
+
+
+def print_workloads(report: dict) -> None:
+    s = report["settings"]
+    t = Table(title=f"leaplm bench serve --workloads: {report['models']['target']}, backend "
+                    f"{report['server']['backend']}, greedy, streamed, up to {s['max_tokens']} tokens, "
+                    f"{s['rounds']} rounds x {s['prompts']} prompts")
+    for col in ("workload", "config", "decode tok/s", "speedup vs none", "tokens", "prediction acc/rej", "= none",
+                "errors"):
+        t.add_column(col, justify="left" if col in ("workload", "config") else "right")
+    f = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"     # noqa: E731
+    for r in report["table"]:
+        same = "-" if r["identical_to_none"] is None else ("yes" if r["identical_to_none"] else "NO")
+        t.add_row(r["workload"], r["config"], f(r["decode_tokens_per_s"], 1),
+                  f(r["speedup_vs_none"]) + "x" if r["speedup_vs_none"] else "-", f(r["tokens"], 0),
+                  f"{r['accepted_prediction_tokens']}/{r['rejected_prediction_tokens']}", same, str(r["errors"]))
     out.print(t)
