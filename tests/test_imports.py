@@ -29,7 +29,7 @@ LAYERS = [
     ["quant"],
     ["kernels", "cache"],
     ["sampling"],
-    ["devices", "numerics"],
+    ["devices", "numerics", "faults"],   # faults: injected on purpose by the reliability tests
     ["config"],
     ["errors"],                   # the error types config and the rest raise
 ]

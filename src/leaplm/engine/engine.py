@@ -215,6 +215,11 @@ class Engine:
         return getattr(cache, "peak_nbytes", 0) or 0
 
     # --- the step loop: a batch of one through the one step ---------------------------------------------------
+    @property
+    def grammar_vocab_built(self) -> bool:
+        """Whether llguidance's view of the tokenizer exists (grammar_state then no longer reads the tokenizer)."""
+        return self._grammar_vocab is not None
+
     def grammar_state(self, spec: StructuredOutput) -> GrammarState:
         """A fresh grammar state for a request constrained by spec (llguidance's view of the tokenizer is built on
         the first one, about 0.1-1 s, and kept)."""
