@@ -30,7 +30,7 @@ from ..config import ConfigError, ServerConfig
 from .bridge import Job
 from .errors import install_error_handlers
 from .middleware import RequestGuard
-from .planning import NOT_PREPARED, plan_request, prepare_structured
+from .planning import NOT_PREPARED, build_grammar_vocab, plan_request, prepare_structured, wants_structure
 from .protocol import (PLAIN_TEMPLATE_DOC, APIError, ChatCompletionRequest, ChatCompletionResponse,
                        CompletionRequest, CompletionResponse, ErrorResponse, ModelList, error_body)
 from .responses import chat_response, completion_response, guarded_stream, stream_chat, stream_completion
@@ -168,7 +168,9 @@ async def _serve(state: ServerState, body, request: Request, chat: bool):
                        "model", "model_not_found")
     loop = asyncio.get_running_loop()
     structured = NOT_PREPARED
-    if state.engine.grammar_vocab_built:          # compiled beside the tokenizing, not in its queue
+    if wants_structure(body):                     # compiled beside the tokenizing, not in its queue
+        if not state.engine.grammar_vocab_built:  # llguidance's view of the tokenizer reads it: in its pool, once
+            await loop.run_in_executor(state.tokenize_pool, build_grammar_vocab, state)
         structured = await loop.run_in_executor(state.grammar_pool, prepare_structured, state, body)
     job = Job(state, await loop.run_in_executor(state.tokenize_pool, plan_request, state, body, chat, structured))
     job.submit()

@@ -52,6 +52,23 @@ def prepare_structured(state: ServerState, body):
     return structured
 
 
+def wants_structure(body) -> bool:
+    """Whether the request sets a structured-output field (other than response_format text)."""
+    rf = getattr(body, "response_format", None)
+    return any(getattr(body, n, None) is not None for n in ("guided_json", "guided_regex", "guided_choice",
+                                                             "guided_grammar", "structured_outputs")) or \
+        (isinstance(rf, dict) and rf.get("type", "text") != "text")
+
+
+def build_grammar_vocab(state: ServerState) -> None:
+    """llguidance's view of the tokenizer, built in the tokenize pool (it reads the tokenizer); a tokenizer it
+    cannot read is reported by prepare_structured as a 400."""
+    try:
+        state.engine.build_grammar_vocab()
+    except ConfigError:
+        pass
+
+
 def plan_request(state: ServerState, body, chat: bool, structured=NOT_PREPARED) -> Plan:
     """Check what depends on the model (prompt tokens, context, method) and turn the request into its sequences'
     parameters; an APIError (400, naming the field) for what cannot run. Runs in the tokenize pool, off the event
