@@ -15,6 +15,7 @@ import torch
 
 torch.set_num_threads(1)  # the machine is shared with a long training job
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never touch the network (a hub id fails fast)
+os.environ.setdefault("LEAPLM_NO_STARTUP_CACHE", "1")   # each test measures; tests of the cache turn it on
 
 
 def write_tiny_llama(path, vocab: int = 16, layers: int = 4, hidden: int = 32, heads: int = 4, kv_heads: int = 2,

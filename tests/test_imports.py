@@ -29,7 +29,7 @@ LAYERS = [
     ["quant"],
     ["kernels", "cache"],
     ["sampling"],
-    ["devices", "numerics", "faults"],   # faults: injected on purpose by the reliability tests
+    ["devices", "numerics", "startup_cache"],   # startup_cache: what start-ups measure once per machine and file
     ["config"],
     ["errors"],                   # the error types config and the rest raise
 ]

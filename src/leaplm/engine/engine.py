@@ -24,7 +24,7 @@ from ..structured.state import GrammarState, GrammarVocab
 from .kpolicy.estimates import Estimates
 from .commit import token_logprobs  # noqa: F401  (re-exported: its home before the refactor)
 from .request import StreamChunk, TokenLogprob
-from .kpolicy.calibrate import calibrate, check_threads
+from .startup_checks import cached_calibrate, cached_check_threads
 from .step import Batch
 from .stats import GenerationStats
 
@@ -134,9 +134,9 @@ class Engine:
         self._batch: Batch | None = None
         self._batch_busy = False
         # torch's threads against one thread: a warning when other work makes more threads slower (its docstring)
-        self.thread_check = check_threads(self)
+        self.thread_check = cached_check_threads(self)
         if spec.method != "none" and spec.adaptive_k:
-            calibrate(self, max_rows=1, ctx=64, repeats=3)
+            cached_calibrate(self, max_rows=1, ctx=64, repeats=3)
 
     # --- public API ------------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> GenerationOutput:
@@ -206,7 +206,7 @@ class Engine:
         """A request with a prediction speculates under any method, `none` included: the cost calibration an
         engine of method `none` skipped at start-up is made before its first such request."""
         if params.prediction is not None and self.spec.adaptive_k and 1 not in self.estimates.calibrated_rows:
-            calibrate(self, max_rows=1, ctx=64, repeats=3)
+            cached_calibrate(self, max_rows=1, ctx=64, repeats=3)
 
     @property
     def kv_cache_peak_bytes(self) -> int:
@@ -215,18 +215,9 @@ class Engine:
         return getattr(cache, "peak_nbytes", 0) or 0
 
     # --- the step loop: a batch of one through the one step ---------------------------------------------------
-    @property
-    def grammar_vocab_built(self) -> bool:
-        """Whether llguidance's view of the tokenizer exists (grammar_state then no longer reads the tokenizer)."""
-        return self._grammar_vocab is not None
-
     def grammar_state(self, spec: StructuredOutput) -> GrammarState:
         """A fresh grammar state for a request constrained by spec (llguidance's view of the tokenizer is built on
         the first one, about 0.1-1 s, and kept)."""
-        return self.build_grammar_vocab().state(spec)
-
-    def build_grammar_vocab(self) -> GrammarVocab:
-        """llguidance's view of the tokenizer, built once (it reads the tokenizer); ConfigError when it cannot be."""
         with self._factories_lock:
             if self._grammar_vocab is None:
                 try:
@@ -234,7 +225,7 @@ class Engine:
                                                        self.target.eos_token_ids)
                 except ValueError as e:
                     raise ConfigError("structured", str(e)) from None
-        return self._grammar_vocab
+        return self._grammar_vocab.state(spec)
 
     def proposer_factory(self, method: str) -> Callable[[int], Proposer] | None:
         """The proposer factory for `method` (built once, then shared); ConfigError if it cannot run here."""

@@ -1,7 +1,7 @@
 """Build the quantized-linear extension on first use, cache it, and pick its SIMD path by trying it.
 
-The build runs once per source version (torch caches it under TORCH_EXTENSIONS_DIR, by default
-~/.cache/torch_extensions). Without a compiler, or with LEAPLM_NO_EXTENSION=1, `load()` returns None and
+The build runs once per source version, torch version and flags (under TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions); later processes import the built library directly. Without a compiler, or with LEAPLM_NO_EXTENSION=1, `load()` returns None and
 callers use the pure-PyTorch path, saying so in the log.
 
 The SIMD path (AVX-512 VNNI, else AVX2, else scalar) is chosen by running each once in a forked child on small
@@ -21,6 +21,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qlinear.cpp")
+CFLAGS = ["-O3"]
 
 
 PATHS = {0: "scalar", 1: "AVX2", 2: "AVX-512 VNNI"}     # the kernel's `path` argument -> name
@@ -77,16 +78,58 @@ def load() -> Extension | None:
 
 
 def _build() -> Extension:
+    """The compiled module: imported directly when this source was built before (by any process, from any
+    checkout), else built by torch.utils.cpp_extension from a copy of the source kept beside the build, so the
+    build's inputs do not depend on where the package lives."""
     import hashlib
+    import importlib.util
+    import sysconfig
 
+    import torch
+    from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as cpp_load
 
-    tag = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
-    module = cpp_load(name=f"leaplm_qlinear_{tag}", sources=[str(SOURCE)], extra_cflags=["-O3"], verbose=False)
-    path, why = choose_path(module)
+    src = SOURCE.read_bytes()
+    tag = hashlib.sha1(src + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:10]
+    name = f"leaplm_qlinear_{tag}"
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    lib = build_dir / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    done = build_dir / "leaplm-built"            # written after a build completed: the library is whole
+    module = None
+    if done.exists() and lib.exists():
+        try:
+            spec = importlib.util.spec_from_file_location(name, lib)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except (ImportError, OSError) as e:
+            log.info("quantized linear: the built library %s does not load (%s); building it again", lib, e)
+            module = None
+    if module is None:
+        copy = build_dir / SOURCE.name
+        if not copy.exists() or copy.read_bytes() != src:
+            tmp = build_dir / f".{SOURCE.name}.{os.getpid()}"
+            tmp.write_bytes(src)
+            os.replace(tmp, copy)
+        module = cpp_load(name=name, sources=[str(copy)], extra_cflags=CFLAGS, build_directory=str(build_dir),
+                          verbose=False)
+        done.write_text(tag)
+    path, why = cached_path(module, tag)
     if path == 0:
         log.warning("quantized linear: %s", why)
     return Extension(module, path, why)
+
+
+def cached_path(module, tag: str) -> tuple[int, str]:
+    """choose_path's answer, probed once per machine and build (startup_cache.py; --recalibrate probes again)."""
+    from .. import startup_cache
+
+    k = startup_cache.key("simd-path", tag)
+    hit = startup_cache.read_json("simd-path", k)
+    if hit is not None and hit.get("path") in PATHS:
+        return hit["path"], f"{hit['why']} (cached for this CPU)"
+    path, why = choose_path(module)
+    startup_cache.write_json("simd-path", k, {"path": path, "why": why})
+    return path, why
 
 
 def choose_path(module, paths=SIMD_PATHS) -> tuple[int, str]:

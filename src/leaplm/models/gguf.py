@@ -1,20 +1,34 @@
-"""Load a GGUF file (llama.cpp's format) into the native Llama-family model, dequantized at load.
+"""Load a GGUF file (llama.cpp's format): its metadata, tensors and tokenizer.
 
-The file is read with the `gguf` package (the reader llama.cpp maintains). Its metadata is mapped onto a
-Hugging Face config, and its tensors onto Hugging Face parameter names, by transformers' own GGUF integration
-(`load_gguf_checkpoint`, which also undoes llama.cpp's q/k row permutation); the tokenizer, its special tokens
-and chat template come from transformers' GGUF tokenizer converter. So a GGUF file loads as the Hugging Face
-checkpoint it was converted from would, and greedy output equals `from_pretrained(dir, gguf_file=...)`.
+The file is memory-mapped and its header parsed here (parse_gguf: the metadata, including the tokenizer's
+vocabulary and merges, in well under a second where the `gguf` package's reader takes seconds); tensor data are
+views of the mapping, read only when used. Two ways to load its weights:
 
-Everything is checked before the (slow) dequantization: the magic, the architecture and every tensor's type,
+  as stored     Q8_0 / Q4_0 / Q4_1 blocks go to leaplm's int8 kernel unchanged (models/gguf_kernel.py): no
+                full-precision copy of a matrix is ever made.
+  dequantized   everything else (a float compute dtype, K-quants, --quantization int8/int4): metadata are mapped
+                onto a Hugging Face config and tensors onto Hugging Face parameter names by transformers' own GGUF
+                integration (`load_gguf_checkpoint`, which also undoes llama.cpp's q/k row permutation), so the
+                file loads as the checkpoint it was converted from would, and greedy output equals
+                `from_pretrained(dir, gguf_file=...)`.
+
+The tokenizer, its special tokens and chat template come from transformers' GGUF tokenizer converter, built once
+per file and kept in the start-up cache (startup_cache.py) with the Hugging Face config: a second load reads
+neither the metadata arrays nor transformers' GGUF code.
+
+Everything is checked before any weight is read: the magic, the architecture and every tensor's type and extent,
 each refused with one line naming the file and the GGUF field.
 """
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass
+import mmap
+import struct
+from dataclasses import dataclass, field as dc_field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..config import ConfigError
@@ -27,6 +41,195 @@ ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3"
 # tensor types gguf.quants.dequantize handles and we test or trust (block quants and K-quants)
 TENSOR_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types: id -> struct format of a scalar (8: string, 9: array)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
+       10: np.uint64, 11: np.int64, 12: np.float64}
+# bytes fully dequantized from GGUF files by this process (read_gguf_checkpoint, dequantize_tensor): what the
+# kernel path keeps at 0
+DEQUANTIZED_BYTES = [0]
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor's entry in the file's header."""
+    name: str
+    type_name: str                  # GGML type, e.g. 'Q4_1'
+    dims: tuple[int, ...]           # as the file lists them: the fastest-varying first ([K, N] for a matrix)
+    offset: int                     # of its data from the start of the file
+    n_bytes: int
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.dims:
+            n *= d
+        return n
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Row-major shape (torch's order): [N, K] for a matrix."""
+        return tuple(reversed(self.dims))
+
+
+@dataclass
+class GGUFFile:
+    """A parsed GGUF file: metadata, tensor entries, and the read-only mapping their data are views of."""
+    path: Path
+    fields: dict[str, object]       # key -> int | float | bool | str | list (string arrays) | np.ndarray
+    tensors: dict[str, GGUFTensor]
+    data: mmap.mmap | None = dc_field(default=None, repr=False)
+
+    def raw(self, name: str) -> np.ndarray:
+        """A tensor's bytes as a view of the mapping: quantized types [N, bytes per row] uint8, float types in
+        their dtype with the tensor's row-major shape. No copy; pages are read when touched."""
+        t = self.tensors[name]
+        if t.type_name in ("F32", "F16"):
+            dt = np.float32 if t.type_name == "F32" else np.float16
+            return np.frombuffer(self.data, dt, t.n_elements, t.offset).reshape(t.shape)
+        a = np.frombuffer(self.data, np.uint8, t.n_bytes, t.offset)
+        rows = t.n_elements // t.dims[0] if t.dims else 1
+        return a.reshape(rows, -1)
+
+    def release(self, name: str) -> None:
+        """Drop a tensor's pages from this process's resident memory once its data have been copied out (they
+        stay in the page cache): the mapping's resident size does not add up to the whole file while loading."""
+        if self.data is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        t = self.tensors[name]
+        page = mmap.PAGESIZE
+        start = t.offset // page * page
+        try:
+            self.data.madvise(mmap.MADV_DONTNEED, start, t.offset + t.n_bytes - start)
+        except (OSError, ValueError):
+            pass
+
+
+_opened: dict[tuple, GGUFFile] = {}
+
+
+def parse_gguf(path: str | Path, field: str = "model") -> GGUFFile:
+    """Map and parse a GGUF file (v2 or v3, little-endian), once per process per file version. ConfigError naming
+    the file on anything malformed or truncated."""
+    p = Path(path)
+    st = p.stat()
+    k = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    if k in _opened:
+        return _opened[k]
+    try:
+        with open(p, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as e:
+        raise ConfigError(field, f"{p}: unreadable GGUF file ({type(e).__name__}: {e})") from None
+    try:
+        g = _parse(p, mm)
+    except (struct.error, IndexError, ValueError, UnicodeDecodeError, OverflowError) as e:
+        mm.close()
+        raise ConfigError(field, f"{p}: unreadable GGUF file, truncated or corrupt "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    _opened.clear()                  # one file at a time is the common case; keep the mapping count small
+    _opened[k] = g
+    return g
+
+
+def _parse(p: Path, mm: mmap.mmap) -> GGUFFile:
+    size = len(mm)
+    if mm[:4] != GGUF_MAGIC:
+        raise ValueError(f"starts with {bytes(mm[:4])!r}, not {GGUF_MAGIC!r}")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (2 and 3 are read)")
+    off = 24
+    unpack = struct.unpack_from
+
+    def string(o: int) -> tuple[str, int]:
+        (n,) = unpack("<Q", mm, o)
+        if o + 8 + n > size:
+            raise ValueError("a string runs past the end of the file")
+        return mm[o + 8: o + 8 + n].decode("utf-8", errors="replace"), o + 8 + n
+
+    def value(vt: int, o: int) -> tuple[object, int]:
+        if vt in _SCALARS:
+            fmt = "<" + _SCALARS[vt]
+            return unpack(fmt, mm, o)[0], o + struct.calcsize(fmt)
+        if vt == 8:
+            return string(o)
+        if vt == 9:
+            et, n = unpack("<IQ", mm, o)
+            o += 12
+            if et in _NP:
+                dt = np.dtype(_NP[et])
+                if o + n * dt.itemsize > size:
+                    raise ValueError("an array runs past the end of the file")
+                return np.frombuffer(mm, dt, n, o).copy(), o + n * dt.itemsize
+            if et == 8:
+                out = []
+                append = out.append
+                for _ in range(n):
+                    (m,) = unpack("<Q", mm, o)
+                    append(mm[o + 8: o + 8 + m].decode("utf-8", errors="replace"))
+                    o += 8 + m
+                if o > size:
+                    raise ValueError("a string array runs past the end of the file")
+                return out, o
+            items = []
+            for _ in range(n):
+                v, o = value(et, o)
+                items.append(v)
+            return items, o
+        raise ValueError(f"unknown metadata value type {vt}")
+
+    fields: dict[str, object] = {}
+    for _ in range(n_kv):
+        key, off = string(off)
+        (vt,) = unpack("<I", mm, off)
+        fields[key], off = value(vt, off + 4)
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    entries = []
+    for _ in range(n_tensors):
+        name, off = string(off)
+        (nd,) = unpack("<I", mm, off)
+        if nd > 8:
+            raise ValueError(f"tensor {name!r} has {nd} dimensions")
+        dims = unpack(f"<{nd}Q", mm, off + 4)
+        tt, t_off = unpack("<IQ", mm, off + 4 + 8 * nd)
+        off += 4 + 8 * nd + 12
+        try:
+            qt = GGMLQuantizationType(tt)
+        except ValueError:
+            raise ValueError(f"tensor {name!r} has unknown type id {tt}") from None
+        block, type_size = GGML_QUANT_SIZES[qt]
+        n = 1
+        for d in dims:
+            n *= d
+        if dims and dims[0] % block:
+            raise ValueError(f"tensor {name!r}: rows of {dims[0]} are not whole blocks of {block}")
+        entries.append((name, qt.name, tuple(int(d) for d in dims), t_off, n // block * type_size))
+    align = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"general.alignment {align} is not a power of two")
+    start = -(-off // align) * align
+    tensors = {}
+    for name, tn, dims, t_off, nb in entries:
+        if start + t_off + nb > size:
+            raise ValueError(f"tensor {name!r} runs past the end of the file (truncated)")
+        tensors[name] = GGUFTensor(name, tn, dims, start + t_off, nb)
+    return GGUFFile(p, fields, tensors, mm)
+
+
+def dequantize_tensor(g: GGUFFile, name: str) -> torch.Tensor:
+    """A tensor as fp32 (gguf.quants.dequantize), counted in DEQUANTIZED_BYTES."""
+    from gguf.quants import dequantize
+    from gguf.constants import GGMLQuantizationType
+
+    t = g.tensors[name]
+    a = dequantize(g.raw(name), GGMLQuantizationType[t.type_name])
+    out = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).reshape(t.shape)
+    DEQUANTIZED_BYTES[0] += out.numel() * 4
+    return out
 
 
 def is_gguf(name: str) -> bool:
@@ -48,13 +251,7 @@ class GGUFInfo:
     tensor_types: dict[str, str]        # tensor name -> GGML type name
     add_bos_token: bool | None          # tokenizer.ggml.add_bos_token, None when absent
     n_elements: int = 0                 # weights in all tensors (what a dequantized copy holds)
-
-
-def _field(reader, key: str):
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    return f.contents()
+    n_bytes: int = 0                    # bytes of all tensors as stored
 
 
 def inspect_gguf(name: str, field: str = "model", check_types: bool = True) -> GGUFInfo:
@@ -70,29 +267,25 @@ def inspect_gguf(name: str, field: str = "model", check_types: bool = True) -> G
     if magic != GGUF_MAGIC:
         raise ConfigError(field, f"{name}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401  (its type table sizes the tensors)
     except ImportError:
         raise ConfigError(field, f"{name}: reading GGUF files needs the 'gguf' package (pip install gguf)") from None
-    try:
-        reader = GGUFReader(str(p))
-    except Exception as e:   # truncated or corrupt: numpy memmap / struct errors of many kinds
-        raise ConfigError(field, f"{name}: unreadable GGUF file, truncated or corrupt "
-                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    arch = _field(reader, "general.architecture")
+    g = parse_gguf(p, field)
+    arch = g.fields.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(field, f"{name}: general.architecture {arch!r} is not supported "
                                  f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    types = {t.name: t.type_name for t in g.tensors.values()}
     bad = {n: t for n, t in types.items() if t not in TENSOR_TYPES} if check_types else {}
     if bad:
         n, t = next(iter(bad.items()))
         raise ConfigError(field, f"{name}: tensor {n!r} has type {t}, which leaplm cannot dequantize "
                                  f"(supported: {', '.join(sorted(TENSOR_TYPES))}; {len(bad)} tensors affected)")
-    if "tokenizer.ggml.tokens" not in reader.fields:
+    if "tokenizer.ggml.tokens" not in g.fields:
         raise ConfigError(field, f"{name}: the file has no tokenizer (tokenizer.ggml.tokens is missing)")
-    add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
+    add_bos = g.fields.get("tokenizer.ggml.add_bos_token")
     return GGUFInfo(p, arch, types, None if add_bos is None else bool(add_bos),
-                    sum(int(t.n_elements) for t in reader.tensors))
+                    sum(t.n_elements for t in g.tensors.values()), sum(t.n_bytes for t in g.tensors.values()))
 
 
 def file_dtype(info: GGUFInfo) -> str:
@@ -114,31 +307,89 @@ def read_gguf_checkpoint(info: GGUFInfo, dtype: torch.dtype, field: str = "model
         with torch.device("meta"):                  # only its parameter names are needed, for the name map
             skeleton = AutoModelForCausalLM.from_config(hf_cfg)
         sd = load_gguf_checkpoint(name, return_tensors=True, model_to_load=skeleton, torch_dtype=dtype)["tensors"]
+        DEQUANTIZED_BYTES[0] += sum(t.numel() * t.element_size() for t in sd.values())
     except (ValueError, KeyError) as e:
         raise ConfigError(field, f"{name}: cannot map the GGUF file onto a {info.architecture} model "
                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     return hf_cfg.to_dict(), sd
 
 
+def _transformers_version() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")
+
+
+def cache_key(info: GGUFInfo) -> str:
+    """The start-up cache key of what transformers builds from this file's metadata (config, tokenizer)."""
+    from ..startup_cache import file_identity, key
+
+    return key("gguf-metadata", file_identity(info.path), _transformers_version())
+
+
 def read_gguf_config(info: GGUFInfo, field: str = "model") -> dict:
-    """The Hugging Face config dict of a checked GGUF file, from its metadata alone (no tensor is read)."""
+    """The Hugging Face config dict of a checked GGUF file, from its metadata alone (no tensor is read); built by
+    transformers once per file and then read from the start-up cache."""
+    from .. import startup_cache
+
+    k = cache_key(info)
+    hit = startup_cache.read_json("gguf-config", k)
+    if hit is not None and isinstance(hit.get("config"), dict):
+        return hit["config"]
     from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
-        return AutoConfig.for_model(**load_gguf_checkpoint(str(info.path), return_tensors=False)["config"]).to_dict()
+        cfg = AutoConfig.for_model(**load_gguf_checkpoint(str(info.path), return_tensors=False)["config"]).to_dict()
     except (ValueError, KeyError) as e:
         raise ConfigError(field, f"{info.path}: cannot map the GGUF metadata onto a {info.architecture} config "
                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    try:
+        cfg = json.loads(json.dumps(cfg))     # as the cache will return it (JSON keys are strings)
+    except (TypeError, ValueError):           # a value JSON cannot hold: keep it for this process only
+        return cfg
+    startup_cache.write_json("gguf-config", k, {"config": cfg})
+    return cfg
+
+
+_tokenizers: dict[str, object] = {}
 
 
 def load_gguf_tokenizer(info: GGUFInfo, field: str = "model"):
     """A transformers fast tokenizer built from the file's metadata (vocabulary, merges, special tokens,
-    chat template, add_bos_token)."""
+    chat template, add_bos_token): converted by transformers once per file and saved in the start-up cache, then
+    loaded from there (the same tokenizer: tests/models/test_gguf_fast.py checks it)."""
+    from .. import startup_cache
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(str(info.path.parent), gguf_file=info.path.name)
-    except (ValueError, KeyError, OSError) as e:
-        raise ConfigError(field, f"{info.path}: cannot build a tokenizer from tokenizer.ggml.* "
-                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    k = cache_key(info)
+    if k in _tokenizers:
+        return _tokenizers[k]
+    d = startup_cache.entry_dir("gguf-tokenizer", k)
+    tok = None
+    if (d / "done").exists() and not startup_cache.recalibrating() and not startup_cache.disabled():
+        try:
+            tok = AutoTokenizer.from_pretrained(str(d))
+        except (ValueError, KeyError, OSError) as e:
+            log.info("start-up cache: tokenizer at %s unreadable (%s); converting the file's again", d, e)
+    if tok is None:
+        try:
+            tok = AutoTokenizer.from_pretrained(str(info.path.parent), gguf_file=info.path.name)
+        except (ValueError, KeyError, OSError) as e:
+            raise ConfigError(field, f"{info.path}: cannot build a tokenizer from tokenizer.ggml.* "
+                                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        if not startup_cache.disabled():
+            try:
+                import shutil
+                import tempfile
+
+                d.parent.mkdir(parents=True, exist_ok=True)
+                tmp = Path(tempfile.mkdtemp(dir=d.parent, prefix=".tok"))
+                tok.save_pretrained(str(tmp))
+                (tmp / "done").write_text("")
+                shutil.rmtree(d, ignore_errors=True)
+                tmp.rename(d)
+            except OSError as e:
+                log.info("start-up cache: cannot keep the tokenizer in %s (%s)", d, e)
+    _tokenizers[k] = tok
+    return tok

@@ -228,20 +228,26 @@ class LlamaForCausalLM(nn.Module):
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cis", self.rope_table(a), persistent=False)   # [P, D/2] complex64
-        self.register_buffer("positions", torch.arange(a.max_position_embeddings), persistent=False)   # [P]
+        self.register_buffer("positions", torch.arange(a.max_position_embeddings, device=self.rope_cis.device),
+                             persistent=False)   # [P]
         self._fast: list[LayerWeights] | None = None
         self._fused = False                  # quant/fused.py's C++ layer loop, None when it does not apply
         self._norms: tuple[FastRMSNorm, FastRMSNorm] | None = None   # (over hidden, over head_dim)
         # parameter name -> a callable standing in for F.linear with that weight (quant/apply.py fills it)
         self.quantized: dict[str, object] = {}
         self.cache_dtype: torch.dtype | None = None   # --kv-cache-dtype; None: the weights' dtype
+        # the token embedding kept in a GGUF file's blocks (quant/formats.QuantizedWeight [V, hid]; models/
+        # gguf_kernel.py): a forward dequantizes the rows it looks up; None: embed_tokens.weight holds it
+        self.embed_quantized = None
 
     @staticmethod
     def rope_table(a: LlamaArgs, device=None) -> torch.Tensor:
-        inv, scale = rope_inv_freq(a)
-        t = torch.arange(a.max_position_embeddings, dtype=torch.float32)
-        # |cis| = the rope type's cos/sin scale (yarn), applied to q and k alike as transformers does
-        return torch.polar(torch.full((len(t), len(inv)), scale), torch.outer(t, inv)).to(device)   # [P, D/2]
+        with torch.device("cpu"):       # computed on the CPU whatever the default device (meta_model: meta)
+            inv, scale = rope_inv_freq(a)
+            t = torch.arange(a.max_position_embeddings, dtype=torch.float32)
+            # |cis| = the rope type's cos/sin scale (yarn), applied to q and k alike as transformers does
+            cis = torch.polar(torch.full((len(t), len(inv)), scale), torch.outer(t, inv))   # [P, D/2]
+        return cis if device is None else cis.to(device)
 
     def _apply(self, fn, *args, **kwargs):
         self._fast = self._norms = None    # .to() / .half() replace the tensors we hold references to
@@ -264,6 +270,23 @@ class LlamaForCausalLM(nn.Module):
                 qw(f"layers.{i}.mlp.down_proj.weight", b.mlp.down_proj.weight),
                 b.self_attn.o_proj.bias, b.mlp.gate_up.bias, b.mlp.down_proj.bias) for i, b in enumerate(self.layers)]
         return self._fast
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] -> their embeddings [B, T, hid]."""
+        if self.embed_quantized is None:
+            return F.embedding(input_ids, self.embed_tokens.weight)
+        from ..quant.formats import dequantize
+
+        rows = dequantize(self.embed_quantized.rows(input_ids.reshape(-1)))      # [B * T, hid] fp32
+        return rows.view(*input_ids.shape, rows.shape[-1])
+
+    def embed_weight(self) -> torch.Tensor:
+        """[V, hid] fp32: the token embedding (dequantized when it is held in a file's blocks)."""
+        if self.embed_quantized is None:
+            return self.embed_tokens.weight.detach().float()
+        from ..quant.formats import dequantize
+
+        return dequantize(self.embed_quantized)
 
     def fused_layers(self):
         """The C++ layer loop over the quantized weights (quant/fused.py), or None."""
@@ -348,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
             self._norms = (FastRMSNorm(hid, eps, self.device), FastRMSNorm(D, eps, self.device))
         norm, head_norm = self._norms
         inter = a.intermediate_size
-        x = F.embedding(input_ids, self.embed_tokens.weight)      # [B, T, hid]
+        x = self.embed(input_ids)                                  # [B, T, hid]
         fused = self.fused_layers() if len(masks) == 1 and cache.dtype == torch.float32 else None
         run = range(len(fast)) if layers is None else layers
         if fused is not None:
@@ -402,6 +425,19 @@ class LlamaForCausalLM(nn.Module):
             key_pos = torch.where(rel < 0, j.view(1, 1, -1), L + offs[rel.clamp(0, T - 1)])   # [B, 1, S]
             m = m & (pos.view(B, T, 1) - key_pos < sw)
         return m.unsqueeze(1)
+
+
+def meta_model(a: LlamaArgs) -> "LlamaForCausalLM":
+    """The module with every parameter on the meta device, for a loader to assign real tensors to. Parameter
+    initialisation is skipped: on meta it computes nothing, yet nn.Embedding's normal_ there imports torch's
+    compiler stack (seconds of start-up)."""
+    saved = nn.Embedding.reset_parameters, nn.Linear.reset_parameters
+    nn.Embedding.reset_parameters = nn.Linear.reset_parameters = lambda self: None
+    try:
+        with torch.device("meta"):
+            return LlamaForCausalLM(a)
+    finally:
+        nn.Embedding.reset_parameters, nn.Linear.reset_parameters = saved
 
 
 def args_from_hf_config(cfg: dict) -> LlamaArgs:

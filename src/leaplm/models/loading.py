@@ -128,11 +128,10 @@ def load_tokenizer(path: Path):
 def build_native(cfg: dict, hf_state_dict: dict[str, torch.Tensor], device: str, td: torch.dtype,
                  cache_td: torch.dtype | None = None):
     """The native Llama-family model from a Hugging Face config dict and state dict (Hugging Face names)."""
-    from .llama import LlamaForCausalLM, args_from_hf_config, fuse_hf_state_dict
+    from .llama import LlamaForCausalLM, args_from_hf_config, fuse_hf_state_dict, meta_model
 
     args = args_from_hf_config(cfg)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(args)
+    model = meta_model(args)
     sd = fuse_hf_state_dict(hf_state_dict, args)
     model = model.to_empty(device=device)
     model.load_state_dict({k: v.to(device=device, dtype=td) for k, v in sd.items()}, strict=True, assign=True)
@@ -155,6 +154,12 @@ def load_gguf_model(name: str, device: str, dtype: str, field: str = "model",
     info = inspect_gguf(name, field)
     dtype = resolve_dtype(dtype, file_dtype(info), name)
     cache_td = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+    if quantization == "gguf" and dtype == "float32" and str(device) == "cpu":
+        from .gguf_kernel import load_gguf_kernel
+
+        loaded = load_gguf_kernel(info, name, field, cache_td)    # the file's blocks, never dequantized
+        if loaded is not None:
+            return loaded
     tok = load_gguf_tokenizer(info, field)
     td = DTYPES[dtype]
     cfg, sd = read_gguf_checkpoint(info, td, field)

@@ -46,7 +46,9 @@ def pack(w: QuantizedWeight) -> PackedWeight:
     q = F.pad(w.q.view(torch.uint8), (0, 0, 0, pad))                   # [N8, K | K / 2]
     chunks = BLOCK // 4 if w.fmt == "int8" else BLOCK // 8             # 4-byte chunks per block (int4: 2 weights a byte)
     # [N8, G * chunks * 4] -> [NG, 8 rows, G, chunks, 4] -> [NG, G, chunks, 8 rows, 4]
-    q = q.reshape(NG, GROUP, G, chunks, 4).permute(0, 2, 3, 1, 4).contiguous().reshape(NG, G, chunks * GROUP * 4)
+    # moved as 4-byte words (the same bytes; a quarter of the elements for the strided copy)
+    q = (q.contiguous().view(torch.int32).reshape(NG, GROUP, G, chunks).permute(0, 2, 3, 1).contiguous()
+         .view(torch.uint8).reshape(NG, G, chunks * GROUP * 4))
     lay = lambda t: F.pad(t, (0, 0, 0, pad)).reshape(NG, GROUP, G).transpose(1, 2).contiguous()   # [NG, G, 8]
     return PackedWeight(q, lay(w.scale.float()), None if w.minv is None else lay(w.minv.float()), N)
 

@@ -1,0 +1,164 @@
+"""A GGUF file's Q8_0 / Q4_0 / Q4_1 blocks straight into leaplm's int8 kernel (`--quantization gguf`, the default
+for such files): no full-precision copy of any matrix is made.
+
+Each decoder matrix and the output projection is read as the file stores it (a view of the mapped file), handed
+to the kernel's packing (quant/formats.from_gguf_blocks, then QuantizedLinear), and the file's pages are dropped
+from the process's resident memory once packed. Norms and biases are the file's own F32 vectors. The token
+embedding stays in its blocks too: a forward dequantizes the T rows it looks up (exactly the values a
+dequantized copy would hold: a block's integer times its fp16 scale, plus its fp16 minimum, rounds once in fp32
+either way).
+
+Row order: llama.cpp's converter stores llama/mistral q and k rows with each rotated pair interleaved, which is
+the native model's own layout (llama.interleave_rope_rows), so those rows are taken as they are; qwen2/qwen3 files
+keep Hugging Face's rotate-half order (llama.cpp runs them with NEOX rope) and their rows are reordered here, an
+exact permutation of whole rows.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from .base import LoadedModel
+from .gguf import GGUFFile, GGUFInfo, dequantize_tensor, parse_gguf, read_gguf_config
+from .llama import LlamaForCausalLM, args_from_hf_config, meta_model, native_blockers
+
+log = logging.getLogger(__name__)
+
+KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1")      # the block types the int8 kernel computes on as stored
+PAIRED_ROPE = ("llama", "mistral")           # architectures whose files store q/k rows in the native layout
+
+
+def kernel_blockers(g: GGUFFile, cfg: dict) -> list[str]:
+    """Why this file cannot load straight into the kernel (empty: it can): a matrix of another type, a missing
+    tensor, or a config field the native model does not implement."""
+    out = list(native_blockers(cfg))
+    n = cfg["num_hidden_layers"]
+    need = [f"blk.{i}.{m}.weight" for i in range(n)
+            for m in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    need.append("output.weight" if "output.weight" in g.tensors else "token_embd.weight")
+    for name in need:
+        t = g.tensors.get(name)
+        if t is None:
+            out.append(f"tensor {name} is missing")
+        elif t.type_name not in KERNEL_TYPES:
+            out.append(f"tensor {name} is {t.type_name} (the kernel takes {', '.join(KERNEL_TYPES)})")
+        if out:
+            break
+    if "token_embd.weight" not in g.tensors:
+        out.append("tensor token_embd.weight is missing")
+    return out
+
+
+def _vector(g: GGUFFile, name: str) -> torch.Tensor:
+    """A 1-D tensor (norm weight, bias) as fp32, copied out of the mapping (they are small)."""
+    t = g.tensors[name]
+    if t.type_name in ("F32", "F16"):
+        return torch.from_numpy(np.array(g.raw(name), dtype=np.float32)).reshape(t.shape)
+    return dequantize_tensor(g, name)
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
+                     cache_dtype: torch.dtype = torch.float32) -> LoadedModel | None:
+    """The file on the int8 kernel from its own blocks, or None (logged) when kernel_blockers says it cannot."""
+    from ..quant.formats import cat_rows, from_gguf_blocks
+    from ..quant.linear import QuantizedLinear
+    from .gguf import load_gguf_tokenizer
+    from .llama import interleave_rope_rows
+    from .tokens import bos_to_add
+
+    g = parse_gguf(info.path, field)
+    cfg = read_gguf_config(info, field)
+    why = kernel_blockers(g, cfg)
+    if why:
+        log.info("%s: loaded dequantized, not from its blocks (%s)", info.path, why[0])
+        return None
+    a = args_from_hf_config(cfg)
+    H, Hkv, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    reorder = info.architecture not in PAIRED_ROPE
+
+    def perm(n_heads: int) -> torch.Tensor:
+        return interleave_rope_rows(torch.arange(n_heads * D), n_heads, D)
+
+    def blocks(name: str, rows: torch.Tensor | None = None):
+        t = g.tensors[name]
+        K, N = t.dims[0], t.n_elements // t.dims[0]
+        qw = from_gguf_blocks(g.raw(name), t.type_name, (N, K))
+        g.release(name)
+        return qw if rows is None else qw.rows(rows)
+
+    model = meta_model(a)
+    empty = lambda: _param(torch.empty(0, dtype=torch.float32))   # noqa: E731  (a weight the kernel holds)
+    q = model.quantized
+    for i, blk in enumerate(model.layers):
+        b = f"blk.{i}."
+        blk.input_layernorm.weight = _param(_vector(g, b + "attn_norm.weight"))
+        blk.post_attention_layernorm.weight = _param(_vector(g, b + "ffn_norm.weight"))
+        at = blk.self_attn
+        parts = [blocks(b + "attn_q.weight", perm(H) if reorder else None),
+                 blocks(b + "attn_k.weight", perm(Hkv) if reorder else None), blocks(b + "attn_v.weight")]
+        if len({p.fmt for p in parts}) != 1:
+            return _refuse(info, f"{b}attn_q/k/v mix block types")
+        q[f"layers.{i}.self_attn.qkv.weight"] = QuantizedLinear(cat_rows(parts))
+        q[f"layers.{i}.self_attn.o_proj.weight"] = QuantizedLinear(blocks(b + "attn_output.weight"))
+        parts = [blocks(b + "ffn_gate.weight"), blocks(b + "ffn_up.weight")]
+        if parts[0].fmt != parts[1].fmt:
+            return _refuse(info, f"{b}ffn_gate/up mix block types")
+        q[f"layers.{i}.mlp.gate_up.weight"] = QuantizedLinear(cat_rows(parts))
+        q[f"layers.{i}.mlp.down_proj.weight"] = QuantizedLinear(blocks(b + "ffn_down.weight"))
+        for mod in (at.qkv, at.o_proj, blk.mlp.gate_up, blk.mlp.down_proj):
+            mod.weight = empty()
+        if a.attention_bias:
+            qb, kb, vb = (_vector(g, f"{b}attn_{n}.bias") for n in "qkv")
+            if reorder:
+                qb, kb = interleave_rope_rows(qb, H, D), interleave_rope_rows(kb, Hkv, D)
+            at.qkv.bias = _param(torch.cat([qb, kb, vb]))
+        if a.o_bias:
+            at.o_proj.bias = _param(_vector(g, b + "attn_output.bias"))
+        if a.mlp_bias:
+            blk.mlp.gate_up.bias = _param(torch.cat([_vector(g, b + "ffn_gate.bias"), _vector(g, b + "ffn_up.bias")]))
+            blk.mlp.down_proj.bias = _param(_vector(g, b + "ffn_down.bias"))
+        if a.qk_norm:
+            qn, kn = _vector(g, b + "attn_q_norm.weight"), _vector(g, b + "attn_k_norm.weight")
+            at.q_norm.weight = _param(interleave_rope_rows(qn, 1, D) if reorder else qn)
+            at.k_norm.weight = _param(interleave_rope_rows(kn, 1, D) if reorder else kn)
+    model.norm.weight = _param(_vector(g, "output_norm.weight"))
+    head_name = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+    head = blocks(head_name)
+    q["lm_head.weight"] = QuantizedLinear(head)
+    et = g.tensors["token_embd.weight"]
+    if et.type_name in KERNEL_TYPES:                 # looked up row by row from its blocks (LlamaForCausalLM.embed)
+        model.embed_quantized = head if head_name == "token_embd.weight" else blocks("token_embd.weight")
+        model.embed_tokens.weight = empty()
+    else:
+        model.embed_tokens.weight = _param(dequantize_tensor(g, "token_embd.weight"))
+    model.lm_head.weight = model.embed_tokens.weight if a.tie_word_embeddings else empty()
+    model.rope_cis = LlamaForCausalLM.rope_table(a, "cpu")
+    model.positions = torch.arange(a.max_position_embeddings)
+    model._fast = None
+    model.cache_dtype = cache_dtype
+    model.eval()
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        return _refuse(info, f"no tensor in the file for {left[0]}")
+    tok = load_gguf_tokenizer(info, field)
+    eos = cfg.get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not eos_ids and tok.eos_token_id is not None:
+        eos_ids = [tok.eos_token_id]
+    n_params = sum(t.n_elements for t in g.tensors.values() if t.name != "rope_freqs.weight")
+    log.info("loaded %s (GGUF %s, %.1fM parameters, %s blocks as stored on the int8 kernel)", info.path,
+             info.architecture, n_params / 1e6, "/".join(sorted({t.type_name for t in g.tensors.values()
+                                                                  if t.type_name in KERNEL_TYPES})))
+    return LoadedModel(model, tok, str(info.path), name, cfg, eos_ids, n_params, bos_to_add(tok))
+
+
+def _refuse(info: GGUFInfo, why: str) -> None:
+    log.info("%s: loaded dequantized, not from its blocks (%s)", info.path, why)
+    return None
