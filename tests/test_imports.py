@@ -29,7 +29,8 @@ LAYERS = [
     ["quant"],
     ["kernels", "cache"],
     ["sampling"],
-    ["devices", "numerics", "startup_cache"],   # startup_cache: what start-ups measure once per machine and file
+    ["devices", "numerics", "faults", "startup_cache"],   # faults: injected on purpose by the reliability tests;
+                                  # startup_cache: what start-ups measure once per machine and model file
     ["config"],
     ["errors"],                   # the error types config and the rest raise
 ]

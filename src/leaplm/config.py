@@ -74,6 +74,8 @@ class StructuredOutput:
         name = f"structured.{kind}"
         try:
             grammar = self._grammar(kind, name)
+        except RecursionError:
+            raise ConfigError(name, "nested too deeply to compile") from None
         except ValueError as e:
             if isinstance(e, ConfigError):
                 raise

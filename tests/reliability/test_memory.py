@@ -50,3 +50,29 @@ def test_metrics_tell_the_memory_held_and_reserved(tiny_pair):
         assert srv.metric("leaplm_kv_cache_reserved_tokens") == 0
     finally:
         srv.stop()
+
+
+def test_request_that_would_grow_the_cache_past_available_memory_is_503(tiny_pair, monkeypatch):
+    """The torch cache grows with its rows: a request whose sequence would make it grow past 90% of the memory
+    available is refused (503 insufficient_memory naming max_tokens, with Retry-After) instead of an OOM kill;
+    one that fits the storage the cache has now still runs."""
+    import leaplm.server.admission as admission
+
+    srv = InProcessServer(*tiny_pair, max_batch=2, max_queue=2)
+    try:
+        srv.wait_ready()
+        cache = srv.state.scheduler.cache
+        now = admission.cache_bytes(cache)
+        monkeypatch.setattr(admission, "mem_available", lambda: now)       # room for this much more, no further
+        body = {"model": MODEL, "prompt": "the quick brown fox", "temperature": 0}
+        r = httpx.post(srv.url + "/v1/completions", headers=HEADERS, timeout=60,
+                       json={**body, "max_tokens": cache.max_len - 16})
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "insufficient_memory" and err["param"] == "max_tokens" and "MiB" in err["message"]
+        assert int(r.headers["Retry-After"]) >= 1
+        ok = httpx.post(srv.url + "/v1/completions", headers=HEADERS, timeout=60, json={**body, "max_tokens": 8})
+        assert ok.status_code == 200, ok.text
+        assert srv.metric("leaplm_kv_cache_reserved_tokens") == 0
+    finally:
+        srv.stop()

@@ -70,3 +70,53 @@ def test_fuzz_server_still_healthy(fuzz_server):
     assert httpx.get(fuzz_server.url + "/health", timeout=10).status_code == 200
     assert fuzz_server.metric("leaplm_requests_total", 'endpoint="/v1/completions",status="500"') == 0
     assert fuzz_server.metric("leaplm_requests_total", 'endpoint="/v1/chat/completions",status="500"') == 0
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    leaves = st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=8)
+    return st.recursive(leaves, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(
+        st.sampled_from(["type", "enum", "properties", "items", "required", "$ref", "anyOf", "pattern", "minLength",
+                         "const", "x"]), kids, max_size=3), max_leaves=12)
+
+
+def test_structured_and_prediction_fields_never_5xx(fuzz_server, figures):
+    """The fields that reach a compiler or an aligner, fuzzed with hypothesis beyond what the OpenAPI schema
+    describes (free text as regexes and grammars, arbitrary JSON as schemas, text as predictions): 0 5xx."""
+    import httpx
+    from hypothesis import strategies as st
+
+    fields = st.one_of(
+        st.builds(lambda t: {"guided_regex": t}, st.text(max_size=40)),
+        st.builds(lambda t: {"guided_grammar": t}, st.text(max_size=40) | st.builds(lambda t: "start: " + t,
+                                                                                     st.text(max_size=40))),
+        st.builds(lambda c: {"guided_choice": c}, st.lists(st.text(max_size=6), max_size=5)),
+        st.builds(lambda j: {"guided_json": j}, _json_values()),
+        st.builds(lambda j: {"structured_outputs": j}, st.dictionaries(
+            st.sampled_from(["json", "regex", "choice", "grammar", "json_object"]), _json_values(), max_size=2)),
+        st.builds(lambda j: {"response_format": j}, _json_values()),
+        st.builds(lambda t: {"prediction": {"type": "content", "content": t}}, st.text(max_size=200)),
+        st.builds(lambda j: {"prediction": j}, _json_values()),
+    )
+    statuses: dict[int, int] = {}
+
+    @given(extra=fields, chat=st.booleans())
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+              database=None)
+    def fuzz(extra, chat):
+        body = {"model": MODEL, "max_tokens": 4, **extra}
+        if chat:
+            body["messages"] = [{"role": "user", "content": "hi"}]
+        else:
+            body["prompt"] = "the quick"
+            body.pop("response_format", None)
+        r = httpx.post(fuzz_server.url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body,
+                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (body, r.text[:500])
+
+    fuzz()
+    figures.update(requests=sum(statuses.values()), status_5xx=sum(n for c, n in statuses.items() if c >= 500),
+                   status_200=statuses.get(200, 0), status_400=statuses.get(400, 0))
+    assert statuses.get(200, 0) > 0 and statuses.get(400, 0) > 0, statuses     # both reached: not all refused

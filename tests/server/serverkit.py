@@ -147,7 +147,8 @@ class InProcessServer:
     their own (ServerProcess)."""
 
     def __init__(self, target: str, draft: str | None, method: str = "draft", k: int = 4,
-                 api_key: str | None = API_KEY, **config):
+                 api_key: str | None = API_KEY, engine_options: dict | None = None, **config):
+        """engine_options: more Engine keyword arguments (backend, quantization, ...)."""
         import threading
 
         from leaplm import Engine
@@ -163,7 +164,7 @@ class InProcessServer:
 
         def load():
             return Engine(target, draft=draft if method == "draft" else None, method=method, k=k,
-                          max_model_len=cfg.max_model_len)
+                          max_model_len=cfg.max_model_len, **(engine_options or {}))
 
         self.app = create_app(cfg, load=load, model_name=target)
         self.state = self.app.state.leaplm

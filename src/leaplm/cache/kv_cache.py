@@ -82,6 +82,11 @@ class KVCache:
     def batch_size(self) -> int:
         return len(self.lengths)
 
+    def held(self) -> tuple[int, int]:
+        """(token slots committed, rows holding any): what this cache's storage holds for its rows (the same
+        interface as the llama.cpp caches, which ask libllama)."""
+        return sum(self.lengths), sum(1 for n in self.lengths if n > 0)
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values ([B, Hkv, T, D]) at each row's [length, length + T)."""
         B, T = k.shape[0], k.shape[2]

@@ -215,9 +215,18 @@ class Engine:
         return getattr(cache, "peak_nbytes", 0) or 0
 
     # --- the step loop: a batch of one through the one step ---------------------------------------------------
+    @property
+    def grammar_vocab_built(self) -> bool:
+        """Whether llguidance's view of the tokenizer exists (grammar_state then no longer reads the tokenizer)."""
+        return self._grammar_vocab is not None
+
     def grammar_state(self, spec: StructuredOutput) -> GrammarState:
         """A fresh grammar state for a request constrained by spec (llguidance's view of the tokenizer is built on
         the first one, about 0.1-1 s, and kept)."""
+        return self.build_grammar_vocab().state(spec)
+
+    def build_grammar_vocab(self) -> GrammarVocab:
+        """llguidance's view of the tokenizer, built once (it reads the tokenizer); ConfigError when it cannot be."""
         with self._factories_lock:
             if self._grammar_vocab is None:
                 try:
@@ -225,7 +234,7 @@ class Engine:
                                                        self.target.eos_token_ids)
                 except ValueError as e:
                     raise ConfigError("structured", str(e)) from None
-        return self._grammar_vocab.state(spec)
+        return self._grammar_vocab
 
     def proposer_factory(self, method: str) -> Callable[[int], Proposer] | None:
         """The proposer factory for `method` (built once, then shared); ConfigError if it cannot run here."""

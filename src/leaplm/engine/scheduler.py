@@ -23,7 +23,7 @@ from ..config import ConfigError, SamplingParams
 from ..propose.base import Proposer
 from .startup_checks import cached_calibrate
 from .request import StreamChunk, TokenLogprob
-from .step import Batch, Row, StepReport, prompt_token_logprobs  # noqa: F401  (StepReport: re-exported)
+from .step import Batch, Row, StepReport, engine_error, prompt_token_logprobs  # noqa: F401  (StepReport: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,10 @@ class BatchScheduler:
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
+        # (KV cells, sequences holding any) per cache, as the backend counts them (cache.held(): libllama is asked
+        # for the llama.cpp caches), counted in the loop thread whenever rows join or leave: libllama's memory may
+        # not be read while a decode runs, so /metrics reads this
+        self.held: dict[str, tuple[int, int]] = {"target": (0, 0), "draft": (0, 0)}
         if calibrate:                                    # also without a default method: requests may ask for one
             self.calibrate()
 
@@ -207,14 +211,18 @@ class BatchScheduler:
             except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
                 log.exception("engine step failed")
                 for i in reversed(range(len(self.batch.rows))):
-                    self._release(i, error=f"engine error: {e}")
+                    self._release(i, error=engine_error(e))
+                self.count_held()
 
     def step(self) -> bool:
         """Drop aborted requests, admit waiting ones, then run the one step over all rows.
         Returns False when there was nothing to run."""
+        before = [id(r) for r in self.batch.rows]
         self._reap()
         self._admit()
         outcome = self.batch.step()
+        if [id(r) for r in self.batch.rows] != before:      # rows joined or left: what the backends hold moved
+            self.count_held()
         if outcome is None:
             return False
         for out in outcome.outputs:
@@ -226,6 +234,14 @@ class BatchScheduler:
         if self.observer is not None and outcome.report is not None:
             self.observer.on_step(outcome.report)
         return True
+
+    def count_held(self) -> None:
+        """Count what the caches hold (self.held) from their backends; loop thread only, between steps."""
+        from ..propose.draft_model import DraftRows
+
+        drafts = [g.cache.held() for g in self.batch.groups.values() if isinstance(g, DraftRows)]
+        self.held = {"target": self.cache.held(),
+                     "draft": (sum(c for c, _ in drafts), sum(s for _, s in drafts))}
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Step in the calling thread until nothing is waiting or running (tests, offline batches)."""
@@ -258,7 +274,7 @@ class BatchScheduler:
                                                 tag=seq, adaptive_k=seq.adaptive_k)
             except Exception as e:  # noqa: BLE001 - a request that cannot start fails alone
                 log.exception("request %s could not start", seq.request_id)
-                self._emit(seq, SeqOutput(seq.request_id, error=f"could not start: {e}"))
+                self._emit(seq, SeqOutput(seq.request_id, error=f"could not start: {engine_error(e)}"))
                 continue
             if prompt_lps is not None:
                 self._emit(seq, SeqOutput(seq.request_id, StreamChunk("", []), prompt_logprobs=prompt_lps))

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -113,9 +113,10 @@ class StepOutcome:
 @dataclass
 class Scored:
     """The batched forward of a step's chain rows."""
-    logits: torch.Tensor | None      # [n, T, V] (None: every row was a tree row)
+    logits: torch.Tensor | None      # [n, T, V] (None: every row was a tree row, or failed)
     hidden: torch.Tensor | None      # [n, T, hid] when a row's proposer reads the target's features
     T: int                           # 1 + the longest chain draft
+    failed: dict[int, str] = field(default_factory=dict)   # row -> the error that ended it (proposing or scoring)
 
 
 class Batch:
@@ -251,19 +252,25 @@ class Batch:
         forced = self._forced(rows)
         plan = self.policy.plan(rows, lambda i, cap: self._propose(i, rows[i], cap, clock)[0], self._room(rows),
                                 free=frozenset(forced))
-        proposals = self._proposals(plan, clock)
+        errors: dict[int, str] = {}                      # rows whose proposer or forward failed: they end
+        proposals = self._proposals(plan, clock, errors)
         self.policy.proposed(proposals)
-        proposals, constraints = self._constrain(rows, proposals, forced)
+        proposals, constraints = self._constrain(rows, proposals, forced, errors)
 
         # 2. score: one forward over [n, T] for the chains; a tree row's block there is its last token alone
-        scored = self._score_chains(rows, proposals, clock)
+        scored = self._score_chains(rows, proposals, clock, errors)
 
         # 3. verify + 4. commit, row by row (tree rows: scored and verified here, one forward each)
         outputs, done = [], []
         for i, (r, p) in enumerate(zip(rows, proposals)):
             rc = constraints.get(i)
             end = dead_end(r.req, rc) if rc is not None else None       # the grammar admits no token: it ends
-            out, d = (RowOutput(r, end), None) if end is not None else self._verify_commit(i, r, p, scored, clock, rc)
+            if i in scored.failed:
+                out, d = RowOutput(r, error=scored.failed[i]), None
+            elif end is not None:
+                out, d = RowOutput(r, end), None
+            else:
+                out, d = self._verify_commit(i, r, p, scored, clock, rc)
             outputs.append(out)
             done.append(d)
         clock.end(rows)
@@ -299,39 +306,53 @@ class Batch:
         out = {}
         for i, r in enumerate(rows):
             limit = min(fit, self.max_len - len(r.req.tokens) - 1, r.req.remaining - 1)
-            p = forced_proposal(r.req, limit, self.model.device) if r.req.grammar is not None and limit > 0 else None
+            try:
+                p = forced_proposal(r.req, limit, self.model.device) if r.req.grammar is not None and limit > 0 \
+                    else None
+            except Exception:  # noqa: BLE001 - the row's grammar fails again where it is constrained, and ends there
+                p = None
             if p is not None:
                 out[i] = p
         return out
 
     @staticmethod
-    def _constrain(rows: list[Row], proposals: list[Proposal | None], forced: dict[int, Proposal]
-                   ) -> tuple[list[Proposal | None], dict[int, RowConstraint]]:
+    def _constrain(rows: list[Row], proposals: list[Proposal | None], forced: dict[int, Proposal],
+                   failed: dict[int, str]) -> tuple[list[Proposal | None], dict[int, RowConstraint]]:
         """The forced rows' proposals put in; every constrained row's proposal cut to its grammar, with the masks of
-        its verified positions."""
+        its verified positions (a row whose grammar fails is put in `failed`, its proposal dropped)."""
         proposals = [forced.get(i, p) for i, p in enumerate(proposals)]
         constraints: dict[int, RowConstraint] = {}
         for i, r in enumerate(rows):
-            if r.req.grammar is not None:
-                proposals[i], constraints[i] = constrain_proposal(r.req, proposals[i], forced=i in forced)
+            if r.req.grammar is not None and i not in failed:
+                try:
+                    proposals[i], constraints[i] = constrain_proposal(r.req, proposals[i], forced=i in forced)
+                except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                    log.info("a request's grammar failed: %s", e)
+                    failed[i] = engine_error(e)
+                    proposals[i] = None
         return proposals, constraints
 
-    def _proposals(self, plan: StepPlan, clock: StepClock) -> list[Proposal | None]:
+    def _proposals(self, plan: StepPlan, clock: StepClock, failed: dict[int, str]) -> list[Proposal | None]:
         """Each row's proposal of at most plan.asked[i] tokens: the rows that proposed in the plan trimmed to it,
-        the others asked now."""
-        proposals, seconds = self._propose_all([0 if i in plan.early else k for i, k in enumerate(plan.asked)])
+        the others asked now (a row whose proposer failed is put in `failed`)."""
+        proposals, seconds = self._propose_all([0 if i in plan.early else k for i, k in enumerate(plan.asked)],
+                                               failed)
         clock.propose += seconds
         for i, p in plan.early.items():
             proposals[i] = self._trim(p, plan.asked[i]) if p is not None and plan.asked[i] else None
         return proposals
 
-    def _score_chains(self, rows: list[Row], proposals: list[Proposal | None], clock: StepClock) -> Scored:
-        """The one batched target forward over [n, T]: row i is [its last token, its chain's drafts, padding]."""
+    def _score_chains(self, rows: list[Row], proposals: list[Proposal | None], clock: StepClock,
+                      failed: dict[int, str]) -> Scored:
+        """The one batched target forward over [n, T]: row i is [its last token, its chain's drafts, padding].
+        When it fails (a C++ exception, a failed llama_decode), each row is scored alone instead: the rows that
+        fail alone end with the error, the others go on (their logits do not depend on the batch where the
+        backend is batch-invariant, so they commit what the batched forward would have given them)."""
         t = time.perf_counter()
         chain = [p if p is not None and p.parents is None else None for p in proposals]
         T = 1 + max((p.k for p in chain if p is not None), default=0)
-        if all(p is not None and p.parents is not None for p in proposals):
-            return Scored(None, None, T)
+        if all(i in failed or (p is not None and p.parents is not None) for i, p in enumerate(proposals)):
+            return Scored(None, None, T, failed)
         block = torch.zeros(len(rows), T, dtype=torch.long)                              # [n, T]
         for i, (r, p) in enumerate(zip(rows, chain)):
             block[i, 0] = r.req.tokens[-1]
@@ -341,12 +362,44 @@ class Batch:
         # a model taking ragged rows (libllama) skips the padding, and a tree row's block (scored apart)
         ragged = {"row_tokens": [0 if p is not None and p.parents is not None else 1 + (c.k if c is not None else 0)
                                  for p, c in zip(proposals, chain)]} if getattr(self.model, "ragged", False) else {}
-        out = self._forward(block.to(self.model.device), self.cache, feats, **ragged)
+        try:
+            out = self._forward(block.to(self.model.device), self.cache, feats, **ragged)
+        except Exception as e:  # noqa: BLE001 - the rows that cause it end, not the batch
+            log.warning("a batched forward of %d rows failed (%s: %s): scoring each row alone", len(rows),
+                        type(e).__name__, e)
+            scored = self._score_alone(rows, block, proposals, feats, failed)
+            clock.batched_score(time.perf_counter() - t)
+            return scored
         logits, hidden = (out.logits, out.hidden) if feats else (out, None)           # [n, T, V], [n, T, hid]
         seconds = time.perf_counter() - t
         self.estimates.costs.observe(len(rows), T, seconds)
         clock.batched_score(seconds)
-        return Scored(logits, hidden, T)
+        return Scored(logits, hidden, T, failed)
+
+    def _score_alone(self, rows: list[Row], block: torch.Tensor, proposals: list[Proposal | None], feats: bool,
+                     failed: dict[int, str]) -> Scored:
+        """block [n, T]: each chain row's real tokens scored by a forward of its own (what a failed batched forward
+        falls back to); a row whose forward fails too is put in `failed`."""
+        n, T = block.shape
+        logits = hidden = None
+        for i, p in enumerate(proposals):
+            if i in failed or (p is not None and p.parents is not None):
+                continue                                # failed already; a tree row is scored on its own anyway
+            real = 1 + (p.k if p is not None else 0)
+            try:
+                out = self._forward(block[i: i + 1, :real].to(self.model.device), self._row_cache(i), feats)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                log.exception("a request failed in its forward")
+                failed[i] = engine_error(e)
+                continue
+            lg, hd = (out.logits, out.hidden) if feats else (out, None)                # [1, real, V], [1, real, hid]
+            if logits is None:
+                logits = lg.new_zeros(n, T, lg.shape[-1])                              # [n, T, V]
+                hidden = hd.new_zeros(n, T, hd.shape[-1]) if hd is not None else None  # [n, T, hid]
+            logits[i, :real] = lg[0]
+            if hidden is not None:
+                hidden[i, :real] = hd[0]
+        return Scored(logits, hidden, T, failed)
 
     def _verify_commit(self, i: int, r: Row, p: Proposal | None, scored: Scored, clock: StepClock,
                        rc: RowConstraint | None = None) -> tuple[RowOutput, RowStep | None]:
@@ -378,7 +431,7 @@ class Batch:
             clock.row(r.req.stats, score_s, t1 - t0 - score_s, time.perf_counter() - t1)
         except Exception as e:  # noqa: BLE001 - one request's failure is its own
             log.exception("a request failed in a step")
-            out.error = f"engine error: {type(e).__name__}: {e}"
+            out.error = engine_error(e)
             return out, None
         if forced:                                   # nothing the row's proposer drafted: not its acceptance
             return out, RowStep(0, 0, 1)
@@ -411,7 +464,7 @@ class Batch:
                         r.proposer.observe_hidden(r.prefilled, out.hidden[0])
                 except Exception as e:  # noqa: BLE001 - one request's failure is its own
                     log.exception("a request failed in its prefill")
-                    failed.append(RowOutput(self.remove(i), error=f"engine error: {type(e).__name__}: {e}"))
+                    failed.append(RowOutput(self.remove(i), error=engine_error(e)))
                     continue
                 self.cache.advance(n, i)
                 r.prefilled += n
@@ -439,9 +492,12 @@ class Batch:
         return ProposeContext(r.req.tokens, k, r.req.params, r.proc, r.req.generator, r.req.presence,
                               self._row_cache(i), r.req.seed, wants_q(r.req))
 
-    def _propose_all(self, asked: list[int]) -> tuple[list[Proposal | None], float]:
+    def _propose_all(self, asked: list[int], failed: dict[int, str] | None = None
+                     ) -> tuple[list[Proposal | None], float]:
         """Every row's proposal (None: nothing drafted) of at most asked[i] tokens, and the seconds proposing took.
-        Rows whose proposers share a group draft together (one call, batched forwards); the others one by one."""
+        Rows whose proposers share a group draft together (one call, batched forwards); the others one by one.
+        A group whose call fails drafts row by row; a row whose proposer fails alone is put in `failed`."""
+        failed = {} if failed is None else failed
         proposals: list[Proposal | None] = [None] * len(asked)
         groups: dict[int, list[int]] = {}
         total = 0.0
@@ -451,13 +507,31 @@ class Batch:
             if r.proposer.group is not None:
                 groups.setdefault(id(r.proposer.group), []).append(i)
             else:
-                proposals[i], dt = self._propose(i, r, k)
+                try:
+                    proposals[i], dt = self._propose(i, r, k)
+                except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                    log.exception("a request failed proposing")
+                    failed[i] = engine_error(e)
+                    continue
                 total += dt
         for idx in groups.values():
             t = time.perf_counter()
             group = self.rows[idx[0]].proposer.group
-            props = group.propose_rows([self.rows[i].proposer for i in idx],
-                                       [self._context(i, self.rows[i], asked[i]) for i in idx])
+            try:
+                props = group.propose_rows([self.rows[i].proposer for i in idx],
+                                           [self._context(i, self.rows[i], asked[i]) for i in idx])
+            except Exception as e:  # noqa: BLE001 - the rows that cause it end, not the group
+                log.warning("drafting for %d rows together failed (%s: %s): drafting row by row", len(idx),
+                            type(e).__name__, e)
+                props = []
+                for i in list(idx):
+                    try:
+                        props.append(group.propose_rows([self.rows[i].proposer],
+                                                        [self._context(i, self.rows[i], asked[i])])[0])
+                    except Exception as e1:  # noqa: BLE001 - one request's failure is its own
+                        log.exception("a request failed proposing")
+                        failed[i] = engine_error(e1)
+                idx = [i for i in idx if i not in failed]
             dt = time.perf_counter() - t
             total += dt
             drafted = sum(p.k for p in props)
@@ -506,6 +580,22 @@ class Batch:
         if feats:
             return self.model.forward_hidden(ids, cache, hidden_all=True, **kw)
         return self.model(ids, cache, **kw)
+
+
+GRAMMAR_ERROR = "grammar error: "      # how a request whose own grammar failed ends (the server answers it as a 400)
+
+
+def engine_error(e: BaseException) -> str:
+    """The error a request ends with when the engine failed it: the exception's type and first line (a C++
+    exception through pybind11 carries the C++ backtrace on the lines after); its grammar's failure is told
+    apart (GRAMMAR_ERROR)."""
+    from ..structured.state import GrammarError
+
+    text = str(e).strip().splitlines()
+    first = text[0][:500] if text else "no message"
+    if isinstance(e, GrammarError):
+        return GRAMMAR_ERROR + first
+    return f"engine error: {type(e).__name__}: {first}"
 
 
 def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:

@@ -25,6 +25,11 @@ class HFCache:
     def batch_size(self) -> int:
         return 1
 
+    def held(self) -> tuple[int, int]:
+        """(token positions transformers' cache holds, 1 if it holds any): the backend's own count."""
+        n = self.pkv.get_seq_length()
+        return n, int(n > 0)
+
     def advance(self, n: int, row: int = 0) -> None:
         self.lengths[row] += n
 

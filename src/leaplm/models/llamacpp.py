@@ -53,6 +53,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .. import faults
 from ..config import ConfigError
 from .base import LoadedModel
 from .llama import Scored
@@ -81,6 +82,13 @@ _lib_lock = threading.Lock()
 _log_lines: deque[str] = deque(maxlen=40)      # libllama's recent log lines, for error messages
 _log_count = [0]                               # lines logged so far
 _log_callback = None                           # kept referenced: libllama calls it
+_contexts = [0]                                # llama.cpp contexts alive in this process (created - freed)
+_contexts_lock = threading.Lock()
+
+
+def live_contexts() -> int:
+    """llama.cpp contexts created and not freed yet, every model's (what a leak of contexts would grow)."""
+    return _contexts[0]
 
 
 def libllama(field: str = "backend"):
@@ -541,6 +549,8 @@ class LlamaCppCache(_CacheSizes):
         self.ctx = ctx
         self.mem = lc.llama_get_memory(ctx)
         self.batch = lc.llama_batch_init(n_batch, 0, self.n_seq)
+        with _contexts_lock:
+            _contexts[0] += 1
         self._free = weakref.finalize(self, _free_context, lc, ctx, self.batch, lm)
         b = self.batch
         self._tok = np.ctypeslib.as_array(b.token, (n_batch,))
@@ -560,6 +570,17 @@ class LlamaCppCache(_CacheSizes):
     def nbytes(self) -> int:
         """Bytes of the KV cells allocated (libllama allocates them all with the context)."""
         return self.n_ctx * self.bytes_per_token
+
+    def held(self) -> tuple[int, int]:
+        """(KV cells, sequences holding any) as llama.cpp reports them: each sequence's position range, asked of
+        the context (its rows and the tree scratch sequences), not read from this object's lengths."""
+        cells = seqs = 0
+        for s in range(self.n_seq):
+            hi = self.lc.llama_memory_seq_pos_max(self.mem, s)
+            if hi >= 0:
+                cells += hi - self.lc.llama_memory_seq_pos_min(self.mem, s) + 1
+                seqs += 1
+        return cells, seqs
 
     # --- llama.cpp memory ------------------------------------------------------------------------------------------
     def _rm(self, seq: int, p0: int, p1: int = -1) -> None:
@@ -673,7 +694,10 @@ class LlamaCppCache(_CacheSizes):
                     ptr[j] = s
             self.batch.n_tokens = n
             seen = _log_count[0]
-            rc = lc.llama_decode(self.ctx, self.batch)
+            if faults.PLAN and faults.at("llamacpp", int(self._pos[:n].max())):
+                rc = 1                         # injected (faults.py): what a context without free cells returns
+            else:
+                rc = lc.llama_decode(self.ctx, self.batch)
             if rc != 0:
                 what = {1: "no free KV cells", 2: "aborted", -1: "invalid batch"}.get(rc, "error")
                 raise RuntimeError(f"llama_decode failed ({rc}: {what}): {_recent_log(seen) or 'no reason given'}")
@@ -745,6 +769,11 @@ class LlamaCppRows(_CacheSizes):
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.rows)
 
+    def held(self) -> tuple[int, int]:
+        """(KV cells, sequences holding any) over the rows' contexts, as llama.cpp reports them."""
+        per = [r.held() for r in self.rows]
+        return sum(c for c, _ in per), sum(s for _, s in per)
+
     def truncate(self, length: int, row: int = 0) -> None:
         self.rows[row].truncate(length, 0)
 
@@ -777,6 +806,8 @@ class LlamaCppRows(_CacheSizes):
 def _free_context(lc, ctx, batch, lm) -> None:
     lc.llama_batch_free(batch)
     lc.llama_free(ctx)
+    with _contexts_lock:
+        _contexts[0] -= 1
 
 
 class LlamaCppRowView:

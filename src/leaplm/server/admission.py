@@ -10,6 +10,11 @@ running sequences up to max_batch x max_model_len, and a sequence that passes th
 carry a Retry-After derived from the measured drain rate (sequences and reserved tokens finished per second
 over the last finishes), not a constant.
 
+Counted in memory (always): a cache that grows with its rows (the torch KVCache) is never asked to grow past the
+memory the system has available (MemAvailable): a request whose longest sequence would make it grow beyond 90% of
+that is refused with 503 (code insufficient_memory) naming max_tokens, before the kernel's out-of-memory killer
+would end the whole server.
+
 cache_bytes() is the one place that knows how to read a cache's size (the growing KVCache tells its nbytes;
 bytes_per_token divides by the capacity it has now).
 """
@@ -81,7 +86,11 @@ class DrainRate:
 class Admission:
     """The door's bookkeeping (event-loop thread; release() may come from any thread)."""
 
-    def __init__(self, max_sequences: int, budget_tokens: int | None, budget_bytes: int | None):
+    MEMORY_SHARE = 0.9          # of MemAvailable a growing cache may take
+
+    def __init__(self, max_sequences: int, budget_tokens: int | None, budget_bytes: int | None, cache=None):
+        """cache: the target's KV cache, when it grows with its rows (checked against available memory)."""
+        self.cache = cache
         self.max_sequences = max_sequences
         self.budget_tokens = budget_tokens
         self.budget_bytes = budget_bytes
@@ -99,7 +108,10 @@ class Admission:
                                                 "--kv-cache-bytes unset")
         else:
             budget = int(kv_cache_bytes // per_token)
-        return cls(max_batch + max_queue, budget, kv_cache_bytes)
+        cache = scheduler.cache
+        grows = per_token is not None and getattr(cache, "capacity_tokens", None) is not None and \
+            cache.capacity_tokens < cache.batch_size * cache.max_len
+        return cls(max_batch + max_queue, budget, kv_cache_bytes, cache if grows else None)
 
     def check(self, in_flight: int, reservations: list[int], prompt_lens: list[int], max_tokens: int,
               max_field: str, prompt_field: str) -> None:
@@ -127,6 +139,7 @@ class Admission:
             raise APIError(429, f"server busy: {in_flight} sequences are waiting or running and this request adds "
                                 f"{len(reservations)} (max_batch + max_queue = {self.max_sequences}); retry later",
                            None, "queue_full", {"Retry-After": str(wait)})
+        self._check_memory(longest, max_field)
         if B is None:
             return
         with self._lock:
@@ -135,6 +148,22 @@ class Admission:
             wait = self.drain.retry_after(tokens=short)
             raise APIError(429, f"server busy: {self.reserved_tokens} of {B} KV-cache tokens are reserved and this "
                                 f"request needs {total}; retry later", None, "cache_full", {"Retry-After": str(wait)})
+
+    def _check_memory(self, longest: int, max_field: str) -> None:
+        """503 when a sequence of `longest` tokens would grow the cache past MEMORY_SHARE of available memory."""
+        c = self.cache
+        if c is None or longest <= c.capacity:
+            return
+        # the cache grows every row at once, to at least twice its capacity (cache/kv_cache.py), and holds the old
+        # storage while it copies: the new storage must fit in what is available
+        per_row_token = cache_bytes(c) / max(1, c.capacity_tokens)
+        new_bytes = per_row_token * c.batch_size * min(c.max_len, max(longest, 2 * c.capacity))
+        avail = mem_available()
+        if avail is not None and new_bytes > self.MEMORY_SHARE * avail:
+            raise APIError(503, f"{max_field}: a sequence of {longest} tokens would grow the KV cache to "
+                                f"{new_bytes / 2**20:.0f} MiB, more than the {avail / 2**20:.0f} MiB of memory "
+                                f"available; lower {max_field} or retry later", max_field, "insufficient_memory",
+                           {"Retry-After": str(self.drain.retry_after(sequences=1))})
 
     def reserve(self, tokens: int) -> None:
         with self._lock:
@@ -150,3 +179,15 @@ class Admission:
         with self._lock:
             self.reserved_tokens -= tokens
         self.drain.record(tokens)
+
+
+def mem_available() -> int | None:
+    """Bytes of memory the system can still hand out (MemAvailable of /proc/meminfo), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

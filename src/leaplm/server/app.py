@@ -30,7 +30,7 @@ from ..config import ConfigError, ServerConfig
 from .bridge import Job
 from .errors import install_error_handlers
 from .middleware import RequestGuard
-from .planning import plan_request
+from .planning import NOT_PREPARED, build_grammar_vocab, plan_request, prepare_structured, wants_structure
 from .protocol import (PLAIN_TEMPLATE_DOC, APIError, ChatCompletionRequest, ChatCompletionResponse,
                        CompletionRequest, CompletionResponse, ErrorResponse, ModelList, error_body)
 from .responses import chat_response, completion_response, guarded_stream, stream_chat, stream_completion
@@ -94,6 +94,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], object] | None = None
         if state.scheduler is not None:
             await asyncio.to_thread(state.scheduler.stop)
         state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        state.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="leaplm", version=_version(), description=DESCRIPTION, lifespan=lifespan)
     app.state.leaplm = state
@@ -166,7 +167,12 @@ async def _serve(state: ServerState, body, request: Request, chat: bool):
         raise APIError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
                        "model", "model_not_found")
     loop = asyncio.get_running_loop()
-    job = Job(state, await loop.run_in_executor(state.tokenize_pool, plan_request, state, body, chat))
+    structured = NOT_PREPARED
+    if wants_structure(body):                     # compiled beside the tokenizing, not in its queue
+        if not state.engine.grammar_vocab_built:  # llguidance's view of the tokenizer reads it: in its pool, once
+            await loop.run_in_executor(state.tokenize_pool, build_grammar_vocab, state)
+        structured = await loop.run_in_executor(state.grammar_pool, prepare_structured, state, body)
+    job = Job(state, await loop.run_in_executor(state.tokenize_pool, plan_request, state, body, chat, structured))
     job.submit()
     watcher = asyncio.create_task(job.watch(request))
     if body.stream:

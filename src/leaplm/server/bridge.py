@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from ..engine.scheduler import QueueFull, SchedulerClosed, SeqOutput, SeqRequest
+from ..engine.step import GRAMMAR_ERROR
 from ..engine.stats import GenerationStats
 from .planning import Plan
 from .protocol import APIError
@@ -151,6 +152,10 @@ class Job:
             return None
         if self.state.draining:
             return APIError(503, f"server is shutting down: {errors[0]}", None, "shutting_down")
+        if errors[0].startswith(GRAMMAR_ERROR):       # the request's own grammar failed while it ran
+            field = self.plan.structured_field or "structured_outputs"
+            return APIError(400, f"{field}: the grammar failed while generating ({errors[0][len(GRAMMAR_ERROR):]})",
+                            field, "grammar_error")
         return APIError(500, errors[0], None, "engine_error")
 
     def usage(self) -> dict:

@@ -6,6 +6,9 @@ thread; prometheus_client is thread-safe); request-level figures are recorded by
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from ..engine.scheduler import StepReport
@@ -36,6 +39,16 @@ class ServerMetrics:
         self.budget_tokens = Gauge(P + "kv_cache_budget_tokens", "KV-cache tokens admission may reserve "
                                    "(--kv-cache-bytes).", registry=r)
         self.in_flight = Gauge(P + "sequences_in_flight", "Sequences waiting or running.", registry=r)
+        self.native_cells = Gauge(P + "native_kv_cells", "KV cells held, as the backend counts them (llama.cpp: "
+                                  "each sequence's positions asked of its contexts; torch: the cache's committed "
+                                  "slots), by cache (target, or the draft model's).", ["cache"], registry=r)
+        self.native_seqs = Gauge(P + "native_sequences", "Sequences (rows, tree scratch sequences) holding KV cells, "
+                                 "as the backend counts them, by cache.", ["cache"], registry=r)
+        self.llamacpp_contexts = Gauge(P + "llamacpp_contexts", "llama.cpp contexts alive in the process (every "
+                                       "model's: created and not freed).", registry=r)
+        self.native_heap = Gauge(P + "native_heap_bytes", "Bytes the C allocator has handed out and not had back "
+                                 "(glibc mallinfo2: arena + mmapped chunks): libllama's, the C++ kernel's and "
+                                 "torch's CPU tensors' memory. 0 where it cannot be read.", registry=r)
         ProcessCollector(registry=r)      # process_resident_memory_bytes and friends: what the server holds
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -95,6 +108,11 @@ class ServerMetrics:
             weights, per_row = draft_footprint(draft, scheduler.max_len)
             self.spec_memory.labels("draft_weights").set(weights)
             self.spec_memory.labels("draft_kv_cache_per_row").set(per_row)
+        for name in ("target", "draft"):
+            self.native_cells.labels(name).set_function(lambda name=name: scheduler.held[name][0])
+            self.native_seqs.labels(name).set_function(lambda name=name: scheduler.held[name][1])
+        self.llamacpp_contexts.set_function(llamacpp_contexts)
+        self.native_heap.set_function(native_heap_bytes)
         self.queue_depth.set_function(lambda: scheduler.queue_depth)
         self.running.set_function(lambda: scheduler.running)
         self.rows_in_use.set_function(lambda: scheduler.rows_in_use)
@@ -118,3 +136,34 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def llamacpp_contexts() -> int:
+    import sys
+
+    mod = sys.modules.get("leaplm.models.llamacpp")     # never loaded: no context
+    return mod.live_contexts() if mod is not None else 0
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_libc = None
+
+
+def native_heap_bytes() -> int:
+    """glibc's mallinfo2(): bytes in use in its arenas (uordblks) plus mmapped chunks (hblkhd); 0 without it."""
+    global _libc
+    if _libc is None:
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            lib.mallinfo2.restype = _MallInfo2
+            _libc = lib
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc:
+        return 0
+    m = _libc.mallinfo2()
+    return int(m.uordblks + m.hblkhd)

@@ -30,12 +30,49 @@ class Plan:
     max_tokens: int                   # tokens each sequence may generate
     max_field: str                    # the field that set it (max_tokens or max_completion_tokens)
     prompt_field: str                 # prompt or messages
+    structured_field: str | None = None   # the structured-output field the request set, if any
 
 
-def plan_request(state: ServerState, body, chat: bool) -> Plan:
+NOT_PREPARED = object()
+
+
+def prepare_structured(state: ServerState, body):
+    """The request's StructuredOutput (None: unconstrained), its grammar compiled once by llguidance (the row that
+    runs it copies that matcher); APIError 400 naming the field for what llguidance refuses. Off the event loop: in
+    the grammar pool once llguidance's view of the tokenizer exists (a large grammar's compile then delays no other
+    request's tokenizing), else in the tokenize pool (building that view reads the tokenizer)."""
+    try:
+        structured = body.structured_output()
+        if structured is not None:
+            state.engine.grammar_state(structured)   # the tokenizer can spell it (llguidance's view built first)
+    except (ConfigError, ValueError) as e:
+        field = e.field if isinstance(e, ConfigError) else structured_field(body)
+        message = e.message if isinstance(e, ConfigError) else str(e)
+        raise APIError(400, f"{field}: {message}", field, "invalid_value") from None
+    return structured
+
+
+def wants_structure(body) -> bool:
+    """Whether the request sets a structured-output field (other than response_format text)."""
+    rf = getattr(body, "response_format", None)
+    return any(getattr(body, n, None) is not None for n in ("guided_json", "guided_regex", "guided_choice",
+                                                             "guided_grammar", "structured_outputs")) or \
+        (isinstance(rf, dict) and rf.get("type", "text") != "text")
+
+
+def build_grammar_vocab(state: ServerState) -> None:
+    """llguidance's view of the tokenizer, built in the tokenize pool (it reads the tokenizer); a tokenizer it
+    cannot read is reported by prepare_structured as a 400."""
+    try:
+        state.engine.build_grammar_vocab()
+    except ConfigError:
+        pass
+
+
+def plan_request(state: ServerState, body, chat: bool, structured=NOT_PREPARED) -> Plan:
     """Check what depends on the model (prompt tokens, context, method) and turn the request into its sequences'
     parameters; an APIError (400, naming the field) for what cannot run. Runs in the tokenize pool, off the event
-    loop."""
+    loop. structured: what prepare_structured returned for body, when it ran already."""
     eng = state.engine
     tok = eng.tokenizer
     L = eng.max_model_len
@@ -105,14 +142,8 @@ def plan_request(state: ServerState, body, chat: bool) -> Plan:
             state.scheduler.proposer_factory(method)
         except ConfigError as e:
             raise APIError(400, f"speculative.method: {e.message}", "speculative.method", "invalid_value") from None
-    try:
-        structured = body.structured_output()
-        if structured is not None:
-            eng.grammar_state(structured)     # the tokenizer can spell it (llguidance's view built on first use)
-    except (ConfigError, ValueError) as e:
-        field = e.field if isinstance(e, ConfigError) else "structured_outputs"
-        message = e.message if isinstance(e, ConfigError) else str(e)
-        raise APIError(400, f"{field}: {message}", field, "invalid_value") from None
+    if structured is NOT_PREPARED:
+        structured = prepare_structured(state, body)
     params = []
     for i in range(len(prompts) * n):
         seed = body.seed + i % n if body.seed is not None else None
@@ -122,7 +153,16 @@ def plan_request(state: ServerState, body, chat: bool) -> Plan:
             f = {"max_new_tokens": max_field, "logprobs": "top_logprobs" if chat else "logprobs"}.get(e.field, e.field)
             raise APIError(400, f"{f}: {e.message}", f, "invalid_value") from None
     adaptive_k = body.speculative.adaptive_k if body.speculative is not None else None
-    return Plan(prompts, params, n, method, k, adaptive_k, prompt_logprobs, max_tokens, max_field, prompt_field)
+    return Plan(prompts, params, n, method, k, adaptive_k, prompt_logprobs, max_tokens, max_field, prompt_field,
+                structured_field(body) if structured is not None else None)
+
+
+def structured_field(body) -> str:
+    """The structured-output field the request set (what a grammar llguidance rejects is named by)."""
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+        if getattr(body, name, None) is not None:
+            return name
+    return "response_format" if getattr(body, "response_format", None) is not None else "structured_outputs"
 
 
 def check_prediction_field(prediction, tok, prompt_tokens: int, L: int, limit: int) -> None:

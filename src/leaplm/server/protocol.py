@@ -96,6 +96,32 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def lone_surrogate(data) -> str | None:
+    """The path (`messages[0].content`) of the first string holding a lone surrogate in a parsed JSON body, or None.
+    Iterative: a body nested thousands deep is walked without recursion."""
+    stack = [(data, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                p = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str) and not k.isascii():
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return path or "body"
+                stack.append((x, p))
+        elif isinstance(v, list):
+            stack.extend((x, f"{path}[{i}]") for i, x in enumerate(v))
+    return None
+
+
 class TextPart(BaseModel):
     model_config = _strict
     type: Literal["text"]
@@ -146,6 +172,17 @@ class _Common(BaseModel):
                           "expected to repeat largely; drafted where the output follows it, verified like any draft "
                           "(the output is the same with or without it). Usage counts accepted and rejected "
                           "prediction tokens.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data):
+        """Every string of the body (keys too) must be Unicode text: JSON lets a lone surrogate through
+        (`"\\ud800"`), which no tokenizer, grammar compiler or UTF-8 encoder takes; refused naming its field."""
+        where = lone_surrogate(data)
+        if where is not None:
+            raise _field_error(where, "contains a lone surrogate (a \\ud800-\\udfff escape without its pair): "
+                                      "not Unicode text")
+        return data
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -87,7 +87,10 @@ async def stream_completion(state: ServerState, job: Job, body: CompletionReques
             return
         i, out = got
         if out.error is not None:
-            yield _error_event(job.failure() or APIError(500, out.error))
+            err = job.failure() or APIError(500, out.error)
+            if err.code in ("engine_error", "grammar_error"):     # the choice ends (finish_reason "error"), then why
+                yield S.sse(chunk(i, "", None, "error"))
+            yield _error_event(err)
             yield S.DONE
             return
         lp = None
@@ -126,7 +129,10 @@ async def stream_chat(state: ServerState, job: Job, body: ChatCompletionRequest)
             return
         i, out = got
         if out.error is not None:
-            yield _error_event(job.failure() or APIError(500, out.error))
+            err = job.failure() or APIError(500, out.error)
+            if err.code in ("engine_error", "grammar_error"):
+                yield S.sse(chunk(i, {}, None, "error"))
+            yield _error_event(err)
             yield S.DONE
             return
         c = out.chunk

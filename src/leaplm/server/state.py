@@ -36,6 +36,9 @@ class ServerState:
     # safe to use from several threads at once.
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="leaplm-tokenize"))
+    # Grammars compile here (llguidance drops the GIL; a large one takes up to seconds), beside the tokenizing
+    grammar_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="leaplm-grammar"))
 
     def attach(self, engine, scheduler: BatchScheduler) -> None:
         self.engine, self.scheduler = engine, scheduler

@@ -3,7 +3,8 @@
 A chunk's text is what the engine released as final (engine/detok.py): never half a UTF-8 character, never part
 of a stop string. Each SSE event is one `data: {json}` line and a blank line; the stream ends with
 `data: [DONE]`. An error after the stream started is sent as `data: {"error": {...}}` (the OpenAI client raises
-it), followed by [DONE].
+it), followed by [DONE]; when the engine failed the choice (code engine_error), a chunk with finish_reason
+"error" comes first.
 """
 from __future__ import annotations
 

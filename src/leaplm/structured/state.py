@@ -19,6 +19,8 @@ cut before one; at the committed state itself an empty mask is a dead end (`dead
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,10 +36,33 @@ def unpack_bitmask(bm: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(bits[:, :vocab_size].astype(bool))
 
 
+class GrammarError(RuntimeError):
+    """The request's grammar failed while it ran: llguidance refused a token, or a step went past its limits
+    (lexer fuel, Earley items in a row: a grammar too wide or too ambiguous). The request's own fault: it ends."""
+
+
 class GrammarVocab:
     """llguidance's view of a tokenizer (each token's bytes), built once per engine: about 0.1 s for 8k tokens,
     1 s for 49k. vocab_size is the model's (rows past the tokenizer's tokens are never allowed); eos_token_ids end
-    a grammar that is complete (allowed exactly when the grammar accepts)."""
+    a grammar that is complete (allowed exactly when the grammar accepts).
+
+    Building a matcher for a large grammar takes up to seconds (llguidance drops the GIL meanwhile). The server
+    builds one while it prepares the request, off the event loop, to refuse what llguidance rejects; the row that
+    runs it later, in the scheduler's thread between steps, gets a copy of that one (the last BUILT grammars are
+    kept), so no step waits for a compile."""
+
+    BUILT = 8              # grammars whose fresh matcher is kept to copy from
+    # llguidance's limits (its defaults otherwise: Earley items per row and per step, lexer fuel per step bound
+    # each step's time): regex construction fuel a fifth of its default, so a pathological regex such as
+    # (x{1000}){1000} is built lazily in about 20 MB and 0.05 s instead of 200 MB and 1.3 s; lexer states a fifth
+    # (about 100 MB at most); errors without the grammar quoted (a 1 MB grammar would be, whole)
+    LIMITS = {"initial_lexer_fuel": 200_000, "max_lexer_states": 50_000, "verbose_errors": False}
+
+    @classmethod
+    def limits(cls):
+        import llguidance as llg
+
+        return llg.LLParserLimits(**cls.LIMITS)
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
         import copy
@@ -46,6 +71,8 @@ class GrammarVocab:
 
         self.vocab_size = vocab_size
         self.eos = frozenset(t for t in eos_token_ids if 0 <= t < vocab_size)
+        self._built: OrderedDict[str, object] = OrderedDict()     # grammar text -> a matcher that consumed nothing
+        self._built_lock = threading.Lock()
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise ValueError("structured output needs a fast (Rust) tokenizer; this one is "
@@ -68,12 +95,31 @@ class GrammarVocab:
             raise ValueError(f"llguidance cannot read this tokenizer: {e}") from None
 
     def state(self, spec: StructuredOutput) -> "GrammarState":
+        matcher = self._fresh(spec.compiled)
+        if matcher.is_error():
+            raise ValueError(f"grammar rejected by llguidance: {matcher.get_error()[:500]}")
+        return GrammarState(matcher, self.vocab_size, self.eos, self.ll_vocab, self.phantom)
+
+    def _fresh(self, grammar: str):
+        """A matcher that has consumed nothing: a copy of a kept one, else built (and kept when valid)."""
         import llguidance as llg
 
-        matcher = llg.LLMatcher(self.lltok, spec.compiled, log_level=0)
+        lock, built = self._built_lock, self._built
+        with lock:
+            kept = built.get(grammar)
+            if kept is not None:
+                built.move_to_end(grammar)
+                return kept.deep_copy()
+        matcher = llg.LLMatcher(self.lltok, grammar, log_level=0, limits=self.limits())
+        if not matcher.is_error():
+            matcher.compute_bitmask()         # a grammar too wide for the limits at its first token fails here
         if matcher.is_error():
-            raise ValueError(f"grammar rejected by llguidance: {matcher.get_error()}")
-        return GrammarState(matcher, self.vocab_size, self.eos, self.ll_vocab, self.phantom)
+            return matcher
+        with lock:
+            built[grammar] = matcher
+            while len(built) > self.BUILT:
+                built.popitem(last=False)
+            return matcher.deep_copy()
 
 
 @dataclass
@@ -158,7 +204,7 @@ class GrammarState:
                     rows[c] = self._eos_only
                 else:
                     if not self.m.consume_token(t):
-                        raise RuntimeError(f"llguidance refused an allowed token: {self.m.get_error()}")
+                        raise GrammarError(f"llguidance refused an allowed token: {self.m.get_error()}")
                     visit(c)
                     self._rollback(1)
 
@@ -174,7 +220,7 @@ class GrammarState:
             if self.m.is_stopped():
                 return i
             if not self.m.consume_token(t):
-                raise RuntimeError(f"token {t} refused by the grammar: {self.m.get_error()}")
+                raise GrammarError(f"token {t} refused by the grammar: {self.m.get_error()}")
             self.committed += 1
         return len(tokens)
 
@@ -190,7 +236,7 @@ class GrammarState:
         for j in range(fed + 1):
             self._fill(self.m, self._bm, j)
             if j < fed and not self.m.consume_token(drafts[j]):
-                raise RuntimeError(f"llguidance refused a validated token: {self.m.get_error()}")
+                raise GrammarError(f"llguidance refused a validated token: {self.m.get_error()}")
         self._rollback(fed)
         masks = unpack_bitmask(bm, self.vocab_size)                                 # [n + 1, V]
         if self.phantom is not None:
@@ -201,4 +247,4 @@ class GrammarState:
 
     def _rollback(self, n: int) -> None:
         if n and not self.m.rollback(n):
-            raise RuntimeError(f"grammar rollback of {n} tokens failed: {self.m.get_error()}")
+            raise GrammarError(f"grammar rollback of {n} tokens failed: {self.m.get_error()}")
