@@ -140,3 +140,16 @@ def test_a_prediction_longer_than_the_context_is_refused(byte_tokenizer):
     with pytest.raises(ConfigError) as e:
         check_prediction(byte_tokenizer, TEXT, 10, 10 + n - 1)
     assert e.value.field == "prediction"
+
+
+def test_lines_wrapped_elsewhere_keep_the_alignment(byte_tokenizer):
+    """An answer that wraps the prediction's lines at other places (a space for a newline, two spaces as one) is
+    still following it: the draft after the re-wrapped text continues the prediction."""
+    tok = byte_tokenizer
+    text = "the quick brown fox\njumps over the  lazy dog and the target verifies them\n"
+    al = aligner(tok, text)
+    out = ids(tok, "the quick brown fox jumps over the lazy dog and")
+    al.sync(out)
+    assert al.c is not None                                 # never departed
+    assert tok.decode(al.draft(8)).startswith(" the target")
+    assert al.match >= 8

@@ -6,10 +6,11 @@ target's whatever the prediction says.
 Alignment is kept in characters of the prediction's text P (its tokens decoded, so P and the output's text are
 written the same way):
 
-  follow    while the output's new text continues P at the aligned offset c, c moves past it
+  follow    while the output's new text continues P at the aligned offset c, c moves past it (a whitespace run
+            matches any whitespace run: an answer may wrap lines elsewhere)
   depart    the first character that differs (an inserted line, a renamed word, a deleted sentence) loses the
             alignment; the last aligned offset is remembered
-  realign   the output's last TAILS characters are looked up in P, the first occurrence at or after the last
+  realign   the output's last TAILS characters are looked up in P (whitespace runs as one space), the first occurrence at or after the last
             aligned offset first (a rename early in a file does not lose the rest), else the nearest one before it
             (for tails of at least MIN_BEHIND characters: a short tail behind is more often chance than a repeat)
   draft     from c: where c is a boundary of P's tokens, the prediction's own ids from there; where it is not (the
@@ -107,6 +108,7 @@ class Prediction:
     text: str                               # P: the tokens decoded
     starts: dict[int, int]                  # character offset -> index of the token starting there
     bounds: list[int]                       # the same offsets, sorted
+    folded: tuple[str, list[int]] = ("", [])   # P with whitespace runs as one space, and each character's offset
 
     @classmethod
     def build(cls, tokenizer, ids: list[int]) -> "Prediction":
@@ -116,7 +118,7 @@ class Prediction:
         for j, end in enumerate(d.ends):
             if end is not None and end not in starts:
                 starts[end] = j + 1
-        return cls(list(ids), d.text, starts, sorted(starts))
+        return cls(list(ids), d.text, starts, sorted(starts), _fold(d.text))
 
 
 class Aligner:
@@ -137,11 +139,12 @@ class Aligner:
         new = output_ids[len(self.out.ids):]
         if not new:
             return
+        before = len(self.out.text)
         d = self.out.extend(new)
         P = self.pred.text
         if self.c is not None and d:
-            n = _common_prefix(P, self.c, d)
-            self.c += n
+            prev_ws = before > 0 and self.out.text[before - 1].isspace()
+            n, self.c = _follow(P, self.c, d, prev_ws)
             self.agree += n
             self.last = self.c
             if n < len(d):
@@ -150,17 +153,22 @@ class Aligner:
             self._realign()
 
     def _realign(self) -> None:
-        P, O = self.pred.text, self.out.text
+        """Look the output's tail up in P, whitespace runs compared as one space (an answer that wraps lines
+        elsewhere than the prediction still finds its place)."""
+        O = self.out.text
+        Pn, at = self.pred.folded
+        tail_all = _fold(O[-2 * TAILS[0]:])[0]
+        last = bisect.bisect_left(at, self.last)
         for L in TAILS:
-            if len(O) < L:
+            if len(tail_all) < L:
                 continue
-            tail = O[-L:]
-            i = P.find(tail, self.last)
+            tail = tail_all[-L:]
+            i = Pn.find(tail, last)
             if i < 0 and L >= MIN_BEHIND:
-                i = P.rfind(tail, 0, self.last + L - 1)
+                i = Pn.rfind(tail, 0, last + L - 1)
             if i >= 0:
-                self.c = self.last = i + L
-                self.agree = _common_suffix(O, P, self.c, MAX_AGREE)
+                self.c = self.last = at[i + L - 1] + 1
+                self.agree = _common_suffix(O, self.pred.text, self.c, MAX_AGREE)
                 return
 
     @property
@@ -189,14 +197,39 @@ class Aligner:
         return (frag + rest)[:k]
 
 
-def _common_prefix(P: str, at: int, d: str) -> int:
-    n = min(len(d), len(P) - at)
-    if P.startswith(d[:n], at):
-        return n
-    i = 0
-    while i < n and P[at + i] == d[i]:
-        i += 1
-    return i
+def _follow(P: str, c: int, d: str, prev_ws: bool) -> tuple[int, int]:
+    """How far the output's new text d continues P from offset c: (characters of d read, the new offset). A
+    whitespace run matches any whitespace run (a line wrapped elsewhere, two spaces as one)."""
+    i, j, n = 0, c, len(P)
+    while i < len(d):
+        a = d[i]
+        if j < n and P[j] == a:
+            i, j = i + 1, j + 1
+        elif a.isspace() and j < n and P[j].isspace():
+            i, j = i + 1, j + 1
+        elif a.isspace() and j > 0 and P[j - 1].isspace():
+            i += 1                                           # more whitespace in the output
+        elif j < n and P[j].isspace() and ((i > 0 and d[i - 1].isspace()) or (i == 0 and prev_ws)):
+            j += 1                                           # more whitespace in the prediction
+        else:
+            break
+    return i, j
+
+
+def _fold(text: str) -> tuple[str, list[int]]:
+    """text with every whitespace run as one space, and the offset in text of each folded character."""
+    out, at, ws = [], [], False
+    for k, ch in enumerate(text):
+        if ch.isspace():
+            if ws:
+                continue
+            ws = True
+            out.append(" ")
+        else:
+            ws = False
+            out.append(ch)
+        at.append(k)
+    return "".join(out), at
 
 
 def _common_suffix(O: str, P: str, c: int, cap: int) -> int:
