@@ -153,3 +153,14 @@ def test_lines_wrapped_elsewhere_keep_the_alignment(byte_tokenizer):
     assert al.c is not None                                 # never departed
     assert tok.decode(al.draft(8)).startswith(" the target")
     assert al.match >= 8
+
+
+def test_reflowed_output_drafts_up_to_the_line_end(byte_tokenizer):
+    """Once the output has spelt a line break of the prediction as a space, drafts stop at the prediction's next
+    line break: the output chooses its own whitespace there."""
+    tok = byte_tokenizer
+    text = "the quick brown fox\njumps over the lazy dog\nand the target verifies them\n"
+    al = aligner(tok, text)
+    al.sync(ids(tok, "the quick brown fox jumps over"))
+    assert al.reflow
+    assert tok.decode(al.draft(24)) == " the lazy dog"

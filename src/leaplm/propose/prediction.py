@@ -39,7 +39,7 @@ from ..verify import VerifyResult
 from .base import Proposal, ProposeContext, Proposer, ProposerBase, ProposerGroup
 
 PREDICTION_K = 32        # the most tokens a row with a prediction drafts a step (the K policy chooses below it)
-TAILS = (32, 16, 8, 4)   # output tail lengths (characters) looked up in the prediction to realign, longest first
+TAILS = (32, 16, 8)   # output tail lengths (characters) looked up in the prediction to realign, longest first
 MIN_BEHIND = 8           # shortest tail that may realign behind the last aligned offset
 MAX_AGREE = 1024         # characters of agreement measured back from a realigned offset
 
@@ -133,6 +133,7 @@ class Aligner:
         self.last = 0                       # the last aligned offset
         self.agree = 0                      # characters of output text agreeing with P just before c
         self._fragments: dict[int, list[int]] = {}   # offset -> its text up to P's next boundary, tokenized
+        self.reflow = False                 # the output wraps lines elsewhere than P: drafts stop at P's line ends
 
     def sync(self, output_ids: list[int]) -> None:
         """Read the output's tokens (all of them; those already read are skipped)."""
@@ -144,7 +145,8 @@ class Aligner:
         P = self.pred.text
         if self.c is not None and d:
             prev_ws = before > 0 and self.out.text[before - 1].isspace()
-            n, self.c = _follow(P, self.c, d, prev_ws)
+            n, self.c, reflowed = _follow(P, self.c, d, prev_ws)
+            self.reflow |= reflowed
             self.agree += n
             self.last = self.c
             if n < len(d):
@@ -185,35 +187,51 @@ class Aligner:
         c, P = self.c, self.pred
         if c is None or c >= len(P.text) or k <= 0:
             return []
+        if self.reflow:
+            # the output chooses its own line breaks: draft up to P's next one (the verified block's own next
+            # token, free, is the output's whitespace there), not past it where a draft is wrong half the time
+            nl = P.text.find("\n", c)
+            end = P.bounds[bisect.bisect_right(P.bounds, nl) - 1] if nl >= 0 else len(P.text)
+            if end <= c:
+                end = min(len(P.text), nl + 1)
+        else:
+            end = len(P.text)
         j = P.starts.get(c)
         if j is not None:
-            return P.ids[j: j + k]
+            stop = P.starts.get(end, len(P.ids))
+            return P.ids[j: min(j + k, stop)]
         b = bisect.bisect_right(P.bounds, c)
         nxt = P.bounds[b] if b < len(P.bounds) else len(P.text)
         frag = self._fragments.get(c)
         if frag is None:
             frag = self._fragments[c] = prediction_ids(self.tokenizer, P.text[c:nxt])
-        rest = P.ids[P.starts[nxt]: P.starts[nxt] + k] if nxt in P.starts else []
+        if nxt > end:
+            return []
+        rest = P.ids[P.starts[nxt]: min(P.starts[nxt] + k, P.starts.get(end, len(P.ids)))] if nxt in P.starts else []
         return (frag + rest)[:k]
 
 
-def _follow(P: str, c: int, d: str, prev_ws: bool) -> tuple[int, int]:
-    """How far the output's new text d continues P from offset c: (characters of d read, the new offset). A
-    whitespace run matches any whitespace run (a line wrapped elsewhere, two spaces as one)."""
-    i, j, n = 0, c, len(P)
+def _follow(P: str, c: int, d: str, prev_ws: bool) -> tuple[int, int, bool]:
+    """How far the output's new text d continues P from offset c: (characters of d read, the new offset, whether
+    the output spelt a line break of P as other whitespace or the other way round). A whitespace run matches any
+    whitespace run (a line wrapped elsewhere, two spaces as one)."""
+    i, j, n, reflowed = 0, c, len(P), False
     while i < len(d):
         a = d[i]
         if j < n and P[j] == a:
             i, j = i + 1, j + 1
         elif a.isspace() and j < n and P[j].isspace():
+            reflowed |= (a == "\n") != (P[j] == "\n")
             i, j = i + 1, j + 1
         elif a.isspace() and j > 0 and P[j - 1].isspace():
+            reflowed |= a == "\n"
             i += 1                                           # more whitespace in the output
         elif j < n and P[j].isspace() and ((i > 0 and d[i - 1].isspace()) or (i == 0 and prev_ws)):
+            reflowed |= P[j] == "\n"
             j += 1                                           # more whitespace in the prediction
         else:
             break
-    return i, j
+    return i, j, reflowed
 
 
 def _fold(text: str) -> tuple[str, list[int]]:
