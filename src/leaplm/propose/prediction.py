@@ -39,7 +39,7 @@ from ..verify import VerifyResult
 from .base import Proposal, ProposeContext, Proposer, ProposerBase, ProposerGroup
 
 PREDICTION_K = 32        # the most tokens a row with a prediction drafts a step (the K policy chooses below it)
-TAILS = (32, 16, 8)   # output tail lengths (characters) looked up in the prediction to realign, longest first
+TAILS = (32, 16, 8, 4)   # output tail lengths (characters) looked up in the prediction to realign, longest first
 MIN_BEHIND = 8           # shortest tail that may realign behind the last aligned offset
 MAX_AGREE = 1024         # characters of agreement measured back from a realigned offset
 
