@@ -37,3 +37,20 @@ def test_prediction_configurations_are_parsed():
     assert [c[0] for c in configs] == ["none", "none +prediction", "suffix k=8 +prediction"]
     assert [c[2].get("predicted", False) for c in configs] == [False, True, True]
     assert parse_methods("none+prediction", 4)[0][0] == "none"       # plain decoding stays the baseline
+
+
+def test_serve_workloads_summary_pairs_each_request_with_none():
+    """Decode rate = tokens after the first / first-to-last seconds; speedups paired by (round, prompt); a text that
+    differs from none's is reported."""
+    from leaplm.bench.serve_workloads import StreamResult, WorkloadSample, summarize
+
+    def s(config, prompt, rnd, tokens, secs, text="same", acc=0, rej=0):
+        return WorkloadSample("edit", config, prompt, rnd, StreamResult(text, tokens, 0.1, secs, acc, rej))
+
+    rows = summarize([s("none", 0, 0, 101, 2.0), s("none +prediction", 0, 0, 101, 1.0, acc=80, rej=10),
+                      s("none", 1, 0, 51, 1.0), s("none +prediction", 1, 0, 51, 0.25, text="other", acc=40)])
+    none, pred = rows
+    assert none["decode_tokens_per_s"] == 50.0 and none["identical_to_none"] is None
+    assert pred["speedup_vs_none"] == 3.0                    # the median of 2x and 4x
+    assert (pred["accepted_prediction_tokens"], pred["rejected_prediction_tokens"]) == (120, 10)
+    assert pred["identical_to_none"] is False
