@@ -93,6 +93,7 @@ def test_tokenizer_and_config_come_back_from_the_cache_unchanged(files, tmp_path
     assert (startup_cache.entry_dir("gguf-tokenizer", k) / "done").exists()
     again_tok, again_cfg = gguf_mod.load_gguf_tokenizer(info), gguf_mod.read_gguf_config(info)
     assert again_tok is not first_tok and again_cfg == first_cfg
+    assert type(again_tok).__name__ == "CachedTokenizer"          # read without transformers
     for t in TEXTS:
         for special in (True, False):
             assert again_tok(t, add_special_tokens=special)["input_ids"] == \
@@ -101,6 +102,10 @@ def test_tokenizer_and_config_come_back_from_the_cache_unchanged(files, tmp_path
     assert (again_tok.bos_token_id, again_tok.eos_token_id) == (first_tok.bos_token_id, first_tok.eos_token_id)
     ids = first_tok(TEXTS[4])["input_ids"]
     assert again_tok.decode(ids) == first_tok.decode(ids)
+    chat = [{"role": "user", "content": "hi"}]
+    assert again_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        first_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert again_tok.get_vocab() == first_tok.get_vocab() and len(again_tok) == len(first_tok)
 
 
 def test_a_changed_file_gets_a_new_cache_key(files, tmp_path):

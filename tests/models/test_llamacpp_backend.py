@@ -44,7 +44,9 @@ def test_auto_puts_speculation_on_quantized_blocks_on_the_kernel(method):
 def test_auto_puts_plain_decoding_there_too_unless_memory_is_short():
     none = auto_backend("none", "Q4_1", None, 10 * 2**20, None)
     assert (none.backend, none.quantization) == ("torch", "gguf") and "plain decoding" in none.reason
-    big = auto_backend("ngram", "Q4_1", None, 28 * 2**30, 24 * 2**30)          # a 7B file dequantized: 28 GiB
+    q4_7b = auto_backend("ngram", "Q4_1", None, 4 * 2**30, 24 * 2**30)          # a 7B Q4_1 file: about 4 GiB
+    assert (q4_7b.backend, q4_7b.quantization) == ("torch", "gguf")             # held as stored, never dequantized
+    big = auto_backend("ngram", "Q4_1", None, 16 * 2**30, 24 * 2**30)
     assert (big.backend, big.quantization) == ("auto", None) and "more than half the memory" in big.reason
 
 

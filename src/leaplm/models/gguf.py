@@ -360,7 +360,6 @@ def load_gguf_tokenizer(info: GGUFInfo, field: str = "model"):
     chat template, add_bos_token): converted by transformers once per file and saved in the start-up cache, then
     loaded from there (the same tokenizer: tests/models/test_gguf_fast.py checks it)."""
     from .. import startup_cache
-    from transformers import AutoTokenizer
 
     k = cache_key(info)
     if k in _tokenizers:
@@ -369,10 +368,12 @@ def load_gguf_tokenizer(info: GGUFInfo, field: str = "model"):
     tok = None
     if (d / "done").exists() and not startup_cache.recalibrating() and not startup_cache.disabled():
         try:
-            tok = AutoTokenizer.from_pretrained(str(d))
-        except (ValueError, KeyError, OSError) as e:
+            tok = CachedTokenizer(d)
+        except (ValueError, KeyError, OSError, Exception) as e:  # noqa: B014  (tokenizers raises its own types)
             log.info("start-up cache: tokenizer at %s unreadable (%s); converting the file's again", d, e)
     if tok is None:
+        from transformers import AutoTokenizer
+
         try:
             tok = AutoTokenizer.from_pretrained(str(info.path.parent), gguf_file=info.path.name)
         except (ValueError, KeyError, OSError) as e:
@@ -393,3 +394,55 @@ def load_gguf_tokenizer(info: GGUFInfo, field: str = "model"):
                 log.info("start-up cache: cannot keep the tokenizer in %s (%s)", d, e)
     _tokenizers[k] = tok
     return tok
+
+
+def _token_text(t) -> str | None:
+    return t.get("content") if isinstance(t, dict) else t
+
+
+class CachedTokenizer:
+    """A GGUF file's tokenizer as transformers converted and saved it (tokenizer.json, tokenizer_config.json,
+    chat_template.jinja), read with the `tokenizers` library alone: encoding, the special tokens' ids and the chat
+    template without importing transformers (about a second of start-up). Encoding is the Rust tokenizer's own, as
+    in transformers' fast tokenizers; anything else (apply_chat_template, get_vocab, convert_ids_to_tokens, ...)
+    loads the transformers tokenizer from the same files on first use and is answered by it."""
+
+    def __init__(self, d: Path):
+        from tokenizers import Tokenizer
+
+        self._dir = d
+        self._full = None
+        self.backend_tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        tmpl = d / "chat_template.jinja"
+        self.chat_template = tmpl.read_text() if tmpl.exists() else cfg.get("chat_template")
+        self.bos_token, self.eos_token = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self.backend_tokenizer.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.backend_tokenizer.token_to_id(self.eos_token)
+
+    def __call__(self, text, add_special_tokens: bool = True, **kw):
+        if kw or not isinstance(text, str):
+            return self.transformers_tokenizer()(text, add_special_tokens=add_special_tokens, **kw)
+        return {"input_ids": self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids}
+
+    def transformers_tokenizer(self):
+        """The transformers tokenizer from the same files (loaded once, on first need)."""
+        if self._full is None:
+            from transformers import AutoTokenizer
+
+            self._full = AutoTokenizer.from_pretrained(str(self._dir))
+        return self._full
+
+    def __len__(self) -> int:
+        return len(self.transformers_tokenizer())
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("_full", "_dir", "backend_tokenizer"):
+            raise AttributeError(name)
+        return getattr(self.transformers_tokenizer(), name)

@@ -265,22 +265,23 @@ def available_memory() -> int | None:
 
 
 def auto_backend(method: str, weight_type: str | None, kernel_unavailable: str | None,
-                 fp32_bytes: int = 0, free_bytes: int | None = None) -> BackendChoice:
+                 file_bytes: int = 0, free_bytes: int | None = None) -> BackendChoice:
     """`--backend auto` for a GGUF target on the CPU with nothing else asking for a path (no --quantization,
     float32): leaplm's int8 kernel (torch, quantization 'gguf') for a Q8_0/Q4_0/Q4_1 file, every method, because
     there a verify block costs far less than on libllama and one token no more (measured on SmolLM2: kernel
     vs libllama in one run, docs/backends.md); otherwise load_model's usual choice (libllama when it is
     installed). weight_type: kernel_weight_type of the file; kernel_unavailable: why the kernel cannot be built
-    here (kernels/build.unavailable_reason), None when it can; fp32_bytes: the file's weights dequantized (the
-    kernel path reads them so before packing its blocks); free_bytes: memory available (None: unknown)."""
+    here (kernels/build.unavailable_reason), None when it can; file_bytes: the file's tensors as stored (the
+    kernel holds its blocks as they are, with fp32 scales: about 1.25x the file; models/gguf_kernel.py);
+    free_bytes: memory available (None: unknown)."""
     if weight_type is None:
         return BackendChoice("auto", None, "the file's matrices are not all Q8_0/Q4_0/Q4_1, the types leaplm's "
                                            "int8 kernel takes")
     if kernel_unavailable is not None:
         return BackendChoice("auto", None, f"leaplm's int8 kernel cannot be built here ({kernel_unavailable})")
-    if free_bytes is not None and 2 * fp32_bytes > free_bytes:
-        return BackendChoice("auto", None, f"packing the file for leaplm's int8 kernel reads it dequantized "
-                                           f"({fp32_bytes / 2**30:.1f} GiB), more than half the memory available "
+    if free_bytes is not None and 2 * file_bytes > free_bytes:
+        return BackendChoice("auto", None, f"the file's blocks for leaplm's int8 kernel ({file_bytes / 2**30:.1f} "
+                                           f"GiB as stored) take more than half the memory available "
                                            f"({free_bytes / 2**30:.1f} GiB)")
     what = ("plain decoding: one token costs no more" if method == "none" else
             f"method {method} verifies blocks of tokens, which cost far less")
@@ -313,7 +314,7 @@ def choose_target_backend(name: str, method: str, backend: str = "auto", device:
     types = info.tensor_types
     weight_type = kernel_weight_type(types) if all(t in TENSOR_TYPES for t in types.values()) else None
     choice = auto_backend(method, weight_type, unavailable_reason() if weight_type else None,
-                          4 * info.n_elements, available_memory())
+                          info.n_bytes, available_memory())
     if choice.backend != "auto":
         return choice
     from .llamacpp import available
