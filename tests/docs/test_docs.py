@@ -26,11 +26,32 @@ HISTORY = [
     (r"\bwork periods?\b", "a work period"),
 ]
 
+# What code, tests and reference docs narrate when they describe a change instead of the software (CHANGELOG.md
+# may: it lists changes by date). A targeted list, not a ban on ordinary words.
+CHANGE_HISTORY = [
+    (r"\brefactor(ed|ing|s)?\b", "a refactor"),
+    (r"\bthe issue'?s (goal|aim|ask)\b", "an issue's goal"),
+    (r"\b(its|their|the) (old|former|previous) (home|name|location|module|place)\b", "a former home"),
+    (r"\bused to (be|live|return|call|take|raise|run)\b", "what the code used to do"),
+    (r"\b(previously|formerly)\b", "what the code did before"),
+    (r"\bbackwards? compat(ibility|ible)?\b", "a compatibility shim"),
+    (r"\b(fit|for|during|in|within) the session\b|\bthe session'?s deadline\b", "a work session"),
+    (r"\b(is|are) now (not )?(made|done|computed|handled|checked|refused|priced|kept|taken|used|called|raised)\b",
+     "a change narrated as 'now'"),
+    (r"\(was [^)]*\)", "an earlier value in parentheses"),
+    (r"\b(before|after|since|until) (this|the) (change|fix|refactor|rewrite)\b", "a change narrated"),
+    (r"\bthe lead\b(?! time)|\bthe brief\b", "the team's work"),
+]
+COMMIT_ID = HISTORY[4]
+# Code and tests, and the shipped models' cards; this file is left out (its negative controls are history on purpose).
+CODE = [p for p in [*sorted((ROOT / "src").rglob("*.py")), *sorted((ROOT / "tests").rglob("*.py")),
+                    *sorted((ROOT / "src").rglob("*.md"))] if p != Path(__file__).resolve()]
 
-def history_findings(text: str) -> list[str]:
+
+def history_findings(text: str, patterns=HISTORY) -> list[str]:
     found = []
     for n, line in enumerate(text.splitlines(), 1):
-        for pattern, what in HISTORY:
+        for pattern, what in patterns:
             m = re.search(pattern, line, flags=re.I)
             if m:
                 found.append(f"{n}: {what}: {m.group(0)!r}")
@@ -41,6 +62,33 @@ def history_findings(text: str) -> list[str]:
 def test_no_work_history_in_the_prose(path):
     found = history_findings(path.read_text())
     assert not found, f"{path.relative_to(ROOT)} narrates the work, not the software:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("path", [p for p in PROSE if p.name != "CHANGELOG.md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_change_history_in_the_docs(path):
+    found = history_findings(path.read_text(), CHANGE_HISTORY)
+    assert not found, f"{path.relative_to(ROOT)} narrates a change, not the software:\n" + "\n".join(found)
+
+
+def test_no_work_history_in_code_tests_or_model_cards():
+    """Comments, docstrings, test names and the shipped cards describe the software. Hex digests (weights'
+    sha256) look like commit ids, so that one pattern is left to the prose check."""
+    patterns = [h for h in HISTORY if h is not COMMIT_ID] + CHANGE_HISTORY
+    found = [f"{p.relative_to(ROOT)}:{f}" for p in CODE for f in history_findings(p.read_text(), patterns)]
+    assert not found, "code, tests or model cards narrate the work, not the software:\n" + "\n".join(found)
+
+
+def test_change_history_check_catches_narration_and_passes_reference_text():
+    """Negative control for CHANGE_HISTORY: each pattern fires on the sentence it is for, not on reference code."""
+    for bad in ("re-exported: its home before the refactor", "The issue's goal on simulated machines",
+                "it used to return a tuple", "previously the step did this", "kept for backward compatibility",
+                "stopped at its checkpoint to fit the session", "A probe is now made only while it pays",
+                "acceptance 0.261 (was 0.231)", "slower before the fix", "as the lead asked"):
+        assert history_findings(bad, CHANGE_HISTORY), bad
+    for good in ('@pytest.fixture(scope="session")', "now = time.perf_counter()", "429 for one that cannot fit now",
+                 "its proposals are now accepted whole", "a cache that was cropped", "the lead time of a request",
+                 "the old one until they finish", "what was in flight does not count"):
+        assert not history_findings(good, CHANGE_HISTORY), good
 
 
 def test_history_check_catches_history_and_passes_reference_text():

@@ -410,7 +410,7 @@ def simulate(truths: list[Truth], shape, noise: list[float], fixed_k: int | None
 @pytest.mark.parametrize("shape", [flat, cpu_step, linear])
 @pytest.mark.parametrize("proposer", ["ngram", "draft 0.75", "draft 0.4", "draft 0.1"])
 def test_adaptive_k_is_within_5_percent_of_the_best_fixed_k_and_never_below_k0(proposer, shape, seed):
-    """The issue's goal on simulated proposers and machines: the policy in the loop (its own acceptance and cost
+    """Adaptive K's promise on simulated proposers and machines: the policy in the loop (its own acceptance and cost
     estimates, noisy forwards, a load change half-way) against every fixed K from 1 to 8 and against K = 0, over
     the same steps (the same truths and noise whatever K)."""
     rng = random.Random(seed)

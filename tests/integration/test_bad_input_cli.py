@@ -1,4 +1,4 @@
-"""Bad input at load (issue 10): a missing file, a directory without config, a file that is not GGUF, an
+"""Bad input at load: a missing file, a directory without config, a file that is not GGUF, an
 unsupported GGUF architecture or tensor type, a draft whose tokenizer disagrees: one line naming the file and the
 field, exit code 2, never a traceback, from generate and from serve (which checks before it starts)."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """FastRMSNorm (the decoder's hot-path RMSNorm) must equal F.rms_norm bit for bit: greedy output of every
-model depends on it, and the engine's promise is identity with plain decoding as it was computed before."""
+model depends on it, so the faster norm must not move a single bit of any model's logits."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -22,7 +22,6 @@ from ..propose.prediction import check_prediction
 from ..propose.registry import make_proposer_factory
 from ..structured.state import GrammarState, GrammarVocab
 from .kpolicy.estimates import Estimates
-from .commit import token_logprobs  # noqa: F401  (re-exported: its home before the refactor)
 from .request import StreamChunk, TokenLogprob
 from .startup_checks import cached_calibrate, cached_check_threads
 from .step import Batch

@@ -74,8 +74,8 @@ class Overrun:
     predicted seconds of each; their ratio (at least 1, once 3 drafting steps are measured) scales the predicted
     seconds of drafting. The prediction prices chain forwards and a proposal per drafted token; a tree proposal
     (several head levels whatever K, the race over the vocabulary at each node), its tree-masked forward, or a
-    head catching up on the context it skipped at K = 0 cost more (with K ~ 0 on the embedded target the head
-    methods ran at 0.87-0.97x plain decoding before drafting was priced this way)."""
+    head catching up on the context it skipped at K = 0 cost more (unpriced, those costs held the head methods at
+    0.87-0.97x plain decoding with K ~ 0 on the embedded target)."""
     slack: float = 0.05            # what the ratio of the two noisy EMAs shows of noise alone: not charged
     drafting: float | None = None
     plain: float | None = None
