@@ -133,3 +133,22 @@ def test_tensor_running_past_the_end_is_refused_naming_the_file(files, tmp_path)
     t.write_bytes(data[:-100])
     with pytest.raises(ConfigError, match="short.gguf.*truncated"):
         parse_gguf(t)
+
+
+def test_shipped_tokenizers_read_without_transformers_encode_as_transformers_does():
+    from transformers import AutoTokenizer
+
+    from leaplm.models.embedded import available
+    from leaplm.models.loading import load_tokenizer
+
+    dirs = {n: p for n, p in available().items() if (p / "tokenizer.json").exists()}
+    assert "target" in dirs
+    for name, path in dirs.items():
+        fast, ref = load_tokenizer(path), AutoTokenizer.from_pretrained(str(path))
+        assert type(fast).__name__ == "CachedTokenizer", name
+        for t in TEXTS:
+            for special in (True, False):
+                assert fast(t, add_special_tokens=special)["input_ids"] == \
+                    ref(t, add_special_tokens=special)["input_ids"], (name, t, special)
+        assert (fast.bos_token_id, fast.eos_token_id, fast.chat_template) == \
+            (ref.bos_token_id, ref.eos_token_id, ref.chat_template), name

@@ -162,6 +162,9 @@ class EngineOptions:
     threads: Optional[int] = _option(None, "--threads", "-t", help="torch CPU threads (default: torch's choice).")
     backend: str = _option("auto", "--backend", help="What runs a GGUF model's forwards: auto (libllama when the "
                            "llamacpp extra is installed, see docs/backends.md) | llamacpp | torch.")
+    recalibrate: bool = _option(False, "--recalibrate", help="Measure the start-up checks again (cost "
+                                "calibration, thread check, batch invariance, SIMD path) instead of reading them from "
+                                "the start-up cache (docs/startup.md).")
 
 
 def engine_options(*, without: tuple[str, ...] = ()) -> Callable:
@@ -188,6 +191,10 @@ def engine_options(*, without: tuple[str, ...] = ()) -> Callable:
         @functools.wraps(fn)
         def command(*args, **kwargs):
             options = EngineOptions(**{name: kwargs.pop(name) for name in taken})
+            if options.recalibrate:
+                from ..startup_cache import set_recalibrate
+
+                set_recalibrate(True)
             return fn(*args, options=options, **kwargs)
 
         # the command's arguments, then the engine's options (what runs), then the command's own options

@@ -120,6 +120,15 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer. The shipped models' (saved by transformers' fast tokenizer) are read with the
+    tokenizers library alone (gguf.CachedTokenizer: no transformers import at start-up)."""
+    from .embedded import EMBEDDED_DIR
+
+    if Path(path).resolve().parent == EMBEDDED_DIR and (Path(path) / "tokenizer.json").exists() \
+            and (Path(path) / "tokenizer_config.json").exists():
+        from .gguf import CachedTokenizer
+
+        return CachedTokenizer(Path(path))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
