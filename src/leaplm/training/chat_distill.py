@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from .distill import DistillStepLog
+from .loop import Checkpoint, LoopConfig, Schedule, StepResult, Trainer, adamw
 
 log = logging.getLogger(__name__)
 
@@ -400,15 +400,6 @@ def text_ce(draft, x: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
 
 # ---- training ----------------------------------------------------------------------------------------------
 
-def _lr(step: int, cfg: ChatDistillConfig) -> float:
-    import math
-
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
-
-
 @torch.no_grad()
 def evaluate(draft, rows: list[ChatRow], t2d: torch.Tensor, cfg: ChatDistillConfig) -> ChatLoss | None:
     if not rows:
@@ -450,29 +441,14 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
              "%d covers %.3f of held-out answer tokens", len(shards.train), shards.answer_tokens(),
              len(shards.valid), shards.temperatures, len(d2t), cov)
     draft = build_draft(cfg, d2t, None if cut_layers(cfg.shape) else target_embedding(cfg.model), tok.eos_token_id)
-    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    state_path = out / "train_state.pt"
-    start, tokens_seen, elapsed, rng = 0, 0, 0.0, random.Random(cfg.seed)
-    if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        draft.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        start, tokens_seen, elapsed = st["step"], st["tokens_seen"], st["elapsed_s"]
-        rng.setstate(st["rng"])
-        log.info("resumed at step %d", start)
     n_params = sum(p.numel() for p in draft.parameters())
     with (out / "train_config.json").open("w") as f:
         json.dump(asdict(cfg) | {"kind": "distill-chat", "target_dir": cfg.model, "n_params": n_params,
                                  "train_tokens_available": shards.answer_tokens(), "vocab_coverage": cov,
                                  "shard_temperatures": shards.temperatures}, f, indent=1)
-    log_f = (out / "train_log.jsonl").open("a")
-    draft.train()
-    last = None
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        lr = _lr(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
+    rng = random.Random(cfg.seed)
+
+    def step(i: int) -> StepResult:
         r, loss, n_tok = None, torch.zeros(()), 0
         if shards.train:
             b = make_batch(rng.sample(shards.train, min(cfg.batch_size, len(shards.train))), t2d)
@@ -481,35 +457,21 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
         if text is not None:
             loss = loss + cfg.text_weight * text_ce(draft, text.batch(rng, cfg.batch_size, cfg.text_seq_len), t2d)
             n_tok += cfg.batch_size * cfg.text_seq_len
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"step {step + 1}: the loss is {loss.item()}; stopped before the checkpoint "
-                                     f"(the last one is in {out})")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        elapsed += dt
-        tokens_seen += n_tok
-        s = DistillStepLog(step + 1, cfg.steps, loss.item(), lr, tokens_seen, n_tok / dt, elapsed,
-                           kl=r.kl.item() if r else 0.0, ce=r.ce.item() if r else 0.0,
-                           agree=r.agree.item() if r else None)
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            ev = evaluate(draft, shards.valid, t2d, cfg)
-            if ev is not None:
-                s.eval_loss, s.eval_kl, s.eval_agree = ev.ce.item(), ev.kl.item(), ev.agree.item()
-                s.eval_overlap = ev.overlap.item()
-        log_f.write(json.dumps(asdict(s)) + "\n")
-        log_f.flush()
-        if on_step:
-            on_step(s)
-        last = s
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            save_draft(draft, d2t, tok, out, cfg.model)
-            torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                        "tokens_seen": tokens_seen, "elapsed_s": elapsed, "rng": rng.getstate()}, state_path)
-    log_f.close()
-    return last
+        return StepResult(loss, n_tok, dict(kl=r.kl.item() if r else 0.0, ce=r.ce.item() if r else 0.0,
+                                            agree=r.agree.item() if r else None))
+
+    def evaluate_log(s: DistillStepLog) -> None:
+        ev = evaluate(draft, shards.valid, t2d, cfg)
+        if ev is not None:
+            s.eval_loss, s.eval_kl, s.eval_agree = ev.ce.item(), ev.kl.item(), ev.agree.item()
+            s.eval_overlap = ev.overlap.item()
+
+    return Trainer(draft, adamw(draft.parameters(), cfg.lr, cfg.weight_decay),
+                   LoopConfig(cfg.steps, Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps), cfg.grad_clip,
+                              cfg.save_every, cfg.eval_every),
+                   step, DistillStepLog, Checkpoint(out / "train_state.pt"), out / "train_log.jsonl", rng,
+                   evaluate=evaluate_log, on_checkpoint=lambda _: save_draft(draft, d2t, tok, out, cfg.model),
+                   on_step=on_step).run()
 
 
 def _target_tokenizer(model: str):

@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import random
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -36,8 +35,9 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from .corpus import TokenStream, corpus_texts
+from .loop import Checkpoint, LoopConfig, Schedule, StepLog, StepResult, Trainer, adamw
 from .presets import PRESETS, llama_config
-from .pretrain import StepLog, load_tokenizer, lr_at, save_hf
+from .pretrain import load_tokenizer, save_hf
 
 log = logging.getLogger(__name__)
 
@@ -308,37 +308,16 @@ def distill(cfg: DistillConfig,
     steps = max(1, cfg.tokens // per_step)
 
     out.mkdir(parents=True, exist_ok=True)
-    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    state_path = out / "train_state.pt"
-    start, tokens_seen, elapsed, rng = 0, 0, 0.0, random.Random(cfg.seed)
-    if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        draft.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        start, tokens_seen, elapsed = st["step"], st["tokens_seen"], st["elapsed_s"]
-        rng.setstate(st["rng"])
-        log.info("resumed at step %d", start)
-    available = shards.train_tokens if shards else len(train)
-    with (out / "train_config.json").open("w") as f:
-        json.dump(asdict(cfg) | {"kind": "distill", "steps": steps,
-                                 "n_params": sum(p.numel() for p in draft.parameters()),
-                                 "target_n_params": _n_params(cfg.target_dir, target),
-                                 "train_tokens_available": available}, f, indent=1)
-    log_f = (out / "train_log.jsonl").open("a")
-    draft.train()
-    last = None
+    rng = random.Random(cfg.seed)
     long_from = int(steps * (1 - cfg.long_fraction))
-    for step in range(start, steps):
-        t0 = time.perf_counter()
-        lr = lr_at(step, cfg, steps)  # same warm-up + cosine as pretraining
-        for g in opt.param_groups:
-            g["lr"] = lr
+
+    def step(i: int) -> StepResult:
         if shards is not None:
             b = shards.batch(rng, cfg.batch_size)
             r = _cached_step(draft, b, cfg)
             n_tok = b.topk_ids.shape[0] * b.new_tokens
         else:
-            if step >= long_from and cfg.long_seq_len > cfg.seq_len:
+            if i >= long_from and cfg.long_seq_len > cfg.seq_len:
                 x = train.batch(rng, max(1, cfg.batch_size * cfg.seq_len // cfg.long_seq_len), cfg.long_seq_len)
             else:
                 x = train.batch(rng, cfg.batch_size, cfg.seq_len)  # [batch, seq]
@@ -346,34 +325,28 @@ def distill(cfg: DistillConfig,
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
                 r = distill_loss(draft(input_ids=x).logits, logp, x, cfg.alpha)
             n_tok = x.numel()
-        r.loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        elapsed += dt
-        tokens_seen += n_tok
-        last = DistillStepLog(step + 1, steps, r.loss.item(), lr, tokens_seen, n_tok / dt, elapsed,
-                              kl=r.kl.item(), ce=r.ce.item(),
-                              agree=r.agree.item() if isinstance(r, CachedLoss) else None)
-        done = step + 1 == steps
-        if (step + 1) % cfg.eval_every == 0 or done:
-            if shards is not None and shards.valid:
-                ev = eval_cached(draft, shards, cfg, cfg.eval_batches)
-                last.eval_loss, last.eval_kl, last.eval_agree, last.eval_overlap = ev.ce, ev.kl, ev.agree, ev.overlap
-            elif held is not None:
-                ev = eval_distill(draft, target, held, cfg, cfg.eval_batches)
-                last.eval_loss, last.eval_kl = ev.ce, ev.kl
-        log_f.write(json.dumps(asdict(last)) + "\n")
-        log_f.flush()
-        if on_step:
-            on_step(last)
-        if (step + 1) % cfg.save_every == 0 or done:
-            torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                        "tokens_seen": tokens_seen, "elapsed_s": elapsed, "rng": rng.getstate()},
-                       str(state_path) + ".tmp")
-            Path(str(state_path) + ".tmp").replace(state_path)
-    log_f.close()
+        return StepResult(r.loss, n_tok, dict(kl=r.kl.item(), ce=r.ce.item(),
+                                              agree=r.agree.item() if isinstance(r, CachedLoss) else None))
+
+    def evaluate(s: DistillStepLog) -> None:
+        if shards is not None and shards.valid:
+            ev = eval_cached(draft, shards, cfg, cfg.eval_batches)
+            s.eval_loss, s.eval_kl, s.eval_agree, s.eval_overlap = ev.ce, ev.kl, ev.agree, ev.overlap
+        elif held is not None:
+            ev = eval_distill(draft, target, held, cfg, cfg.eval_batches)
+            s.eval_loss, s.eval_kl = ev.ce, ev.kl
+
+    available = shards.train_tokens if shards else len(train)
+    with (out / "train_config.json").open("w") as f:
+        json.dump(asdict(cfg) | {"kind": "distill", "steps": steps,
+                                 "n_params": sum(p.numel() for p in draft.parameters()),
+                                 "target_n_params": _n_params(cfg.target_dir, target),
+                                 "train_tokens_available": available}, f, indent=1)
+    last = Trainer(draft, adamw(draft.parameters(), cfg.lr, cfg.weight_decay),
+                   LoopConfig(steps, Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, steps), cfg.grad_clip,
+                              cfg.save_every, cfg.eval_every),
+                   step, DistillStepLog, Checkpoint(out / "train_state.pt"), out / "train_log.jsonl", rng,
+                   evaluate=evaluate, on_step=on_step).run()
     save_hf(draft, tok, out)
     return last
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,6 +32,7 @@ from ..heads.checkpoint import identity_of, save_head
 from ..heads.eagle_net import EagleConfig, EagleNet
 from .corpus import TokenStream, corpus_texts
 from .head_data import PassStats, TargetBatch
+from .loop import Checkpoint, LoopConfig, Schedule, StepLog, StepResult, Trainer, adamw
 
 log = logging.getLogger(__name__)
 
@@ -102,18 +101,11 @@ class EagleTrainConfig:
 
 
 @dataclass
-class EagleStepLog:
-    step: int
-    steps: int
-    loss: float
-    lr: float
-    tokens_seen: int
-    tokens_per_s: float
-    elapsed_s: float
+class EagleStepLog(StepLog):
+    """StepLog.eval_loss is the held-out KL at pass 1."""
     kl: float = 0.0
     temperature: float = 0.0
     agree: list[float] = field(default_factory=list)      # per pass: argmax q == argmax p (train batch)
-    eval_loss: float | None = None                        # held-out KL at pass 1
     eval_accept: list[float] | None = None                # held-out 1 - TV(p, q) per pass
     eval_agree: float | None = None                       # held-out greedy agreement at pass 1
 
@@ -215,13 +207,6 @@ def head_losses(net: EagleNet, embed: torch.Tensor, lm_head: torch.Tensor, b: Ta
     return out
 
 
-def lr_at(step: int, cfg: EagleTrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
-
-
 def _load_target(target_dir: str):
     from ..models.loading import load_model
 
@@ -272,7 +257,8 @@ def train_eagle(cfg: EagleTrainConfig, on_step: Callable[[EagleStepLog], None] |
     lm_head = model.lm_head.weight.detach().float()                # [V, hid]
     rng = random.Random(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
-    st = torch.load(ck / "state.pt", weights_only=False) if (ck / "state.pt").exists() else None
+    checkpoint = Checkpoint(ck / "state.pt", model_key="net")
+    st = checkpoint.read()
 
     def fresh(temp: float) -> tuple[float, TargetBatch]:
         """A new batch: the target's answers (chat), its continuations, or (corpus_fraction) a scored window."""
@@ -312,18 +298,6 @@ def train_eagle(cfg: EagleTrainConfig, on_step: Callable[[EagleStepLog], None] |
             with torch.no_grad():
                 net.lm_head.weight.copy_(lm_head[vocab_ids])
         losses = lambda b: head_losses(net, embed, lm_head, b, cfg.unroll, cfg.feature_weight)   # noqa: E731
-    opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    start, tokens_seen, elapsed0 = 0, 0, 0.0
-    logf = out / "train_log.jsonl"
-    if st is not None:
-        net.load_state_dict(st["net"])
-        opt.load_state_dict(st["opt"])
-        start, tokens_seen, elapsed0 = st["step"], st["tokens_seen"], st["elapsed_s"]
-        rng.setstate(st["rng"])
-        gen.set_state(st["gen"])
-        log.info("resumed from step %d", start)
-    else:
-        logf.write_text("")
     (out / "train_config.json").write_text(json.dumps({"recipe": cfg.kind, **asdict(cfg)}, indent=2))
     eval_batch = None
     if cfg.chat:
@@ -337,15 +311,24 @@ def train_eagle(cfg: EagleTrainConfig, on_step: Callable[[EagleStepLog], None] |
         extra["draft_vocab_coverage"] = _coverage(eval_batch, vocab_ids)
         log.info("draft vocabulary of %d tokens covers %.3f of the held-out answers' tokens", len(vocab_ids),
                  extra["draft_vocab_coverage"])
-    t_run = time.perf_counter()
-    last = None
 
-    def save(step: int) -> None:
-        torch.save({"net": net.state_dict(), "opt": opt.state_dict(), "step": step, "tokens_seen": tokens_seen,
-                    "elapsed_s": elapsed0 + time.perf_counter() - t_run, "rng": rng.getstate(),
-                    "gen": gen.get_state()}, ck / "state.pt.tmp")
-        (ck / "state.pt.tmp").replace(ck / "state.pt")
-        export(step)
+    def step(i: int) -> StepResult:
+        if i % cfg.reuse == 0 or not buffer:
+            temp, b = fresh(cfg.temperatures[(i // cfg.reuse) % len(cfg.temperatures)])
+            buffer.append((temp, b))
+            del buffer[:-cfg.replay]
+        else:
+            temp, b = buffer[rng.randrange(len(buffer))]
+        passes = losses(b)
+        wsum = sum(cfg.decay ** j for j in range(len(passes)))
+        loss = sum(cfg.decay ** j * p.loss for j, p in enumerate(passes)) / wsum
+        n_tok = b.ids.numel() if b.loss_mask is None else int(b.loss_mask.sum())
+        return StepResult(loss, n_tok, dict(kl=passes[0].kl, temperature=temp, agree=[p.agree for p in passes]))
+
+    def evaluate(s: EagleStepLog) -> None:
+        with torch.no_grad():
+            ev = losses(eval_batch)
+        s.eval_loss, s.eval_accept, s.eval_agree = ev[0].kl, [p.accept for p in ev], ev[0].agree
 
     def export(step: int) -> None:
         save_head(out, cfg.kind, hcfg.to_dict(), identity_of(loaded), net.state_dict(),
@@ -354,45 +337,12 @@ def train_eagle(cfg: EagleTrainConfig, on_step: Callable[[EagleStepLog], None] |
 
         write_head_card(out)
 
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        if step % cfg.reuse == 0 or not buffer:
-            temp, b = fresh(cfg.temperatures[(step // cfg.reuse) % len(cfg.temperatures)])
-            buffer.append((temp, b))
-            del buffer[:-cfg.replay]
-        else:
-            temp, b = buffer[rng.randrange(len(buffer))]
-        lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        passes = losses(b)
-        wsum = sum(cfg.decay ** i for i in range(len(passes)))
-        loss = sum(cfg.decay ** i * p.loss for i, p in enumerate(passes)) / wsum
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
-        opt.step()
-        n_tok = b.ids.numel() if b.loss_mask is None else int(b.loss_mask.sum())
-        tokens_seen += n_tok
-        now = time.perf_counter()
-        last = EagleStepLog(step + 1, cfg.steps, float(loss.detach()), lr, tokens_seen, n_tok / (now - t0),
-                            elapsed0 + now - t_run, passes[0].kl, temp, [p.agree for p in passes])
-        if eval_batch is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            with torch.no_grad():
-                ev = losses(eval_batch)
-            last.eval_loss, last.eval_accept, last.eval_agree = ev[0].kl, [p.accept for p in ev], ev[0].agree
-        with logf.open("a") as f:
-            f.write(json.dumps(asdict(last)) + "\n")
-        if on_step:
-            on_step(last)
-        done = step + 1 == cfg.steps
-        over = cfg.max_minutes is not None and now - t_run > 60 * cfg.max_minutes
-        if (step + 1) % cfg.save_every == 0 or done or over:
-            save(step + 1)
-        if over:
-            log.info("stopping at step %d: --max-minutes %.1f reached", step + 1, cfg.max_minutes)
-            break
-    return last
+    return Trainer(net, adamw(net.parameters(), cfg.lr, cfg.weight_decay),
+                   LoopConfig(cfg.steps, Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps), cfg.grad_clip,
+                              cfg.save_every, cfg.eval_every, cfg.max_minutes),
+                   step, EagleStepLog, checkpoint, out / "train_log.jsonl", rng, generator=gen,
+                   evaluate=evaluate if eval_batch is not None else None, on_checkpoint=export,
+                   on_step=on_step).run()
 
 
 def _answer_tokens(b: TargetBatch) -> torch.Tensor:

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from .corpus import TokenStream, corpus_texts
+from .loop import Checkpoint, LoopConfig, Schedule, StepLog, StepResult, Trainer, adamw
 from .presets import llama_config
 
 log = logging.getLogger(__name__)
@@ -56,26 +55,6 @@ class PretrainConfig:
     @property
     def steps(self) -> int:
         return max(1, self.tokens // (self.batch_size * self.seq_len))
-
-
-@dataclass
-class StepLog:
-    step: int
-    steps: int
-    loss: float
-    lr: float
-    tokens_seen: int
-    tokens_per_s: float
-    elapsed_s: float
-    eval_loss: float | None = None
-
-
-def lr_at(step: int, cfg: PretrainConfig, steps: int | None = None) -> float:
-    """Linear warm-up then cosine decay to min_lr over `steps` (default cfg.steps)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = (step - cfg.warmup_steps) / max(1, (steps or cfg.steps) - cfg.warmup_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
 def load_tokenizer(tokenizer_dir: str):
@@ -129,55 +108,29 @@ def pretrain(cfg: PretrainConfig, on_step: Callable[[StepLog], None] | None = No
 
     config = llama_config(cfg.preset, vocab_size=len(tok), eos_id=tok.eos_token_id)
     model = LlamaForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    state_path = out / "train_state.pt"
-    start, tokens_seen, elapsed, rng = 0, 0, 0.0, random.Random(cfg.seed)
-    if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        start, tokens_seen, elapsed = st["step"], st["tokens_seen"], st["elapsed_s"]
-        rng.setstate(st["rng"])
-        log.info("resumed at step %d", start)
+    long_from = int(cfg.steps * (1 - cfg.long_fraction))
+    rng = random.Random(cfg.seed)
+
+    def step(i: int) -> StepResult:
+        if i >= long_from and cfg.long_seq_len > cfg.seq_len:
+            x = train.batch(rng, max(1, cfg.batch_size * cfg.seq_len // cfg.long_seq_len), cfg.long_seq_len)
+        else:
+            x = train.batch(rng, cfg.batch_size, cfg.seq_len)           # [batch, seq]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            loss = model(input_ids=x, labels=x).loss
+        return StepResult(loss, x.numel())
+
+    def evaluate(s: StepLog) -> None:
+        s.eval_loss = eval_loss(model, held, cfg, cfg.eval_batches)
+
+    trainer = Trainer(model, adamw(model.parameters(), cfg.lr, cfg.weight_decay),
+                      LoopConfig(cfg.steps, Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.steps), cfg.grad_clip,
+                                 cfg.save_every, cfg.eval_every),
+                      step, StepLog, Checkpoint(out / "train_state.pt"), out / "train_log.jsonl", rng,
+                      evaluate=evaluate if held is not None else None, on_step=on_step)
     with (out / "train_config.json").open("w") as f:
         json.dump(asdict(cfg) | {"n_params": sum(p.numel() for p in model.parameters()),
                                  "train_tokens_available": len(train)}, f, indent=1)
-    log_f = (out / "train_log.jsonl").open("a")
-    model.train()
-    last = None
-    long_from = int(cfg.steps * (1 - cfg.long_fraction))
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        if step >= long_from and cfg.long_seq_len > cfg.seq_len:
-            bs = max(1, cfg.batch_size * cfg.seq_len // cfg.long_seq_len)
-            x = train.batch(rng, bs, cfg.long_seq_len)
-        else:
-            x = train.batch(rng, cfg.batch_size, cfg.seq_len)
-        lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        elapsed += dt
-        tokens_seen += x.numel()
-        last = StepLog(step + 1, cfg.steps, loss.item(), lr, tokens_seen, x.numel() / dt, elapsed)
-        done = step + 1 == cfg.steps
-        if held is not None and ((step + 1) % cfg.eval_every == 0 or done):
-            last.eval_loss = eval_loss(model, held, cfg, cfg.eval_batches)
-        log_f.write(json.dumps(asdict(last)) + "\n")
-        log_f.flush()
-        if on_step:
-            on_step(last)
-        if (step + 1) % cfg.save_every == 0 or done:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                        "tokens_seen": tokens_seen, "elapsed_s": elapsed, "rng": rng.getstate()},
-                       str(state_path) + ".tmp")
-            Path(str(state_path) + ".tmp").replace(state_path)
-    log_f.close()
+    last = trainer.run()
     save_hf(model, tok, out)
     return last
