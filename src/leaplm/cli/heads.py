@@ -10,7 +10,8 @@ import typer
 
 from ..training.eagle import EagleTrainConfig
 from .common import StepProgress, out, setup_training, user_errors
-from .train import Threads, acceptance_rows, check_corpus, train_app
+from .train import Threads, acceptance_rows, train_app
+from .train_options import HEAD_RUN, LOOP
 
 
 def _e(name: str, help: str, **kw):
@@ -34,89 +35,63 @@ class HeadProgress(StepProgress):
             self.progress.console.log(f"  held-out acceptance by draft position: {acc}")
 
 
+TARGET = typer.Option(..., "--target", callback=_check_target, help="The target: checkpoint directory or .gguf file.")
+OUT = typer.Option(..., "--out", help="Head directory (rerun to resume from its checkpoint).")
+TEMPERATURES = typer.Option("0,0.8,1.0", help="Generation temperatures, cycled per batch (0 = greedy).")
+
+
 @train_app.command("eagle")
+@LOOP.options(EagleTrainConfig, into="loop")
+@HEAD_RUN.options(EagleTrainConfig, into="run")
 def eagle_cmd(
-    target_dir: str = typer.Option(..., "--target", callback=_check_target,
-                                   help="The target: checkpoint directory or .gguf file."),
-    out_dir: Path = typer.Option(..., "--out", help="Head directory (rerun to resume from its checkpoint)."),
-    corpus: str = _e("corpus", "Prompts: 'stdlib', a directory of .py files, or a .jsonl file.",
-                     callback=check_corpus),
-    steps: int = _e("steps", "Optimizer steps.", min=1),
-    batch_size: int = _e("batch_size", "Sequences per step.", min=1),
-    prompt_tokens: int = _e("prompt_tokens", "Corpus tokens per prompt.", min=1),
-    new_tokens: int = _e("new_tokens", "Tokens the target generates per prompt.", min=1),
-    temperatures: str = typer.Option("0,0.8,1.0", help="Generation temperatures, cycled per batch (0 = greedy)."),
+    target_dir: str = TARGET,
+    out_dir: Path = OUT,
+    temperatures: str = TEMPERATURES,
     unroll: int = _e("unroll", "Training-time-test passes (draft positions trained).", min=1, max=8),
-    corpus_fraction: float = _e("corpus_fraction", "Share of batches that are corpus windows (no generation).",
-                                min=0.0, max=1.0),
-    reuse: int = _e("reuse", "Optimizer steps per generated batch (others replay recent batches).", min=1),
     intermediate_size: Optional[int] = typer.Option(None, min=1, help="Head MLP width (default: the target's)."),
     chat: bool = typer.Option(False, "--chat", help="Prompts are user messages through the target's chat "
                               "template (stdlib: leaplm's chat prompts from the training split; or a .jsonl with "
                               "'prompt'); --prompt-tokens is then the longest prompt kept; loss on answers only."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", min=1, help="Reduced draft vocabulary: the "
                                               "head's own output layer over the N tokens the target says most."),
-    lr: float = _e("lr", "Peak learning rate.", min=0.0),
-    seed: int = _e("seed", "Random seed."),
-    save_every: int = _e("save_every", "Steps between resumable checkpoints.", min=1),
-    eval_every: int = _e("eval_every", "Steps between held-out evaluations (stdlib corpus or held-out chat "
-                         "prompts).", min=1),
-    max_minutes: Optional[float] = typer.Option(None, min=0.0, help="Stop (and save) after this wall time."),
-    max_files: Optional[int] = typer.Option(None, min=1, help="Use only the first N corpus files (tests)."),
     threads: Optional[int] = Threads,
+    run: dict = None,
+    loop: dict = None,
 ) -> None:
     """Train an EAGLE head on the frozen target by self-distillation on its own greedy and sampled text."""
     from ..training.eagle import train_eagle
 
     temps = _temps(temperatures)
     setup_training(threads)
-    cfg = EagleTrainConfig(target_dir=target_dir, out_dir=str(out_dir), corpus=corpus, steps=steps,
-                           batch_size=batch_size, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-                           temperatures=temps, unroll=unroll, reuse=reuse, corpus_fraction=corpus_fraction,
-                           intermediate_size=intermediate_size, chat=chat, draft_vocab=draft_vocab, lr=lr, seed=seed,
-                           save_every=save_every, eval_every=eval_every, max_minutes=max_minutes, max_files=max_files)
+    cfg = EagleTrainConfig(target_dir=target_dir, out_dir=str(out_dir), temperatures=temps, unroll=unroll,
+                           intermediate_size=intermediate_size, chat=chat, draft_vocab=draft_vocab, **run, **loop)
     with user_errors([f.name for f in dataclasses.fields(cfg)]), HeadProgress("train eagle") as bar:
         last = train_eagle(cfg, bar)
-    _done(out_dir, steps, last)
+    _done(out_dir, cfg.steps, last)
 
 
 @train_app.command("medusa")
+@LOOP.options(EagleTrainConfig, into="loop")
+@HEAD_RUN.options(EagleTrainConfig, into="run")
 def medusa_cmd(
-    target_dir: str = typer.Option(..., "--target", callback=_check_target,
-                                   help="The target: checkpoint directory or .gguf file."),
-    out_dir: Path = typer.Option(..., "--out", help="Head directory (rerun to resume from its checkpoint)."),
+    target_dir: str = TARGET,
+    out_dir: Path = OUT,
     heads: int = _e("medusa_heads", "Medusa heads (draft depth).", min=1, max=8),
-    corpus: str = _e("corpus", "Prompts: 'stdlib', a directory of .py files, or a .jsonl file.",
-                     callback=check_corpus),
-    steps: int = _e("steps", "Optimizer steps.", min=1),
-    batch_size: int = _e("batch_size", "Sequences per step.", min=1),
-    prompt_tokens: int = _e("prompt_tokens", "Corpus tokens per prompt.", min=1),
-    new_tokens: int = _e("new_tokens", "Tokens the target generates per prompt.", min=1),
-    temperatures: str = typer.Option("0,0.8,1.0", help="Generation temperatures, cycled per batch (0 = greedy)."),
-    corpus_fraction: float = _e("corpus_fraction", "Share of batches that are corpus windows (no generation).",
-                                min=0.0, max=1.0),
-    reuse: int = _e("reuse", "Optimizer steps per generated batch (others replay recent batches).", min=1),
-    lr: float = _e("lr", "Peak learning rate.", min=0.0),
-    seed: int = _e("seed", "Random seed."),
-    save_every: int = _e("save_every", "Steps between resumable checkpoints.", min=1),
-    eval_every: int = _e("eval_every", "Steps between held-out evaluations (stdlib corpus).", min=1),
-    max_minutes: Optional[float] = typer.Option(None, min=0.0, help="Stop (and save) after this wall time."),
-    max_files: Optional[int] = typer.Option(None, min=1, help="Use only the first N corpus files (tests)."),
+    temperatures: str = TEMPERATURES,
     threads: Optional[int] = Threads,
+    run: dict = None,
+    loop: dict = None,
 ) -> None:
     """Train Medusa-1 heads on the frozen target by self-distillation on its own greedy and sampled text."""
     from ..training.eagle import train_eagle
 
     temps = _temps(temperatures)
     setup_training(threads)
-    cfg = EagleTrainConfig(target_dir=target_dir, out_dir=str(out_dir), corpus=corpus, steps=steps,
-                           batch_size=batch_size, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-                           temperatures=temps, reuse=reuse, corpus_fraction=corpus_fraction, lr=lr, seed=seed,
-                           save_every=save_every, eval_every=eval_every, max_minutes=max_minutes,
-                           max_files=max_files, kind="medusa", medusa_heads=heads)
+    cfg = EagleTrainConfig(target_dir=target_dir, out_dir=str(out_dir), temperatures=temps, kind="medusa",
+                           medusa_heads=heads, **run, **loop)
     with user_errors([f.name for f in dataclasses.fields(cfg)]), HeadProgress("train medusa") as bar:
         last = train_eagle(cfg, bar)
-    _done(out_dir, steps, last)
+    _done(out_dir, cfg.steps, last)
 
 
 @train_app.command("export-head")

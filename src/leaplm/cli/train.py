@@ -16,8 +16,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..training.distill import DistillConfig
 from ..training.ondata import PROMPT_LENGTHS
 from ..training.presets import PRESETS
-from ..training.pretrain import PretrainConfig, StepLog
+from ..training.loop import StepLog
+from ..training.pretrain import PretrainConfig
 from .common import StepProgress, counter, err, out, setup_training, user_errors
+from .train_options import CORPUS_RUN, LOOP, check_corpus
 
 train_app = typer.Typer(help="Train leaplm's embedded model family: tokenizer, pretraining, distillation.",
                         no_args_is_help=True)
@@ -54,12 +56,6 @@ def check_preset(value: str) -> str:
     return value
 
 
-def check_corpus(value: str) -> str:
-    if value != "stdlib" and not Path(value).exists():
-        raise typer.BadParameter(f"{value!r} is neither 'stdlib' nor an existing directory or file")
-    return value
-
-
 def check_model_dir(value: Path) -> Path:
     if not (value / "config.json").exists():
         raise typer.BadParameter(f"{str(value)!r} is not a Hugging Face checkpoint directory (no config.json)")
@@ -78,16 +74,8 @@ def check_draft_init(value: str) -> str:
     return value
 
 
-# Options shared by pretrain and distill
+# torch's threads, an option of every training command
 Threads = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's choice).")
-
-
-def _p(name: str, help: str, **kw):
-    return typer.Option(_default(PretrainConfig, name), help=help, **kw)
-
-
-def _d(name: str, help: str, **kw):
-    return typer.Option(_default(DistillConfig, name), help=help, **kw)
 
 
 # ---- leaplm train tokenizer --------------------------------------------------------------------------------
@@ -115,39 +103,23 @@ def tokenizer_cmd(
 # ---- leaplm train pretrain ---------------------------------------------------------------------------------
 
 @train_app.command("pretrain")
+@LOOP.options(PretrainConfig, into="loop")
+@CORPUS_RUN.options(PretrainConfig, into="run")
 def pretrain_cmd(
     out_dir: Path = typer.Option(..., "--out", help="Run and checkpoint directory (rerun to resume)."),
     tokenizer_dir: Path = typer.Option(..., "--tokenizer", callback=check_tokenizer_dir,
                                        help="Tokenizer directory from `leaplm train tokenizer`."),
-    preset: str = _p("preset", f"Architecture: {', '.join(PRESETS)}.", callback=check_preset),
-    corpus: str = _p("corpus", "'stdlib', a directory of .py files, or a .jsonl file.", callback=check_corpus),
-    tokens: int = _p("tokens", "Training budget in tokens.", min=1),
-    batch_size: int = _p("batch_size", "Sequences per step.", min=1),
-    seq_len: int = _p("seq_len", "Tokens per sequence.", min=2),
-    long_seq_len: int = _p("long_seq_len", "Sequence length of the final long-context phase.", min=2),
-    long_fraction: float = _p("long_fraction", "Fraction of steps in the long-context phase.", min=0.0, max=0.99),
-    lr: float = _p("lr", "Peak learning rate.", min=0.0),
-    min_lr: float = _p("min_lr", "Final learning rate of the cosine decay.", min=0.0),
-    warmup_steps: int = _p("warmup_steps", "Linear warm-up steps.", min=1),
-    weight_decay: float = _p("weight_decay", "AdamW weight decay.", min=0.0),
-    grad_clip: float = _p("grad_clip", "Gradient-norm clip.", min=0.0),
-    seed: int = _p("seed", "Random seed."),
-    save_every: int = _p("save_every", "Steps between resumable checkpoints.", min=1),
-    eval_every: int = _p("eval_every", "Steps between held-out evaluations (stdlib corpus only).", min=1),
-    eval_batches: int = _p("eval_batches", "Batches per held-out evaluation.", min=1),
-    max_files: Optional[int] = typer.Option(None, min=1, help="Use only the first N files of each split (tests)."),
-    bf16: bool = _p("bf16", "bf16 autocast (fp32 master weights)."),
+    preset: str = typer.Option(_default(PretrainConfig, "preset"), help=f"Architecture: {', '.join(PRESETS)}.",
+                               callback=check_preset),
     threads: Optional[int] = Threads,
+    run: dict = None,
+    loop: dict = None,
 ) -> None:
     """Pretrain a model (target or draft preset) with next-token cross-entropy; resumes from --out."""
     from ..training.pretrain import pretrain
 
     setup_training(threads)
-    cfg = PretrainConfig(out_dir=str(out_dir), tokenizer_dir=str(tokenizer_dir), preset=preset, corpus=corpus,
-                         tokens=tokens, batch_size=batch_size, seq_len=seq_len, long_seq_len=long_seq_len,
-                         long_fraction=long_fraction, lr=lr, min_lr=min_lr, warmup_steps=warmup_steps,
-                         weight_decay=weight_decay, grad_clip=grad_clip, seed=seed, save_every=save_every,
-                         eval_every=eval_every, eval_batches=eval_batches, max_files=max_files, bf16=bf16)
+    cfg = PretrainConfig(out_dir=str(out_dir), tokenizer_dir=str(tokenizer_dir), preset=preset, **run, **loop)
     with user_errors([f.name for f in dataclasses.fields(cfg)]), StepProgress(f"pretrain {preset}") as bar:
         last = pretrain(cfg, bar)
     report_done(out_dir, last)
@@ -156,39 +128,28 @@ def pretrain_cmd(
 # ---- leaplm train distill ----------------------------------------------------------------------------------
 
 @train_app.command("distill")
+@LOOP.options(DistillConfig, into="loop")
+@CORPUS_RUN.options(DistillConfig, into="run")
 def distill_cmd(
     target_dir: Path = typer.Option(..., "--target", callback=check_model_dir,
                                     help="Target checkpoint directory (with its tokenizer)."),
     out_dir: Path = typer.Option(..., "--out", help="Run and checkpoint directory (rerun to resume)."),
-    draft_init: str = _d("draft_init", "Draft preset (random init) or checkpoint directory to start from.",
-                         callback=check_draft_init),
-    alpha: float = _d("alpha", "Loss = alpha * KL(p || q) + (1 - alpha) * CE.", min=0.0, max=1.0),
-    corpus: str = _d("corpus", "'stdlib', a directory of .py files, or a .jsonl file.", callback=check_corpus),
-    tokens: int = _d("tokens", "Training budget in tokens.", min=1),
-    batch_size: int = _d("batch_size", "Sequences per step.", min=1),
-    seq_len: int = _d("seq_len", "Tokens per sequence.", min=2),
-    long_seq_len: int = _d("long_seq_len", "Sequence length of the final long-context phase.", min=2),
-    long_fraction: float = _d("long_fraction", "Fraction of steps in the long-context phase.", min=0.0, max=0.99),
-    lr: float = _d("lr", "Peak learning rate.", min=0.0),
-    min_lr: float = _d("min_lr", "Final learning rate of the cosine decay.", min=0.0),
-    warmup_steps: int = _d("warmup_steps", "Linear warm-up steps.", min=1),
-    weight_decay: float = _d("weight_decay", "AdamW weight decay.", min=0.0),
-    grad_clip: float = _d("grad_clip", "Gradient-norm clip.", min=0.0),
-    seed: int = _d("seed", "Random seed."),
-    save_every: int = _d("save_every", "Steps between resumable checkpoints.", min=1),
-    eval_every: int = _d("eval_every", "Steps between held-out evaluations (stdlib corpus only).", min=1),
-    eval_batches: int = _d("eval_batches", "Batches per held-out evaluation.", min=1),
-    max_files: Optional[int] = typer.Option(None, min=1, help="Use only the first N files of each split (tests)."),
-    bf16: bool = _d("bf16", "bf16 autocast (draft has fp32 master weights; target runs in bf16)."),
+    draft_init: str = typer.Option(_default(DistillConfig, "draft_init"), callback=check_draft_init,
+                                   help="Draft preset (random init) or checkpoint directory to start from."),
+    alpha: float = typer.Option(_default(DistillConfig, "alpha"), min=0.0, max=1.0,
+                                help="Loss = alpha * KL(p || q) + (1 - alpha) * CE."),
     logits_dir: Optional[Path] = typer.Option(
         None, "--logits-dir", help="Train on cached target logits (`train ondata --top-k`) instead of running the "
                                    "target: --tokens then counts generated positions; --corpus and --seq-len are unused."),
-    loss: str = _d("loss", "With --logits-dir: divergence between p and q at each --temperatures: kl (forward "
-                           "KL) or tv (total variation, what sampled acceptance pays for)."),
+    loss: str = typer.Option(_default(DistillConfig, "loss"),
+                             help="With --logits-dir: divergence between p and q at each --temperatures: kl (forward "
+                                  "KL) or tv (total variation, what sampled acceptance pays for)."),
     temperatures: str = typer.Option(",".join(f"{t:g}" for t in _default(DistillConfig, "temperatures")),
                                      "--temperatures", help="With --logits-dir: comma list of T at which p_T and "
                                                             "q_T are compared (loss averaged); 1 = the raw logits."),
     threads: Optional[int] = Threads,
+    run: dict = None,
+    loop: dict = None,
 ) -> None:
     """Distil a draft from a target: forward KL on the target's logits (online, or cached by `train ondata
     --top-k`), mixed with CE; resumes from --out."""
@@ -201,12 +162,8 @@ def distill_cmd(
         raise typer.BadParameter(f"expected comma-separated numbers, got {temperatures!r}",
                                  param_hint="--temperatures") from None
     cfg = DistillConfig(target_dir=str(target_dir), out_dir=str(out_dir), draft_init=draft_init, alpha=alpha,
-                        corpus=corpus, tokens=tokens, batch_size=batch_size, seq_len=seq_len,
-                        long_seq_len=long_seq_len, long_fraction=long_fraction, lr=lr, min_lr=min_lr,
-                        warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, seed=seed,
-                        save_every=save_every, eval_every=eval_every, eval_batches=eval_batches,
-                        max_files=max_files, bf16=bf16, logits_dir=str(logits_dir) if logits_dir else None,
-                        loss=loss, temperatures=temps)
+                        logits_dir=str(logits_dir) if logits_dir else None, loss=loss, temperatures=temps,
+                        **run, **loop)
     with user_errors([f.name for f in dataclasses.fields(cfg)]), StepProgress(f"distill {draft_init}") as bar:
         last = distill(cfg, bar)
     report_done(out_dir, last)

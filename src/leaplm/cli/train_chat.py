@@ -9,9 +9,11 @@ from typing import Optional
 
 import typer
 
+from ..training.chat_distill import ChatDistillConfig
 from ..training.chat_ondata import ChatDataConfig
 from .common import StepProgress, counter, out, setup_training, user_errors
 from .train import Threads, report_done, train_app
+from .train_options import LOOP
 
 
 def _d(name: str):
@@ -61,12 +63,11 @@ def chatdata_cmd(
 
 
 def _dd(name: str):
-    from ..training.chat_distill import ChatDistillConfig
-
     return {f.name: f.default for f in dataclasses.fields(ChatDistillConfig)}[name]
 
 
 @train_app.command("distill-chat")
+@LOOP.options(ChatDistillConfig, into="loop")
 def distill_chat_cmd(
     model: str = typer.Option(..., "--model", help="The target (GGUF file, checkpoint directory or catalog name): "
                                                    "its tokenizer and embedding."),
@@ -83,20 +84,16 @@ def distill_chat_cmd(
                                                "acceptance pays for)."),
     temperatures: str = typer.Option("1.0,0.8", "--temperatures",
                                      help="The divergence is averaged over these temperatures."),
-    lr: float = typer.Option(_dd("lr"), min=0.0),
-    warmup_steps: int = typer.Option(_dd("warmup_steps"), "--warmup-steps", min=1),
-    eval_every: int = typer.Option(_dd("eval_every"), "--eval-every", min=1),
-    save_every: int = typer.Option(_dd("save_every"), "--save-every", min=1),
     text_weight: float = typer.Option(_dd("text_weight"), "--text-weight", min=0.0,
                                       help="Add this times next-token CE on --text-corpus (no target needed)."),
     text_corpus: str = typer.Option(_dd("text_corpus"), "--text-corpus",
                                     help="'stdlib', a directory of .py files, or a .jsonl file."),
-    seed: int = typer.Option(0),
     threads: Optional[int] = Threads,
+    loop: dict = None,
 ) -> None:
     """Distil a small reduced-vocabulary draft for any target from its chat shards; resumes from --out."""
     from ..models.catalog import resolve_model_name
-    from ..training.chat_distill import ChatDistillConfig, distill_chat
+    from ..training.chat_distill import distill_chat
 
     setup_training(threads)
     try:
@@ -106,9 +103,8 @@ def distill_chat_cmd(
     with user_errors(["model", "logits_dir", "shape", "draft_vocab", "temperatures", "text_corpus", "loss"]):
         cfg = ChatDistillConfig(model=resolve_model_name(model), logits_dir=str(logits_dir), out_dir=str(out_dir),
                                 shape=shape, draft_vocab=draft_vocab, steps=steps, batch_size=batch_size,
-                                alpha=alpha, loss=loss, temperatures=temps, lr=lr, warmup_steps=warmup_steps,
-                                eval_every=eval_every, save_every=save_every, seed=seed, text_weight=text_weight,
-                                text_corpus=text_corpus)
+                                alpha=alpha, loss=loss, temperatures=temps, text_weight=text_weight,
+                                text_corpus=text_corpus, **loop)
         with StepProgress(f"distill-chat {shape}") as bar:
             last = distill_chat(cfg, bar)
     report_done(out_dir, last)
