@@ -284,6 +284,8 @@ def prediction_text(prediction, max_chars: int = SamplingParams.MAX_PREDICTION_C
     return prediction or None
 
 
+MAX_SAMPLES = 128      # sequences of one prompt (Engine.generate_batch, `leaplm generate --samples`)
+
 METHODS = ("none", "draft", "ngram", "suffix", "lookahead", "layerskip", "eagle", "medusa")
 
 
@@ -365,6 +367,70 @@ class SpecConfig:
         if self.corpus is not None:
             _check(isinstance(self.corpus, str) and os.path.exists(self.corpus), "corpus",
                    f"no such file or directory: {self.corpus!r}")
+
+
+ENGINE_BACKENDS = ("auto", "llamacpp", "torch")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an engine is built from, decided once: the models, the speculation and how they run. Engine(config=...)
+    takes it; Engine's keyword arguments, the CLI's engine options (cli/common.EngineOptions) and `leaplm serve`
+    build one. Checked here, each error naming its field; the model files are checked when they load."""
+
+    model: object = None
+    """Target: a local checkpoint directory or GGUF file, a hub id, a shipped name, or a loaded model
+    (models.LoadedModel); None: the embedded target."""
+    draft: object = None
+    """Draft model for method 'draft' (the same kinds); None: the shipped draft trained for the target, if any."""
+    method: str | None = None
+    """One of METHODS; None: 'draft' when a draft is known, else 'none'."""
+    k: int = 5
+    """Most speculative tokens per step (SpecConfig.k)."""
+    head: str | None = None
+    """eagle/medusa: a head directory or a shipped head's name (SpecConfig.head)."""
+    spec: SpecConfig | None = None
+    """A whole speculation config, instead of method, k, draft, head and spec_options."""
+    spec_options: dict = field(default_factory=dict)
+    """SpecConfig's other fields (adaptive_k, ngram_min, window, ...)."""
+    backend: str = "auto"
+    """What runs a GGUF model's forwards: 'auto' | 'llamacpp' | 'torch' (models/loading.choose_target_backend)."""
+    device: str = "cpu"
+    """The target's device."""
+    draft_device: str | None = None
+    """The draft's device; None: the target's."""
+    dtype: str = "float32"
+    """float32 | bfloat16 | float16 | auto (the checkpoint's)."""
+    quantization: str | None = None
+    """None | 'int8' | 'int4' | 'gguf' (quant/apply.py), for the target and the draft."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's dtype; 'auto' follows dtype."""
+    threads: int | None = None
+    """torch CPU threads, set when the engine is built (a process-wide setting); None: leave torch's."""
+    max_model_len: int | None = None
+    """Context (prompt + output) per request; None: min(the model's, 4096)."""
+    max_num_batched_tokens: int | None = None
+    """Tokens a step may feed the target (longer prompts are prefilled in chunks); None: whole prompts."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check(self.backend in ENGINE_BACKENDS, "backend",
+               f"must be one of {', '.join(ENGINE_BACKENDS)}, got {self.backend!r}")
+        _check(self.threads is None or (_is_int(self.threads) and self.threads >= 1), "threads",
+               f"must be an integer >= 1, got {self.threads!r}")
+        _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
+               "max_model_len", f"must be an integer >= 2, got {self.max_model_len!r}")
+        n = self.max_num_batched_tokens
+        _check(n is None or (_is_int(n) and n >= 1), "max_num_batched_tokens", f"must be an integer >= 1, got {n!r}")
+        _check(self.spec is None or isinstance(self.spec, SpecConfig), "spec",
+               f"must be a SpecConfig or None, got {type(self.spec).__name__}")
+        _check(isinstance(self.spec_options, dict), "spec_options", "must be a dict of SpecConfig fields")
+        if self.spec is not None:
+            extra = [n for n, v in (("method", self.method), ("head", self.head)) if v is not None]
+            _check(not extra and not self.spec_options, extra[0] if extra else "spec_options",
+                   "give it inside spec (a SpecConfig), not beside it")
 
 
 @dataclass

@@ -81,3 +81,16 @@ def test_the_same_gguf_file_on_libllama_and_torch_servers(tmp_path):
     order = [(r["requested_backend"], r["round"]) for r in report["runs"] if r["concurrency"] == 1]
     assert [b for b, rnd in order if rnd == 0][::2] == ["llamacpp", "torch"]
     assert [b for b, rnd in order if rnd == 1][::2] == ["torch", "llamacpp"]
+
+
+def test_the_engine_alone_pairs_with_the_server_by_round():
+    """--against-engine: each server row's decode rate over the engine's on the same requests, paired by round (a
+    slower second round cancels out); engine rows carry no server ratios."""
+    def run(path: str, rnd: int, gap: float) -> RunResult:      # 9 tokens after the first, `gap` seconds apart
+        return RunResult(1, False, rnd, 1.0, [RequestResult(ok=True, tokens=10, itl_s=[gap] * 9)], path=path)
+
+    runs = [run("server", 0, 0.010), run("engine", 0, 0.008), run("server", 1, 0.020), run("engine", 1, 0.019)]
+    rows = {r["path"]: r for r in summarize(runs)}
+    assert rows["server"]["vs_engine"] == pytest.approx((0.8 + 19 / 20) / 2)
+    assert rows["engine"]["vs_engine"] is None and rows["engine"]["speedup_vs_none"] is None
+    assert rows["server"]["decode_tokens_per_s_p50"] in (pytest.approx(100.0), pytest.approx(50.0))

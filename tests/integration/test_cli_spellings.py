@@ -77,3 +77,15 @@ def test_serve_positional_model_and_speculative_config(target, monkeypatch):
     assert (eng.spec.method, eng.spec.k, eng.spec.ngram_max) == ("ngram", 4, 2)
     res = runner.invoke(app, ["serve", target, "--model", target + "x"])
     assert res.exit_code == 2 and "--model" in res.output
+
+
+def test_samples_has_its_own_spelling_with_the_apis_limit(target):
+    res = gen("--model", target, "--method", "none", "--samples", "20", "--max-new-tokens", "2", "--temperature",
+              "1", "--seed", "3", "--json")
+    assert res.exit_code == 0, res.output
+    assert len(json.loads(res.stdout)["samples"]) == 20
+    for args, flag, says in ((["--samples", "129"], "--samples", "128"), (["-n", "20"], "-n", "--samples 20"),
+                             (["-n", "2", "--samples", "3"], "-n", "not both")):
+        res = gen("--model", target, *args)
+        line = " ".join(res.output.split())
+        assert res.exit_code == 2 and f"{flag}:" in line and says in line, res.output

@@ -82,6 +82,7 @@ class LoadBenchConfig:
     kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     device: str = "cpu"
+    against_engine: bool = False         # also run the same requests through the engine alone, in this process
 
 
 BACKENDS = ("auto", "llamacpp", "torch")
@@ -124,6 +125,7 @@ class RunResult:
     results: list[RequestResult]
     k_at_end: float | None = None
     backend: str = "auto"                # the --backend entry of the server that ran it
+    path: str = "server"                 # "server": streamed over HTTP; "engine": the engine alone (in process)
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -320,6 +322,84 @@ async def _run_level(url: str, concurrency: int, n_requests: int, speculative: b
     return wall, results
 
 
+class EngineAlone:
+    """--against-engine: the server's requests through the engine alone, in this process: an Engine built with the
+    server's options, its continuous-batching scheduler (max_batch rows, its own thread), `concurrency` requests in
+    flight. Each request is timed as the client times a streamed one, at the moment each step's tokens come back:
+    the same decode rate with no HTTP, asyncio or serialization in between."""
+
+    def __init__(self, cfg: LoadBenchConfig, model: str | None, draft: str | None):
+        from ..config import EngineConfig
+        from ..engine.engine import Engine
+        from ..engine.scheduler import BatchScheduler
+
+        backend = cfg.backends[0]
+        self.engine = Engine(config=EngineConfig(
+            model, draft, cfg.method, cfg.k, backend=backend, device=cfg.device, dtype=cfg.dtype,
+            quantization=cfg.quantization if backend != "llamacpp" else None, kv_cache_dtype=cfg.kv_cache_dtype,
+            threads=cfg.threads, max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            spec_options={"adaptive_k": not cfg.fixed_k}))
+        self.backend = backend
+        # calibrated as the server's (its K policy's costs), except where no request drafts
+        self.scheduler = BatchScheduler(self.engine, max_batch=cfg.max_batch, max_queue=max(64, 2 * cfg.max_batch),
+                                        calibrate=cfg.method != "none")
+        self.scheduler.start()
+
+    def run(self, concurrency: int, n_requests: int, speculative: bool, cfg: LoadBenchConfig,
+            offset: int) -> tuple[float, list[RequestResult]]:
+        import threading
+
+        from ..config import SamplingParams
+        from ..engine.scheduler import SeqRequest
+
+        params = SamplingParams(max_new_tokens=cfg.max_tokens, temperature=0, ignore_eos=True)
+        prompts = [self.engine.encode(PROMPTS[(offset + i) % len(PROMPTS)], params) for i in range(n_requests)]
+        results: list[RequestResult] = []
+        done = threading.Semaphore(0)
+
+        def request(ids: list[int]) -> SeqRequest:
+            res = RequestResult(ok=False)
+            t0 = time.perf_counter()
+            last: list[float | None] = [None]
+
+            def on_output(out) -> None:               # the scheduler's thread, once per step
+                now = time.perf_counter()
+                n = len(out.chunk.token_ids) if out.chunk is not None else 0
+                if n:
+                    if last[0] is None:
+                        res.ttft_s = now - t0
+                    else:
+                        res.itl_s.extend([(now - last[0]) / n] * n)
+                    last[0] = now
+                    res.tokens += n
+                if out.error is not None:
+                    res.error = out.error
+                if out.finished:
+                    res.ok = out.error is None
+                    st = out.chunk.stats if out.chunk is not None else None
+                    if st is not None:
+                        res.draft_tokens, res.accepted_tokens = st.draft_tokens, st.accepted_tokens
+                    res.e2e_s = now - t0
+                    results.append(res)
+                    done.release()
+
+            return SeqRequest(ids, params, on_output, method=None if speculative else "none")
+
+        t0 = time.perf_counter()
+        pending = list(prompts)
+        for _ in range(min(concurrency, len(pending))):
+            self.scheduler.submit([request(pending.pop(0))])
+        for _ in range(n_requests):
+            if not done.acquire(timeout=cfg.timeout_s):
+                raise TimeoutError(f"the engine alone did not finish a request in {cfg.timeout_s} s")
+            if pending:
+                self.scheduler.submit([request(pending.pop(0))])
+        return time.perf_counter() - t0, results
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+
 def _max_model_len(url: str) -> int:
     import httpx
 
@@ -375,24 +455,27 @@ def _k_gauge(url: str) -> float | None:
 
 
 def summarize(runs: list[RunResult], servers: dict[str, dict] | None = None) -> list[dict]:
-    """One row per (concurrency, backend, speculation), in the order the backends were given; `servers` maps a
-    --backend entry to what its server reported (ServerProcess.backend_info)."""
+    """One row per (concurrency, backend, speculation, path), in the order the backends were given; `servers` maps a
+    --backend entry to what its server reported (ServerProcess.backend_info). With engine runs (--against-engine),
+    each server row has `vs_engine`: its requests' median decode rate over the engine's alone on the same requests,
+    paired by round."""
     rows = []
     order = list(dict.fromkeys(r.backend for r in runs))
-    keys = sorted({(r.concurrency, r.backend, r.speculative) for r in runs},
-                  key=lambda x: (x[0], order.index(x[1]), not x[2]))
-    for c, b, spec in keys:
-        rs = [r for r in runs if r.concurrency == c and r.backend == b and r.speculative == spec]
+    keys = sorted({(r.concurrency, r.backend, r.speculative, r.path) for r in runs},
+                  key=lambda x: (x[0], order.index(x[1]), not x[2], x[3] != "server"))
+    for c, b, spec, path in keys:
+        rs = [r for r in runs if r.concurrency == c and r.backend == b and r.speculative == spec and r.path == path]
         ok = [x for r in rs for x in r.ok]
         drafted = sum(x.draft_tokens for x in ok)
         info = (servers or {}).get(b, {})
         rows.append({
-            "concurrency": c, "backend": info.get("backend", b), "requested_backend": b,
+            "concurrency": c, "backend": info.get("backend", b), "requested_backend": b, "path": path,
             "exactness": info.get("exactness"), "quantization": info.get("quantization"),
             "speculative": spec, "rounds": len(rs),
             "requests": sum(len(r.results) for r in rs), "errors": sum(len(r.results) - len(r.ok) for r in rs),
             "requests_per_s": statistics.median(len(r.ok) / r.wall_s for r in rs),
             "tokens_per_s": statistics.median(sum(x.tokens for x in r.ok) / r.wall_s for r in rs),
+            "decode_tokens_per_s_p50": percentile([d for x in ok if (d := decode_rate(x)) is not None], 50),
             "ttft_p50_s": percentile([x.ttft_s for x in ok if x.ttft_s is not None], 50),
             "ttft_p99_s": percentile([x.ttft_s for x in ok if x.ttft_s is not None], 99),
             "itl_p50_s": percentile([t for x in ok for t in x.itl_s], 50),
@@ -401,12 +484,42 @@ def summarize(runs: list[RunResult], servers: dict[str, dict] | None = None) -> 
             "k_at_end": [r.k_at_end for r in rs],
             "error_samples": sorted({x.error for r in rs for x in r.results if x.error})[:3],
         })
+    served = [r for r in runs if r.path == "server"]
     for r in rows:
         b = r["requested_backend"]
-        r["speedup_vs_none"] = paired_speedup(runs, r["concurrency"], b) if r["speculative"] else 1.0
-        r["vs_first_backend_none"] = (paired_ratio(runs, r["concurrency"], (b, r["speculative"]), (order[0], False))
-                                      if len(order) > 1 else None)
+        r["vs_engine"] = (paired_decode_ratio(runs, r["concurrency"], b, r["speculative"])
+                          if r["path"] == "server" else None)
+        if r["path"] != "server":
+            r["speedup_vs_none"] = r["vs_first_backend_none"] = None
+            continue
+        r["speedup_vs_none"] = paired_speedup(served, r["concurrency"], b) if r["speculative"] else 1.0
+        r["vs_first_backend_none"] = (paired_ratio(served, r["concurrency"], (b, r["speculative"]),
+                                                   (order[0], False)) if len(order) > 1 else None)
     return rows
+
+
+def decode_rate(x: RequestResult) -> float | None:
+    """A request's decode rate: tokens after its first over the time from its first token to its last."""
+    gap = sum(x.itl_s)
+    return len(x.itl_s) / gap if x.itl_s and gap > 0 else None
+
+
+def _median_decode(run: RunResult) -> float | None:
+    rates = [d for x in run.ok if (d := decode_rate(x)) is not None]
+    return statistics.median(rates) if rates else None
+
+
+def paired_decode_ratio(runs: list[RunResult], concurrency: int, backend: str, speculative: bool) -> float | None:
+    """Median over rounds of the server's median per-request decode rate / the engine's alone, same round."""
+    ratios = []
+    for rnd in sorted({r.round for r in runs if r.concurrency == concurrency}):
+        pair = {r.path: r for r in runs if (r.concurrency, r.backend, r.speculative, r.round)
+                == (concurrency, backend, speculative, rnd)}
+        if "server" in pair and "engine" in pair:
+            a, b = _median_decode(pair["server"]), _median_decode(pair["engine"])
+            if a and b:
+                ratios.append(a / b)
+    return statistics.median(ratios) if ratios else None
 
 
 def _tokens_per_s(run: RunResult) -> float:
@@ -480,13 +593,17 @@ def run_load_bench(cfg: LoadBenchConfig) -> dict:
                 raise ConfigError("synthetic", "give either --synthetic or --model/--draft")
             model, draft = build_synthetic_pair(Path(tmp))
         servers: dict[str, ServerProcess] = {}
+        alone: EngineAlone | None = None
         try:
             for b in cfg.backends:          # every server up (and warm) before the first timed run
                 servers[b] = ServerProcess(cfg, model, draft, Path(tmp) / f"server-{b}.log", backend=b)
                 servers[b].wait_ready(cfg.startup_timeout_s)
                 warm = LoadBenchConfig(**{**asdict(cfg), "max_tokens": min(cfg.max_tokens, 16)})
-                for spec in (True, False):
+                for spec in ((False,) if cfg.method == "none" else (True, False)):
                     asyncio.run(_run_level(servers[b].url, 2, 4, spec, warm, 0))
+            if cfg.against_engine:
+                alone = EngineAlone(cfg, model, draft)
+                alone.run(2, 4, True, LoadBenchConfig(**{**asdict(cfg), "max_tokens": min(cfg.max_tokens, 16)}), 0)
             info = {b: srv.backend_info() for b, srv in servers.items()}
             for b, i in info.items():
                 log.info("server --backend %s: %s (%s)", b, i["backend"], i["exactness"])
@@ -497,17 +614,24 @@ def run_load_bench(cfg: LoadBenchConfig) -> dict:
                 n = cfg.requests or max(16, 4 * c)
                 for rnd in range(cfg.rounds):
                     order = (True, False) if rnd % 2 == 0 else (False, True)
+                    if cfg.method == "none":        # nothing to compare with: plain decoding's runs only
+                        order = (False,)
                     for b in (cfg.backends if rnd % 2 == 0 else cfg.backends[::-1]):
                         url = servers[b].url
                         for spec in order:
                             wall, results = asyncio.run(_run_level(url, c, n, spec, cfg, rnd))
                             runs.append(RunResult(c, spec, rnd, wall, results, _k_gauge(url), backend=b))
+                            if alone is not None and b == alone.backend:    # the same requests, the engine alone
+                                wall, results = alone.run(c, n, spec, cfg, rnd)
+                                runs.append(RunResult(c, spec, rnd, wall, results, None, backend=b, path="engine"))
                             if cfg.out:         # what is measured so far survives a crash later in the run
                                 Path(cfg.out).write_text(json.dumps({"partial": True, "long_prompt": long_prompt,
                                                                      "summary": summarize(runs, info)}, indent=2))
                             log.info("c=%d backend=%s spec=%s round=%d: %.1f s, %d errors", c, b, spec, rnd, wall,
                                      sum(not r.ok for r in results))
         finally:
+            if alone is not None:
+                alone.stop()
             for srv in servers.values():
                 srv.stop()
     report = {
@@ -519,7 +643,7 @@ def run_load_bench(cfg: LoadBenchConfig) -> dict:
         "servers": list(info.values()),
         "machine": machine(), "summary": summarize(runs, info), "long_prompt": long_prompt,
         "runs": [{"concurrency": r.concurrency, "backend": info[r.backend]["backend"], "requested_backend": r.backend,
-                  "speculative": r.speculative, "round": r.round, "wall_s": r.wall_s,
+                  "path": r.path, "speculative": r.speculative, "round": r.round, "wall_s": r.wall_s,
                   "tokens_per_s": _tokens_per_s(r), "errors": len(r.results) - len(r.ok), "k_at_end": r.k_at_end}
                  for r in runs],
     }

@@ -5,14 +5,15 @@ that says what leaplm calls the thing). The commands declare the aliases; the tr
              --speculative-config '{"model": "DRAFT", "num_speculative_tokens": 5}'
   llama.cpp  -md DRAFT, --draft-max N (K), --draft-min N (refused: leaplm has no minimum), -c N (context),
              -t N (threads), -ngl N (0 accepted: leaplm runs the whole model on --device), -n N (tokens in
-             llama.cpp, samples in leaplm and vLLM: refused when the value looks like a token count)
+             llama.cpp, samples in vLLM: leaplm's spelling is --samples; -n is refused when the value looks like a
+             token count)
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-from ..config import ConfigError
+from ..config import MAX_SAMPLES, ConfigError
 
 # vLLM's method names -> leaplm's
 SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "draft": "draft", "suffix": "suffix",
@@ -23,9 +24,10 @@ SPEC_KEYS = {"method": "method", "num_speculative_tokens": "k", "model": "draft"
 # keys that only tune vLLM's own machinery: accepted and ignored, the output does not depend on them
 SPEC_IGNORED = {"draft_tensor_parallel_size", "disable_by_batch_size", "max_model_len", "quantization", "revision",
                 "draft_model_revision", "code_revision", "enforce_eager"}
-SAMPLES_LOOK_LIKE_TOKENS = 16
+SAMPLES_LOOK_LIKE_TOKENS = 16     # -n above this is almost surely llama.cpp's -n (tokens to predict)
 # ConfigError fields raised here -> the flag the user typed
-ALIAS_FLAGS = {"n": "-n", "ngl": "-ngl", "draft_min": "--draft-min", "speculative_config": "--speculative-config"}    # -n above this is almost surely llama.cpp's -n (tokens to predict)
+ALIAS_FLAGS = {"n": "-n", "samples": "--samples", "ngl": "-ngl", "draft_min": "--draft-min",
+               "speculative_config": "--speculative-config"}
 
 
 @dataclass
@@ -81,13 +83,22 @@ def check_llama_cpp_only(draft_min: int | None, n_gpu_layers: int | None) -> Non
                                  "on the GPU (-ngl 0 = --device cpu is accepted)")
 
 
-def check_samples(n: int) -> None:
-    """-n is the number of samples (as vLLM's n); llama.cpp users mean tokens by it."""
-    if n < 1:
-        raise ConfigError("n", f"must be >= 1, got {n}")
-    if n > SAMPLES_LOOK_LIKE_TOKENS:
-        raise ConfigError("n", f"{n} samples? leaplm's -n is the number of independent samples (vLLM's n); for "
-                               f"tokens to generate (llama.cpp's -n) use --max-new-tokens {n}")
+def check_samples(n: int | None, samples: int = 1) -> int:
+    """The number of samples: --samples N (at most MAX_SAMPLES, as the Python API), or vLLM's -n N, which
+    llama.cpp users mean as tokens: refused above SAMPLES_LOOK_LIKE_TOKENS, naming --samples and --max-new-tokens."""
+    if n is not None:
+        if samples != 1:
+            raise ConfigError("n", f"give --samples or -n, not both (got --samples {samples} and -n {n})")
+        if n < 1:
+            raise ConfigError("n", f"must be >= 1, got {n}")
+        if n > SAMPLES_LOOK_LIKE_TOKENS:
+            raise ConfigError("n", f"{n} samples? -n is the number of independent samples (vLLM's n); for tokens "
+                                   f"to generate (llama.cpp's -n) use --max-new-tokens {n}; for {n} samples, "
+                                   f"--samples {n}")
+        return n
+    if not (1 <= samples <= MAX_SAMPLES):
+        raise ConfigError("samples", f"must be in [1, {MAX_SAMPLES}], got {samples}")
+    return samples
 
 
 def pick(option_value, alias_value, option: str, alias: str):

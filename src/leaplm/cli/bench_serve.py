@@ -40,6 +40,9 @@ def bench_serve(
     prompts: int = typer.Option(4, "--prompts", help="--workloads: prompts per workload."),
     adaptive_k: bool = typer.Option(True, "--adaptive-k/--fixed-k",
                                     help="The server's K policy (--fixed-k: always draft --k)."),
+    against_engine: bool = typer.Option(False, "--against-engine", help="Also run the same requests through the "
+                                        "engine alone (in this process, no HTTP) and report each server row's "
+                                        "decode rate against it (vs engine)."),
     backend: str = typer.Option("auto", "--backend", help="What runs the model, one server each, runs "
                                 "interleaved: a comma list of auto | llamacpp | torch (e.g. llamacpp,torch: the "
                                 "same file on libllama and on PyTorch; --quantization applies to the torch ones)."),
@@ -101,7 +104,7 @@ def bench_serve(
                           requests=requests, max_tokens=max_tokens, rounds=rounds, max_batch=max_batch,
                           timeout_s=timeout, out=out, max_num_batched_tokens=max_num_batched_tokens,
                           long_prompt_among=long_prompt_among, long_prompt_tokens=long_prompt_tokens,
-                          fixed_k=not adaptive_k, **engine)
+                          fixed_k=not adaptive_k, against_engine=against_engine, **engine)
     try:
         report = run_load_bench(cfg)
     except ConfigError as e:
@@ -122,7 +125,9 @@ def print_report(report: dict) -> None:
                     f"{s['rounds']} rounds")
     several = len(report.get("servers", [])) > 1
     first = report["servers"][0]["backend"] if several else None
-    cols = ["conc.", "backend", "spec", "req/s", "tok/s", "speedup", *([f"vs {first} off"] if several else []),
+    engine = any(r.get("path") == "engine" for r in report["summary"])
+    cols = ["conc.", "backend", "spec", *(["path"] if engine else []), "req/s", "tok/s", "speedup",
+            *([f"vs {first} off"] if several else []), *(["decode tok/s", "vs engine"] if engine else []),
             "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "accept", "K at end", "errors"]
     for col in cols:
         t.add_column(col, justify="left" if col == "backend" else "right")
@@ -131,8 +136,11 @@ def print_report(report: dict) -> None:
     for r in report["summary"]:
         name = r["backend"] + (f" ({r['quantization']})" if r.get("quantization") else "")
         vs = [f(r["vs_first_backend_none"]) + "x" if r["vs_first_backend_none"] else "-"] if several else []
-        t.add_row(str(r["concurrency"]), name, "on" if r["speculative"] else "off", f(r["requests_per_s"]),
-                  f(r["tokens_per_s"], 1), f(r["speedup_vs_none"]) + "x" if r["speedup_vs_none"] else "-", *vs,
+        path = [r.get("path", "server")] if engine else []
+        dec = [f(r.get("decode_tokens_per_s_p50"), 1), f(r.get("vs_engine")) + "x" if r.get("vs_engine") else "-"
+               ] if engine else []
+        t.add_row(str(r["concurrency"]), name, "on" if r["speculative"] else "off", *path, f(r["requests_per_s"]),
+                  f(r["tokens_per_s"], 1), f(r["speedup_vs_none"]) + "x" if r["speedup_vs_none"] else "-", *vs, *dec,
                   ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
                   f(r["acceptance_rate"]), ",".join(f(k, 0) for k in r["k_at_end"]), str(r["errors"]))
     out.print(t)

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
-from ..config import ConfigError
+from ..config import ConfigError, EngineConfig
 
 err = Console(stderr=True)        # errors, progress and summaries
 out = Console()                   # results on stdout
@@ -165,6 +165,13 @@ class EngineOptions:
     recalibrate: bool = _option(False, "--recalibrate", help="Measure the start-up checks again (cost "
                                 "calibration, thread check, batch invariance, SIMD path) instead of reading them from "
                                 "the start-up cache (docs/startup.md).")
+
+    def engine_config(self, **settings) -> EngineConfig:
+        """The EngineConfig these options and the command's own settings (draft, method, k, head, spec_options,
+        draft_device, max_num_batched_tokens, or a field here overridden) make: what the engine is built from."""
+        engine = {f.name for f in dataclasses.fields(EngineConfig)}     # recalibrate is the start-up cache's
+        mine = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in engine}
+        return EngineConfig(**{**mine, **settings})
 
 
 def engine_options(*, without: tuple[str, ...] = ()) -> Callable:

@@ -66,13 +66,15 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p"),
     min_p: float = typer.Option(0.0, "--min-p"),
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty"),
-    seed: Optional[int] = typer.Option(None, help="Seed; sample i of -n uses seed + i."),
+    seed: Optional[int] = typer.Option(None, help="Seed; sample i of --samples uses seed + i."),
     verifier: str = typer.Option("auto", "--verifier",
                                  help="Sampled requests: rejection (keeps the most drafts), race (the output depends "
                                       "on the seed alone, whatever K), auto (race with --seed, else rejection)."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
-    n: int = typer.Option(1, "-n", help="Independent samples of the same prompt (vLLM's n; llama.cpp's -n is "
-                                        "--max-new-tokens here)."),
+    samples: int = typer.Option(1, "--samples", help="Independent samples of the same prompt (1..128; vLLM's n), "
+                                                     "decoded as the rows of one batch."),
+    n: Optional[int] = typer.Option(None, "-n", help="vLLM's spelling of --samples (up to 16: llama.cpp's -n is "
+                                                     "--max-new-tokens here)."),
     stream: bool = typer.Option(False, help="Print text as it is generated."),
     as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object."),
     chat: bool = typer.Option(False, "--chat", help="PROMPT is a user message: apply the model's chat template."),
@@ -114,7 +116,7 @@ def generate(
             fail("prompt: give PROMPT or pipe it on stdin")
         prompt = sys.stdin.read()
     try:
-        check_samples(n)
+        n = check_samples(n, samples)
         check_llama_cpp_only(draft_min, n_gpu_layers)
         sc = parse_speculative_config(speculative_config)
     except ConfigError as e:
@@ -138,37 +140,33 @@ def generate(
                                  ignore_eos=ignore_eos, verifier=verifier, structured=structured,
                                  prediction=predicted)
                   for i in range(n)]
-        engine = Engine(model=options.model, draft=draft, method=method, k=k, device=options.device,
-                        dtype=options.dtype, kv_cache_dtype=options.kv_cache_dtype,
-                        max_model_len=options.max_model_len, adaptive_k=adaptive_k,
-                        ngram_min=ngram_min, ngram_max=ngram_max, window=window,
-                        ngram_size=ngram_size, guess_set=guess_set, skip_layers=_skip_layers(skip_layers),
-                        skip_confidence=skip_confidence,
-                        corpus=corpus, quantization=options.quantization, head=head, backend=options.backend)
-        if chat:
-            from ..models.tokens import chat_prompt
-
-            prompt = chat_prompt(engine.tokenizer, prompt, engine.target.name)
-        engine.encode(prompt, params[0])
+        spec_options = dict(adaptive_k=adaptive_k, ngram_min=ngram_min, ngram_max=ngram_max, window=window,
+                            ngram_size=ngram_size, guess_set=guess_set, skip_layers=_skip_layers(skip_layers),
+                            skip_confidence=skip_confidence, corpus=corpus)
+        engine = Engine(config=options.engine_config(draft=draft, method=method, k=k, head=head,
+                                                     spec_options=spec_options))
+        if chat:                          # a user message, through the model's chat template (engine/prepare.py)
+            prompt = [{"role": "user", "content": prompt}]
+        prepared = engine.prepare(prompt, params[0])
     except ConfigError as e:
         fail(f"--{e.field.replace('_', '-')}: {e.message}" if e.field != "prompt" else f"prompt: {e.message}")
     shown = "" if chat else prompt       # a chat prints the answer only, not the template around it
     total = GenerationStats(engine.spec.method, engine.spec.k if engine.spec.method != "none" else 0)
     samples = []
-    # -n N: the N samples are the N rows of one batch (one batched target forward per step), printed in order
+    # --samples N: the N samples are the N rows of one batch (one batched target forward per step), printed in order
     batched = engine.generate_batch(prompt, params) if n > 1 else None
     for i, sp in enumerate(params):
         if stream and not as_json and batched is None:
             write(shown)
             text, ids, reason, st = "", [], None, None
-            for chunk in engine.stream(prompt, sp):
+            for chunk in engine.stream(prepared):      # one sample: the prepared request
                 write(chunk.text)
                 text += chunk.text
                 ids += chunk.token_ids
                 reason, st = chunk.finish_reason or reason, chunk.stats or st
             write("\n")
         else:
-            o = batched[i] if batched is not None else engine.generate(prompt, sp)
+            o = batched[i] if batched is not None else engine.generate(prepared)
             text, ids, reason, st = o.text, o.token_ids, o.finish_reason, o.stats
             if not as_json:
                 if n > 1:
@@ -192,7 +190,8 @@ def generate(
             "rejected_prediction_tokens": s.rejected_prediction_tokens,
             "acceptance_by_position": [round(a, 4) for a in
                                                                             s.acceptance_by_position],
-            "max_model_len": engine.max_model_len, "kv_cache_peak_bytes": engine.kv_cache_peak_bytes,
+            "prompt_token_ids": prepared.ids, "max_model_len": engine.max_model_len,
+            "kv_cache_peak_bytes": engine.kv_cache_peak_bytes,
             "backend": engine.backend, "backend_reason": engine.backend_reason, "exactness": engine.exactness}}))
     else:
         s = total

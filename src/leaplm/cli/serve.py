@@ -139,14 +139,17 @@ def serve(
                     "" if api_key else " and has no --api-key",
                     "" if allowed_hosts else " (no Host check: pass --allowed-hosts to add one)")
 
+    try:
+        engine_config = options.engine_config(model=model, draft=draft, method=method, k=k, backend=model_backend,
+                                              draft_device=draft_device, max_num_batched_tokens=max_num_batched_tokens,
+                                              spec_options=dict(adaptive_k=adaptive_k, **spec_options))
+    except ConfigError as e:
+        fail(f"--{e.field.replace('_', '-')}: {e.message}")
+
     def load():
         from ..engine.engine import Engine
 
-        return Engine(model, draft=draft, method=method, k=k, device=options.device, dtype=options.dtype,
-                      draft_device=draft_device, quantization=options.quantization,
-                      max_model_len=options.max_model_len, adaptive_k=adaptive_k,
-                      max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=options.kv_cache_dtype,
-                      backend=model_backend, **spec_options)
+        return Engine(config=engine_config)
 
     code = run_server(config, load, model_name=model or "leaplm-embedded")
     raise typer.Exit(code)

@@ -12,16 +12,15 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 
-from ..config import METHODS, ConfigError, SamplingParams, SpecConfig, StructuredOutput
+from ..config import MAX_SAMPLES, METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig, StructuredOutput
 from ..models import LoadedModel, load_model
 from ..models.loading import BackendChoice, choose_target_backend, draft_backend, resolve_max_model_len
 from ..models import embedded
-from ..models.tokens import encode_prompt
 from ..propose.base import Proposer
-from ..propose.prediction import check_prediction
 from ..propose.registry import make_proposer_factory
 from ..structured.state import GrammarState, GrammarVocab
 from .kpolicy.estimates import Estimates
+from .prepare import PreparedRequest, PromptInput, check_context, prepare, prompt_ids
 from .request import StreamChunk, TokenLogprob
 from .startup_checks import cached_calibrate, cached_check_threads
 from .step import Batch
@@ -43,8 +42,9 @@ class GenerationOutput:
 class Engine:
     """Lossless speculative decoding for one Hugging Face causal LM.
 
-    Engine(model=None, draft=None, method=None, k=5) with no model uses the embedded family (target and its
-    best draft). method defaults to 'draft' when a draft is known, else 'none'. quantization ('int8', 'int4',
+    Built from one EngineConfig (config.py), given as `config=` or as the keyword arguments below, which make one;
+    `self.config` keeps it. Engine(model=None, draft=None, method=None, k=5) with no model uses the embedded family
+    (target and its best draft). method defaults to 'draft' when a draft is known, else 'none'. quantization ('int8', 'int4',
     'gguf'; quant/apply.py) applies to the target and the draft; the promise is then identity with plain
     decoding of the same quantized model. max_num_batched_tokens: the tokens a step may feed the target (vLLM's
     name); a longer prompt is prefilled in chunks between decoding steps of the other rows (engine/step.py).
@@ -56,7 +56,30 @@ class Engine:
                  method: str | None = None, k: int = 5, *, device: str = "cpu", dtype: str = "float32",
                  max_model_len: int | None = None, spec: SpecConfig | None = None, draft_device: str | None = None,
                  quantization: str | None = None, max_num_batched_tokens: int | None = None,
-                 kv_cache_dtype: str = "auto", backend: str = "auto", **spec_options):
+                 kv_cache_dtype: str = "auto", backend: str = "auto", config: EngineConfig | None = None,
+                 **spec_options):
+        if config is None:                           # the keyword arguments are one EngineConfig
+            head = spec_options.pop("head", None)
+            config = EngineConfig(model, draft, method, k, head, spec, spec_options, backend, device, draft_device,
+                                  dtype, quantization, kv_cache_dtype, None, max_model_len, max_num_batched_tokens)
+        elif not isinstance(config, EngineConfig):
+            raise ConfigError("config", f"must be an EngineConfig, got {type(config).__name__}")
+        elif (model, draft, method, spec, spec_options) != (None, None, None, None, {}):
+            raise ConfigError("config", "give the engine's settings in config alone, not beside it")
+        self.config = config
+        self._build(config)
+
+    def _build(self, config: EngineConfig) -> None:
+        """Load the models and decide the speculation from config, once."""
+        model, draft, method, k, spec = config.model, config.draft, config.method, config.k, config.spec
+        spec_options = dict(config.spec_options, **({"head": config.head} if config.head is not None else {}))
+        device, dtype, draft_device, backend = config.device, config.dtype, config.draft_device, config.backend
+        quantization, kv_cache_dtype = config.quantization, config.kv_cache_dtype
+        max_model_len, max_num_batched_tokens = config.max_model_len, config.max_num_batched_tokens
+        if config.threads is not None:
+            import torch
+
+            torch.set_num_threads(config.threads)
         if draft_device is not None:                 # the draft on another device than the target
             from ..devices import check_device
 
@@ -138,28 +161,32 @@ class Engine:
             cached_calibrate(self, max_rows=1, ctx=64, repeats=3)
 
     # --- public API ------------------------------------------------------------------------------------------
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> GenerationOutput:
-        params = params or SamplingParams()
-        chunks = list(self._run(self.encode(prompt, params), params))
-        return self._output(chunks, params, self._last_prompt_ids)
+    def generate(self, prompt: PromptInput | PreparedRequest,
+                 params: SamplingParams | None = None) -> GenerationOutput:
+        """Generate a continuation of prompt: text, token ids or chat messages ([{role, content}, ...], through the
+        model's chat template); prepared by engine/prepare.py like every other caller's."""
+        req = self.prepare(prompt, params)
+        return self._output(list(self._run(req)), req.params, req.ids)
 
-    def generate_batch(self, prompt: str | list[int], params: list[SamplingParams]) -> list[GenerationOutput]:
-        """len(params) sequences of the same prompt (`leaplm generate -n N`: sample i with seed + i), run as the
-        rows of one batch through the one step: one batched target forward per step for all of them. A model
+    def generate_batch(self, prompt: PromptInput, params: list[SamplingParams]) -> list[GenerationOutput]:
+        """len(params) sequences of the same prompt (`leaplm generate --samples N`: sample i with seed + i), run as
+        the rows of one batch through the one step: one batched target forward per step for all of them. A model
         without batched forwards runs them one after another, each a batch of one."""
-        ids = self.encode(prompt, params[0])
-        for sp in params[1:]:
-            self.encode(ids, sp)
-        self._last_prompt_ids = ids
+        if not isinstance(params, (list, tuple)) or not 1 <= len(params) <= MAX_SAMPLES:
+            raise ConfigError("samples", f"give 1 to {MAX_SAMPLES} SamplingParams, got "
+                                         f"{len(params) if isinstance(params, (list, tuple)) else params!r}")
+        first = self.prepare(prompt, params[0])
+        ids = first.ids
+        reqs = [first] + [self.prepare(ids, sp) for sp in params[1:]]
         if len(params) == 1 or not self.model.supports_batch:
-            return [self.generate(ids, sp) for sp in params]
+            return [self._output(list(self._run(r)), r.params, ids) for r in reqs]
         for sp in params:
             self._calibrate_for(sp)
         batch = Batch(self, len(params))
         chunks: list[list[StreamChunk]] = [[] for _ in params]
         try:
-            for i, sp in enumerate(params):
-                batch.join(ids, sp, tag=i)
+            for i, r in enumerate(reqs):
+                batch.join(r.ids, r.params, r.method, r.k, tag=i, adaptive_k=r.adaptive_k)
             while batch.rows:
                 for out in batch.step().outputs:
                     if out.error is not None:
@@ -177,28 +204,25 @@ class Engine:
         return GenerationOutput("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
                                 last.finish_reason, last.stats, ids, lps)
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StreamChunk]:
-        params = params or SamplingParams()
-        return self._run(self.encode(prompt, params), params)
+    def stream(self, prompt: PromptInput | PreparedRequest,
+               params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        return self._run(self.prepare(prompt, params))
 
-    def encode(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def prepare(self, prompt: PromptInput | PreparedRequest, params: SamplingParams | None = None,
+                **settings) -> PreparedRequest:
+        """The request as it will run (engine/prepare.py): prompt ids, sampling parameters, method and K resolved
+        and validated once. settings: method, k, adaptive_k, prompt_logprobs (the engine's by default). A
+        PreparedRequest (given to generate or stream) is taken as it is."""
+        if isinstance(prompt, PreparedRequest):
+            if params is not None or settings:
+                raise ConfigError("params", "a prepared request carries its own parameters; give it alone")
+            return prompt
+        return prepare(self, prompt, params, **settings)
+
+    def encode(self, prompt: PromptInput, params: SamplingParams) -> list[int]:
         """Prompt to token ids, refusing what cannot run (empty, unknown ids, longer than the context)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ConfigError("prompt", "must not be empty")
-            ids = encode_prompt(self.tokenizer, prompt, self.target.bos_id)
-        else:
-            ids = list(prompt)
-            V = self.model.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < V]
-            if bad:
-                raise ConfigError("prompt", f"token ids must be integers in [0, {V}), got {bad[:5]}")
-        if not ids:
-            raise ConfigError("prompt", "must not be empty")
-        if len(ids) + params.max_new_tokens > self.max_model_len:
-            raise ConfigError("max_new_tokens", f"prompt ({len(ids)} tokens) + max_new_tokens "
-                                                f"({params.max_new_tokens}) exceed the context of {self.max_model_len}")
-        check_prediction(self.tokenizer, params.prediction, len(ids), self.max_model_len)
+        ids = prompt_ids(self, prompt)
+        check_context(self, ids, params)
         return ids
 
     def _calibrate_for(self, params: SamplingParams) -> None:
@@ -260,12 +284,11 @@ class Engine:
                 if hasattr(factory, "forget"):
                     factory.forget()
 
-    def _run(self, ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
-        self._last_prompt_ids = ids
-        self._calibrate_for(params)
+    def _run(self, req: PreparedRequest) -> Iterator[StreamChunk]:
+        self._calibrate_for(req.params)
         batch = self._acquire_batch()
         try:
-            batch.join(ids, params)
+            batch.join(req.ids, req.params, req.method, req.k, req.prompt_logprobs, adaptive_k=req.adaptive_k)
             while batch.rows:
                 outcome = batch.step()
                 if not outcome.outputs:              # a step that only prefilled a chunk of the prompt

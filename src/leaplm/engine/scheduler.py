@@ -5,9 +5,10 @@ the step itself (propose, score, verify, commit, the K policy, calibration) is t
 that Engine.generate runs as a batch of one.
 
 Threading: the loop runs in one background thread (start/stop). submit() and abort() may be called from any
-thread; outputs go back through each request's on_output callback, called from the loop thread (the server
-hands them to its event loop with call_soon_threadsafe). An abort is honoured at the next step boundary, where
-the row is freed.
+thread; outputs go back through each request's on_output callback, called from the loop thread, and once a step's
+outputs are all out, `on_step_outputs` (when set) is called once: the server collects a step's outputs in its
+sinks and hands them to its event loop in that one call (one thread handoff per step, whatever the number of
+rows). An abort is honoured at the next step boundary, where the row is freed.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..config import ConfigError, SamplingParams
-from ..propose.base import Proposer
+from .prepare import PreparedRequest
 from .startup_checks import cached_calibrate
 from .request import StreamChunk, TokenLogprob
 from .step import Batch, Row, StepReport, engine_error, prompt_token_logprobs  # noqa: F401  (StepReport: re-exported)
@@ -41,7 +42,8 @@ _ids = itertools.count()
 
 @dataclass
 class SeqRequest:
-    """One sequence to generate, as a caller hands it to the scheduler."""
+    """One sequence to generate, as a caller hands it to the scheduler: a PreparedRequest (engine/prepare.py, what
+    the server submits), or its parts, prepared by the scheduler when the sequence is admitted."""
     prompt_ids: list[int]
     params: SamplingParams
     on_output: Callable[["SeqOutput"], None]     # called from the scheduler thread
@@ -52,6 +54,12 @@ class SeqRequest:
     request_id: str = field(default_factory=lambda: f"seq-{next(_ids)}")
     aborted: bool = False                        # set through BatchScheduler.abort, honoured at a step boundary
     abort_reason: str | None = None
+    prepared: PreparedRequest | None = None      # the request as it runs (set: the fields above are its parts)
+
+    @classmethod
+    def prepared_as(cls, req: PreparedRequest, on_output: Callable[["SeqOutput"], None]) -> "SeqRequest":
+        return cls(req.ids, req.params, on_output, req.method, req.k, req.adaptive_k, req.prompt_logprobs,
+                   prepared=req)
 
 
 @dataclass
@@ -89,6 +97,7 @@ class BatchScheduler:
         self.max_queue = max_queue
         self.max_len = engine.max_model_len
         self.observer = observer
+        self.on_step_outputs: Callable[[], None] | None = None    # called once after each step's outputs
         self.batch = Batch(engine, max_batch)
         self._waiting: deque[SeqRequest] = deque()
         self._cond = threading.Condition()
@@ -115,10 +124,6 @@ class BatchScheduler:
         return self.batch.rows
 
     @property
-    def default_method(self) -> str:
-        return self.engine.spec.method
-
-    @property
     def queue_depth(self) -> int:
         return len(self._waiting)
 
@@ -140,16 +145,6 @@ class BatchScheduler:
     @property
     def cached_tokens(self) -> int:
         return sum(self.cache.lengths)
-
-    def proposer_factory(self, method: str) -> Callable[[int], Proposer] | None:
-        """The engine's proposer factory for `method`; ConfigError (field 'method') if it cannot run here."""
-        try:
-            return self.engine.proposer_factory(method)
-        except ConfigError as e:
-            if e.field in ("method", "draft"):
-                raise ConfigError("method", f"method {method!r} is not available on this server: {e.message}"
-                                  ) from None
-            raise
 
     def submit(self, seqs: list[SeqRequest]) -> None:
         """Queue sequences (all or none). Raises QueueFull over max_queue, SchedulerClosed when stopping."""
@@ -213,10 +208,24 @@ class BatchScheduler:
                 for i in reversed(range(len(self.batch.rows))):
                     self._release(i, error=engine_error(e))
                 self.count_held()
+                self._outputs_done()
 
     def step(self) -> bool:
         """Drop aborted requests, admit waiting ones, then run the one step over all rows.
         Returns False when there was nothing to run."""
+        try:
+            return self._step()
+        finally:
+            self._outputs_done()
+
+    def _outputs_done(self) -> None:
+        if self.on_step_outputs is not None:
+            try:
+                self.on_step_outputs()
+            except Exception:  # noqa: BLE001 - a listener's failure is its own
+                log.exception("on_step_outputs failed")
+
+    def _step(self) -> bool:
         before = [id(r) for r in self.batch.rows]
         self._reap()
         self._admit()
@@ -268,10 +277,11 @@ class BatchScheduler:
                 self._emit(seq, SeqOutput(seq.request_id, error=seq.abort_reason or "aborted"))
                 continue
             try:
-                method = seq.method or self.default_method
-                self.proposer_factory(method)
-                _, prompt_lps = self.batch.join(seq.prompt_ids, seq.params, method, seq.k, seq.prompt_logprobs,
-                                                tag=seq, adaptive_k=seq.adaptive_k)
+                req = seq.prepared or self.engine.prepare(seq.prompt_ids, seq.params, method=seq.method, k=seq.k,
+                                                          adaptive_k=seq.adaptive_k,
+                                                          prompt_logprobs=seq.prompt_logprobs)
+                _, prompt_lps = self.batch.join(req.ids, req.params, req.method, req.k, req.prompt_logprobs,
+                                                tag=seq, adaptive_k=req.adaptive_k)
             except Exception as e:  # noqa: BLE001 - a request that cannot start fails alone
                 log.exception("request %s could not start", seq.request_id)
                 self._emit(seq, SeqOutput(seq.request_id, error=f"could not start: {engine_error(e)}"))

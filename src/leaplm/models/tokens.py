@@ -28,11 +28,24 @@ def encode_prompt(tokenizer, text: str, bos_id: int | None) -> list[int]:
     return ids
 
 
-def chat_prompt(tokenizer, message: str | list[dict], name: str = "model") -> str:
+PLAIN_TEMPLATE_DOC = """Used when the tokenizer has no chat_template: each message becomes "<role>: <content>" on its
+own line, and the prompt ends with "assistant:" for the model to continue."""
+
+
+def plain_chat_prompt(messages: list[dict]) -> str:
+    """The plain template (PLAIN_TEMPLATE_DOC) over {role, content} messages."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def chat_prompt(tokenizer, message: str | list[dict], name: str = "model", plain: bool = False) -> str:
     """The model's chat template applied to one user message (or a list of {role, content} messages), with the
-    assistant turn opened."""
+    assistant turn opened: the one place a chat becomes prompt text (the CLI, the Python API and the server call
+    it). Without a template: the plain template when `plain` (the server's documented behaviour), else a
+    ConfigError naming `chat`."""
+    messages = [{"role": "user", "content": message}] if isinstance(message, str) else message
     if not getattr(tokenizer, "chat_template", None):
+        if plain:
+            return plain_chat_prompt(messages)
         raise ConfigError("chat", f"{name} has no chat template (tokenizer_config.json chat_template or "
                                   f"tokenizer.chat_template in a GGUF file); give a plain prompt instead")
-    messages = [{"role": "user", "content": message}] if isinstance(message, str) else message
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -30,8 +30,9 @@ from ..config import ConfigError, ServerConfig
 from .bridge import Job
 from .errors import install_error_handlers
 from .middleware import RequestGuard
+from ..models.tokens import PLAIN_TEMPLATE_DOC
 from .planning import NOT_PREPARED, build_grammar_vocab, plan_request, prepare_structured, wants_structure
-from .protocol import (PLAIN_TEMPLATE_DOC, APIError, ChatCompletionRequest, ChatCompletionResponse,
+from .protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse,
                        CompletionRequest, CompletionResponse, ErrorResponse, ModelList, error_body)
 from .responses import chat_response, completion_response, guarded_stream, stream_chat, stream_completion
 from .state import ServerState, build_scheduler

@@ -1,8 +1,10 @@
 """The bridge between the scheduler's thread and asyncio: one Job per HTTP request submits its sequences
-(admission first: 400 never fits, 429 not now), and carries what the scheduler thread produces, through
-loop.call_soon_threadsafe, into an asyncio.Queue the request's handler reads. A watcher waits for the client's
-http.disconnect; when it comes, every sequence of the request is aborted and the scheduler frees their rows at
-its next step boundary."""
+(admission first: 400 never fits, 429 not now), and carries what the scheduler thread produces into an
+asyncio.Queue the request's handler reads. The handoff is once per step: each sequence's sink puts its output in
+the Mailbox, and at the end of the step (BatchScheduler.on_step_outputs) one loop.call_soon_threadsafe hands every
+output of the step to the event loop, however many rows ran. A watcher waits for the client's http.disconnect;
+when it comes, every sequence of the request is aborted and the scheduler frees their rows at its next step
+boundary."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +16,7 @@ from fastapi import Request
 from ..engine.scheduler import QueueFull, SchedulerClosed, SeqOutput, SeqRequest
 from ..engine.step import GRAMMAR_ERROR
 from ..engine.stats import GenerationStats
+from .handoff import Mailbox
 from .planning import Plan
 from .protocol import APIError
 from .state import ServerState
@@ -24,6 +27,7 @@ from .streaming import usage
 class SeqResult:
     """What came back for one sequence (asyncio thread only)."""
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
     finish_reason: str | None = None
@@ -43,28 +47,26 @@ class Job:
         self.state, self.plan = state, plan
         self.prompts, self.n = plan.prompts, plan.n
         self.loop = asyncio.get_running_loop()          # built on the event loop (see app.py)
+        self.mailbox: Mailbox = state.mailbox
+        self.mailbox.loop = self.loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrival = time.perf_counter()
-        self.seqs = [SeqRequest(plan.prompts[i // plan.n].ids, sp, on_output=self._sink(i), method=plan.method,
-                                k=plan.k, adaptive_k=plan.adaptive_k, prompt_logprobs=plan.prompt_logprobs)
-                     for i, sp in enumerate(plan.params)]
+        self.seqs = [SeqRequest.prepared_as(req, self._sink(i)) for i, req in enumerate(plan.requests)]
         self.results = [SeqResult() for _ in self.seqs]
         # KV-cache tokens each sequence may grow to, reserved from the admission budget until it finishes
-        self.reservations = [len(plan.prompts[i // plan.n].ids) + sp.max_new_tokens
-                             for i, sp in enumerate(plan.params)]
+        self.reservations = [len(req.prompt_ids) + req.params.max_new_tokens for req in plan.requests]
         self.released = [True] * len(self.seqs)     # set False once reserved
         self.open = len(self.seqs)                  # sequences not finished yet
         self.usage_chunk: dict | None = None        # a stream's last chunk with include_usage, set at its end
 
     def _sink(self, i: int):
+        mailbox = self.mailbox
+
         def put(out: SeqOutput) -> None:          # scheduler thread
             if out.finished and not self.released[i]:
                 self.released[i] = True
                 self.state.admission.release(self.reservations[i])
-            try:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
-            except RuntimeError:                  # the event loop is gone (shutdown)
-                pass
+            mailbox.put(self, i, out)
         return put
 
     def submit(self) -> None:
@@ -112,6 +114,22 @@ class Job:
         self._record(i, out)
         return i, out
 
+    async def next_outputs(self):
+        """Every (index, SeqOutput) that has come back (waiting for the first), each recorded as the iteration
+        reaches it, or None when the client disconnected: a stream writes a step's chunks of all its choices at
+        once."""
+        got = [await self.queue.get()]
+        while not self.queue.empty():
+            got.append(self.queue.get_nowait())
+        if any(out is self.DISCONNECTED for _, out in got):
+            return None
+        return self._recorded(got)
+
+    def _recorded(self, got: list):
+        for i, out in got:
+            self._record(i, out)
+            yield i, out
+
     def _record(self, i: int, out: SeqOutput) -> None:
         res, m = self.results[i], self.state.metrics
         if res.error is not None:               # aborted here already: whatever was in flight does not count
@@ -124,6 +142,7 @@ class Job:
             if c.logprobs:
                 res.logprobs.extend(c.logprobs)
             if c.token_ids:
+                res.token_ids.extend(c.token_ids)
                 if res.first_at is None:
                     m.ttft.observe(out.time - self.arrival)
                     res.first_at = out.time

@@ -1,13 +1,15 @@
-"""Request planning: a validated request (protocol.py) checked against the model (its tokens against the context,
-its method against the server) and turned into the parameters of each sequence it asks for. Everything a
-request asks for is decided here, in one place; the bridge (bridge.py) only submits the plan."""
+"""Request planning: a validated request (protocol.py) checked against the model (its tokens against the context)
+and turned into its sequences, each prepared by the engine's one request preparation (engine/prepare.py: prompt
+ids, sampling parameters, method and K, the same as `leaplm generate` and Engine.generate). Everything a request
+asks for is decided here, in one place; the bridge (bridge.py) only submits the plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ConfigError, SamplingParams, prediction_text
+from ..config import ConfigError, prediction_text
+from ..engine.prepare import PreparedRequest, chat_text, prepare, prompt_ids, text_ids
 from ..propose.prediction import check_prediction
-from .protocol import APIError, chat_prompt
+from .protocol import APIError
 from .state import ServerState, max_prompt_chars
 
 
@@ -19,14 +21,11 @@ class Prompt:
 
 @dataclass
 class Plan:
-    """A request as sequences: prompt i // n, choice i % n of params[i]."""
+    """A request as sequences: sequence i is choice i % n of prompt i // n, prepared as it will run (its prompt ids,
+    sampling parameters, method, K: engine/prepare.py)."""
     prompts: list[Prompt]
-    params: list[SamplingParams]      # one per sequence
+    requests: list[PreparedRequest]   # one per sequence
     n: int                            # choices per prompt
-    method: str | None                # speculative.method (None: the server's)
-    k: int | None                     # speculative.k (None: the server's)
-    adaptive_k: bool | None           # speculative.adaptive_k (None: the server's)
-    prompt_logprobs: int | None       # echo with logprobs: prompt-token logprobs with this many alternatives
     max_tokens: int                   # tokens each sequence may generate
     max_field: str                    # the field that set it (max_tokens or max_completion_tokens)
     prompt_field: str                 # prompt or messages
@@ -76,7 +75,6 @@ def plan_request(state: ServerState, body, chat: bool, structured=NOT_PREPARED) 
     eng = state.engine
     tok = eng.tokenizer
     L = eng.max_model_len
-    V = eng.model.vocab_size
     limit = max_prompt_chars(state)
 
     def encode(text: str, field: str) -> list[int]:
@@ -84,13 +82,13 @@ def plan_request(state: ServerState, body, chat: bool, structured=NOT_PREPARED) 
             raise APIError(400, f"{field}: {len(text)} characters are more than the context of {L} tokens can "
                                 f"hold (at most {limit} characters)", field, "context_length_exceeded")
         try:
-            return tok(text, add_special_tokens=False)["input_ids"]
+            return text_ids(eng, text)            # BOS as the tokenizer's configuration says (engine/prepare.py)
         except (UnicodeError, ValueError, TypeError) as e:     # e.g. lone surrogates
             raise APIError(400, f"{field}: cannot be tokenized ({type(e).__name__})", field, "invalid_value") from None
 
     if chat:
         try:
-            text = chat_prompt(tok, body.messages)
+            text = chat_text(eng, [m.as_dict() for m in body.messages], plain=True)
         except Exception as e:  # noqa: BLE001 - a template that cannot render these messages
             raise APIError(400, f"messages: the chat template cannot render them ({type(e).__name__}: {e})",
                            "messages", "invalid_value") from None
@@ -99,7 +97,6 @@ def plan_request(state: ServerState, body, chat: bool, structured=NOT_PREPARED) 
         max_tokens = body.requested_max_tokens
         max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        prompt_logprobs = None
     else:
         raw = body.prompt
         if isinstance(raw, str):
@@ -111,15 +108,14 @@ def plan_request(state: ServerState, body, chat: bool, structured=NOT_PREPARED) 
             if isinstance(p, str):
                 prompts.append(Prompt(encode(p, "prompt"), p))
             else:
-                bad = [t for t in p if not 0 <= t < V]
-                if bad:
-                    raise APIError(400, f"prompt: token ids must be in [0, {V}) (the vocabulary), got {bad[:5]}",
-                                   "prompt", "invalid_value")
-                prompts.append(Prompt(list(p), tok.decode(p)))
+                try:
+                    ids = prompt_ids(eng, p)
+                except ConfigError as e:
+                    raise APIError(400, f"prompt: {e.message}", "prompt", "invalid_value") from None
+                prompts.append(Prompt(ids, tok.decode(ids)))
         prompt_field, max_field = "prompt", "max_tokens"
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         logprobs = body.logprobs
-        prompt_logprobs = logprobs if body.echo and logprobs is not None else None
     for p in prompts:
         if not p.ids:
             raise APIError(400, f"{prompt_field}: the prompt has no tokens", prompt_field, "invalid_value")
@@ -135,25 +131,25 @@ def plan_request(state: ServerState, body, chat: bool, structured=NOT_PREPARED) 
                        "context_length_exceeded")
     check_prediction_field(body.prediction, tok, longest, L, limit)
     n = body.n or 1
-    method = k = None
-    if body.speculative is not None:
-        method, k = body.speculative.method, body.speculative.k
-        try:
-            state.scheduler.proposer_factory(method)
-        except ConfigError as e:
-            raise APIError(400, f"speculative.method: {e.message}", "speculative.method", "invalid_value") from None
     if structured is NOT_PREPARED:
         structured = prepare_structured(state, body)
-    params = []
+    spec = body.speculative
+    settings = dict(method=spec.method if spec is not None else None, k=spec.k if spec is not None else None,
+                    adaptive_k=spec.adaptive_k if spec is not None else None,
+                    prompt_logprobs=logprobs if not chat and body.echo and logprobs is not None else None)
+    fields = {"max_new_tokens": max_field, "logprobs": "top_logprobs" if chat else "logprobs",
+              "method": "speculative.method", "k": "speculative.k", "adaptive_k": "speculative.adaptive_k",
+              "prompt": prompt_field}
+    requests = []
     for i in range(len(prompts) * n):
         seed = body.seed + i % n if body.seed is not None else None
         try:
-            params.append(body.sampling_params(max_tokens, logprobs, seed, structured))
+            params = body.sampling_params(max_tokens, logprobs, seed, structured)
+            requests.append(prepare(eng, prompts[i // n].ids, params, **settings))
         except ConfigError as e:
-            f = {"max_new_tokens": max_field, "logprobs": "top_logprobs" if chat else "logprobs"}.get(e.field, e.field)
+            f = fields.get(e.field, e.field)
             raise APIError(400, f"{f}: {e.message}", f, "invalid_value") from None
-    adaptive_k = body.speculative.adaptive_k if body.speculative is not None else None
-    return Plan(prompts, params, n, method, k, adaptive_k, prompt_logprobs, max_tokens, max_field, prompt_field,
+    return Plan(prompts, requests, n, max_tokens, max_field, prompt_field,
                 structured_field(body) if structured is not None else None)
 
 

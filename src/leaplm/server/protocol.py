@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from ..config import METHODS, SamplingParams, StructuredOutput
+from ..models.tokens import chat_prompt as _chat_prompt, plain_chat_prompt as _plain_chat_prompt
 
 MAX_N = 16                 # choices per request
 MAX_PROMPTS = 16           # prompts in one completions request
@@ -68,7 +69,9 @@ class ErrorResponse(BaseModel):
 class SpeculativeOptions(BaseModel):
     """leaplm extension: this request's speculation. {"method": "none"} turns it off."""
     model_config = _strict
-    method: Literal[METHODS] = Field(description="Proposer method for this request; 'none' disables speculation.")
+    method: str = Field(description="Proposer method for this request; 'none' disables speculation (checked, with "
+                                    "what this server can run, by the engine's request preparation).",
+                        json_schema_extra={"enum": list(METHODS)})
     k: Optional[Annotated[int, Field(strict=True, ge=1, le=64)]] = Field(
         None, description="Most tokens drafted per step for this request (the server's K by default).")
     adaptive_k: Optional[bool] = Field(None, description="false: draft k tokens every step instead of letting the "
@@ -172,6 +175,9 @@ class _Common(BaseModel):
                           "expected to repeat largely; drafted where the output follows it, verified like any draft "
                           "(the output is the same with or without it). Usage counts accepted and rejected "
                           "prediction tokens.")
+    return_token_ids: Optional[bool] = Field(
+        None, description="vLLM's: the prompt's token ids (`prompt_token_ids`) and each choice's generated token "
+                          "ids (`token_ids`; streamed: each chunk's own) in the response.")
 
     @model_validator(mode="before")
     @classmethod
@@ -314,6 +320,10 @@ class ChatMessage(BaseModel):
                 raise ValueError(f"part {i}: 'text' must be a string")
         return v
 
+    def as_dict(self) -> dict:
+        """{role, content} as a chat template reads it (text parts joined)."""
+        return {"role": self.role, "content": self.text()}
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -356,20 +366,14 @@ class ChatCompletionRequest(_Common):
 
 
 # --- chat prompt -------------------------------------------------------------------------------------------------
-PLAIN_TEMPLATE_DOC = """Used when the tokenizer has no chat_template: each message becomes "<role>: <content>" on its
-own line, and the prompt ends with "assistant:" for the model to continue."""
-
-
 def plain_chat_prompt(messages: list[ChatMessage]) -> str:
-    return "".join(f"{m.role}: {m.text()}\n" for m in messages) + "assistant:"
+    return _plain_chat_prompt([m.as_dict() for m in messages])
 
 
 def chat_prompt(tokenizer, messages: list[ChatMessage]) -> str:
-    """The prompt text: the tokenizer's chat template when it has one, the plain template otherwise."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                             tokenize=False, add_generation_prompt=True)
-    return plain_chat_prompt(messages)
+    """The prompt text (models/tokens.chat_prompt): the tokenizer's chat template when it has one, the plain
+    template otherwise."""
+    return _chat_prompt(tokenizer, [m.as_dict() for m in messages], plain=True)
 
 
 # --- responses -----------------------------------------------------------------------------------------------------
@@ -410,6 +414,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
+    prompt_token_ids: Optional[list[int]] = Field(None, description="With return_token_ids.")
+    token_ids: Optional[list[int]] = Field(None, description="With return_token_ids.")
 
 
 class CompletionResponse(BaseModel):
@@ -445,6 +451,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
+    token_ids: Optional[list[int]] = Field(None, description="With return_token_ids.")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -454,6 +461,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Optional[Usage] = None
+    prompt_token_ids: Optional[list[int]] = Field(None, description="With return_token_ids.")
 
 
 class ModelCard(BaseModel):

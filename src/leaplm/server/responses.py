@@ -43,6 +43,8 @@ def completion_response(state: ServerState, job: Job, body: CompletionRequest) -
             lp = S.merge_completion_logprobs(lp, glp)
         choices.append({"index": i, "text": (prompt.text if body.echo else "") + text, "logprobs": lp,
                         "finish_reason": res.finish_reason})
+        if body.return_token_ids:
+            choices[-1].update(prompt_token_ids=prompt.ids, token_ids=res.token_ids)
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name, "choices": choices, "usage": job.usage()}
 
@@ -55,8 +57,13 @@ def chat_response(state: ServerState, job: Job, body: ChatCompletionRequest) -> 
             lp = {"content": S.chat_logprobs(res.logprobs, state.token_text, body.top_logprobs or 0)}
         choices.append({"index": i, "message": {"role": "assistant", "content": "".join(res.text)},
                         "logprobs": lp, "finish_reason": res.finish_reason})
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": state.model_name, "choices": choices, "usage": job.usage()}
+        if body.return_token_ids:
+            choices[-1]["token_ids"] = res.token_ids
+    out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+           "model": state.model_name, "choices": choices, "usage": job.usage()}
+    if body.return_token_ids:
+        out["prompt_token_ids"] = job.prompts[0].ids
+    return out
 
 
 def _error_event(err: APIError) -> bytes:
@@ -67,45 +74,53 @@ async def stream_completion(state: ServerState, job: Job, body: CompletionReques
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     offsets = [0] * len(job.results)
+    ids = bool(body.return_token_ids)
+    first = [True] * len(job.results)         # with return_token_ids, a choice's first chunk has its prompt's ids
+    event = S.ChunkEvents(cid, "text_completion", created, state.model_name)
 
-    def chunk(i: int, text: str, lp, finish) -> dict:
-        d = {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
-             "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}], "usage": None}
-        if continuous:
-            d["usage"] = _usage_so_far(job, i)
-        return d
+    def chunk(i: int, text: str, lp, finish, token_ids: list[int] | None = None) -> bytes:
+        choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+        if ids:
+            if first[i]:
+                choice["prompt_token_ids"] = job.prompts[i // job.n].ids
+                first[i] = False
+            choice["token_ids"] = token_ids or []
+        return event(choice, _usage_so_far(job, i) if continuous else None)
 
     if body.echo:
         for i in range(len(job.results)):
             p = job.prompts[i // job.n]
             if body.logprobs is None:         # with logprobs, the prompt goes out with its logprobs (below)
-                yield S.sse(chunk(i, p.text, None, None))
+                yield chunk(i, p.text, None, None)
             offsets[i] = len(p.text)
     while job.open:
-        got = await job.next()
+        got = await job.next_outputs()        # a step's outputs, every choice's: written at once
         if got is None:
             return
-        i, out = got
-        if out.error is not None:
-            err = job.failure() or APIError(500, out.error)
-            if err.code in ("engine_error", "grammar_error"):     # the choice ends (finish_reason "error"), then why
-                yield S.sse(chunk(i, "", None, "error"))
-            yield _error_event(err)
-            yield S.DONE
-            return
-        lp = None
-        if out.prompt_logprobs is not None and body.echo and body.logprobs is not None:
-            p = job.prompts[i // job.n]
-            first, off = S.first_prompt_entry(p.ids[0], state.token_text, 0)
-            rest, _ = S.completion_logprobs(out.prompt_logprobs, state.token_text, off)
-            yield S.sse(chunk(i, p.text, S.merge_completion_logprobs(first, rest), None))
-        c = out.chunk
-        if c is None or not (c.text or c.finish_reason or (body.logprobs is not None and c.logprobs) or continuous):
-            continue                          # nothing to show: tokens whose text is still held back
-        if body.logprobs is not None and c.logprobs:
-            lp, _ = S.completion_logprobs(c.logprobs, state.token_text, offsets[i])
-        offsets[i] += len(c.text)
-        yield S.sse(chunk(i, c.text, lp, c.finish_reason))
+        events = []
+        for i, out in got:
+            if out.error is not None:
+                err = job.failure() or APIError(500, out.error)
+                if err.code in ("engine_error", "grammar_error"):   # the choice ends (finish_reason "error"), then why
+                    events.append(chunk(i, "", None, "error"))
+                yield b"".join(events) + _error_event(err) + S.DONE
+                return
+            lp = None
+            if out.prompt_logprobs is not None and body.echo and body.logprobs is not None:
+                p = job.prompts[i // job.n]
+                head, off = S.first_prompt_entry(p.ids[0], state.token_text, 0)
+                rest, _ = S.completion_logprobs(out.prompt_logprobs, state.token_text, off)
+                events.append(chunk(i, p.text, S.merge_completion_logprobs(head, rest), None))
+            c = out.chunk
+            if c is None or not (c.text or c.finish_reason or (body.logprobs is not None and c.logprobs)
+                                 or continuous or (ids and c.token_ids)):
+                continue                      # nothing to show: tokens whose text is still held back
+            if body.logprobs is not None and c.logprobs:
+                lp, _ = S.completion_logprobs(c.logprobs, state.token_text, offsets[i])
+            offsets[i] += len(c.text)
+            events.append(chunk(i, c.text, lp, c.finish_reason, c.token_ids))
+        if events:
+            yield b"".join(events)
     job.usage_chunk = {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
                        "choices": [], "usage": job.usage()}
 
@@ -113,35 +128,48 @@ async def stream_completion(state: ServerState, job: Job, body: CompletionReques
 async def stream_chat(state: ServerState, job: Job, body: ChatCompletionRequest):
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+    ids = bool(body.return_token_ids)
+    event = S.ChunkEvents(cid, "chat.completion.chunk", created, state.model_name)
 
-    def chunk(i: int, delta: dict, lp, finish) -> dict:
-        d = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-             "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}], "usage": None}
-        if continuous:
-            d["usage"] = _usage_so_far(job, i)
-        return d
+    def chunk(i: int, delta: dict, lp, finish, token_ids: list[int] | None = None) -> bytes:
+        choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        if ids:
+            choice["token_ids"] = token_ids or []
+        return event(choice, _usage_so_far(job, i) if continuous else None)
 
     for i in range(len(job.results)):
-        yield S.sse(chunk(i, {"role": "assistant", "content": ""}, None, None))
+        if ids:                               # the prompt's ids on the opening chunk (the response's field)
+            opening = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+                       "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None, "token_ids": []}],
+                       "usage": _usage_so_far(job, i) if continuous else None,
+                       "prompt_token_ids": job.prompts[0].ids}
+            yield S.sse(opening)
+        else:
+            yield chunk(i, {"role": "assistant", "content": ""}, None, None)
     while job.open:
-        got = await job.next()
+        got = await job.next_outputs()        # a step's outputs, every choice's: written at once
         if got is None:
             return
-        i, out = got
-        if out.error is not None:
-            err = job.failure() or APIError(500, out.error)
-            if err.code in ("engine_error", "grammar_error"):
-                yield S.sse(chunk(i, {}, None, "error"))
-            yield _error_event(err)
-            yield S.DONE
-            return
-        c = out.chunk
-        if c is None or not (c.text or c.finish_reason or (body.logprobs and c.logprobs) or continuous):
-            continue
-        lp = None
-        if body.logprobs and c.logprobs:
-            lp = {"content": S.chat_logprobs(c.logprobs, state.token_text, body.top_logprobs or 0)}
-        yield S.sse(chunk(i, {"content": c.text} if c.text or not c.finish_reason else {}, lp, c.finish_reason))
+        events = []
+        for i, out in got:
+            if out.error is not None:
+                err = job.failure() or APIError(500, out.error)
+                if err.code in ("engine_error", "grammar_error"):
+                    events.append(chunk(i, {}, None, "error"))
+                yield b"".join(events) + _error_event(err) + S.DONE
+                return
+            c = out.chunk
+            if c is None or not (c.text or c.finish_reason or (body.logprobs and c.logprobs) or continuous
+                                 or (ids and c.token_ids)):
+                continue
+            lp = None
+            if body.logprobs and c.logprobs:
+                lp = {"content": S.chat_logprobs(c.logprobs, state.token_text, body.top_logprobs or 0)}
+            events.append(chunk(i, {"content": c.text} if c.text or not c.finish_reason else {}, lp,
+                                c.finish_reason, c.token_ids))
+        if events:
+            yield b"".join(events)
     job.usage_chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
                        "choices": [], "usage": job.usage()}
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ..config import SamplingParams, ServerConfig
 from ..engine.scheduler import BatchScheduler, SeqRequest
 from .admission import Admission
+from .handoff import Mailbox
 from .metrics import ServerMetrics
 from .streaming import TokenText
 
@@ -26,6 +27,7 @@ class ServerState:
     scheduler: BatchScheduler | None = None
     admission: Admission | None = None
     token_text: TokenText | None = None
+    mailbox: Mailbox = field(default_factory=Mailbox)   # the scheduler thread's outputs, once per step (bridge.py)
     ready: bool = False
     draining: bool = False
     load_error: str | None = None
@@ -48,6 +50,7 @@ class ServerState:
                                                  self.config.kv_cache_bytes)
         self.metrics.bind(scheduler, self.admission)
         scheduler.observer = self.metrics
+        scheduler.on_step_outputs = self.mailbox.flush
 
 
 def build_scheduler(engine, config: ServerConfig) -> BatchScheduler:
