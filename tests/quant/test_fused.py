@@ -83,6 +83,19 @@ def test_a_token_is_bit_identical_in_any_block(model):
     assert torch.equal(model(torch.tensor([IDS[8:]]), cache)[0], full[8:])
 
 
+def test_every_block_size_up_to_32_gives_the_same_bits(model):
+    """A block of T = 1..32 new tokens after a prefix: each token's logits equal the same token in one block of 40
+    (which the linears take as 32 + 8 rows): the token tiles and the L1 chunks of the kernel never change a bit."""
+    ids = [(7 * i + 3) % 40 for i in range(40)]
+    full = logits(model, ids)                                         # [40, V]
+    for T in range(1, 33):
+        start = 40 - T
+        cache = model.new_cache(1, 64)
+        model(torch.tensor([ids[:start]]), cache)
+        cache.advance(start)
+        assert torch.equal(model(torch.tensor([ids[start:]]), cache)[0], full[start:]), T
+
+
 def test_tree_node_equals_its_chain(model):
     """A flattened tree [a, b | a, c] (c a second child of a): each node equals the chain through it."""
     prefix, a, b, c = IDS[:6], 7, 11, 13
@@ -125,12 +138,13 @@ def test_every_path_gives_the_same_bits(model):
     from leaplm.quant.fused import build_fused
 
     ext = next(iter(model.quantized.values())).ext
-    fast = logits(model, IDS)
+    ids = IDS * 3                                                     # 36 tokens: linears of 32 and 4 rows
+    fast = logits(model, ids)
     chosen = ext.path
     try:
         ext.path = 0
         model._fused = build_fused(model)
-        slow = logits(model, IDS)
+        slow = logits(model, ids)
     finally:
         ext.path = chosen
         model._fused = False

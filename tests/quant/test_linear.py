@@ -81,9 +81,10 @@ def test_activation_quantization_matches_its_reference():
     x = torch.randn(5, 128, generator=g) * torch.tensor([1e-3, 1, 30, 1e4]).repeat_interleave(32)
     x[2, 32:64] = 0                                                             # an all-zero block: a = 0, qa = 0
     x[3, :32] = torch.arange(32) / 31 * 127 * 0.5                               # exact halves: round to even
-    qa, a = load().module.quantize_activations(x)
     rqa, ra = quantize_activations_ref(x)
-    assert torch.equal(qa, rqa) and torch.equal(a, ra)
+    for path in usable_paths():                                                 # scalar C++ and the SIMD form
+        qa, a = load().module.quantize_activations(x, path)
+        assert torch.equal(qa, rqa) and torch.equal(a, ra), path
 
 
 @needs_ext
@@ -148,13 +149,31 @@ def test_row_is_bit_identical_alone_or_with_15_others(fmt):
     for T in range(2, 16):                                             # every token-tile width, at an offset
         off = 16 - T if T > 8 else 3
         assert torch.equal(lin(x[off:off + T], bias), together[off:off + T]), T
-    # more than 16 rows go through the kernel 16 at a time: still row-independent
-    big = torch.cat([x, x.flip(0), x[:7]])
+    # more than 32 rows go through the kernel 32 at a time: still row-independent
+    big = torch.cat([x, x.flip(0), x, x[:7]])
     assert torch.equal(lin(big, bias)[:16], together)
     # an output row alone (its weight row packed on its own) is the same bits as inside the matrix
     for n in (0, 13, 71):
         alone = QuantizedLinear(qw.rows(torch.tensor([n])), "extension")(x, bias[n:n + 1])   # [16, 1]
         assert torch.equal(alone[:, 0], together[:, n]), n
+
+
+@needs_ext
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_long_rows_in_blocks_of_1_to_32_give_the_same_bits_on_every_path(fmt):
+    """K = 1280 (40 blocks of 32): blocks of many tokens walk the blocks in chunks that keep their activations in
+    L1 (16 blocks a pass at T = 32); a token's result is still the same bits alone, at any T up to 32, at any
+    offset, and on every path."""
+    qw, x, bias = case(fmt, 32, N=21, K=1280, seed=6)
+    lin = QuantizedLinear(qw, "extension")
+    together = lin(x, bias)                                            # [32, N]: one kernel call
+    for T in range(1, 33):
+        off = (5 * T) % (33 - T)
+        assert torch.equal(lin(x[off:off + T], bias), together[off:off + T]), T
+    ext = load()
+    for p in usable_paths():
+        for T in (1, 7, 17, 32):
+            assert torch.equal(run_path(ext, qw, x[:T].contiguous(), p, bias), together[:T]), (p, T)
 
 
 @needs_ext

@@ -1,4 +1,4 @@
-"""The cost of verifying on libllama: one forward over T = 1..16 tokens, per weight type, for `bench --roofline`.
+"""The cost of verifying on libllama: one forward over T = 1..32 tokens, per weight type, for `bench --roofline`.
 
 A verify block of T tokens costs what llama.cpp's kernels make it cost for that T, and on quantized weights that
 is far from flat (its one-token kernel reads each weight once; its block kernels do more work per weight). The
@@ -75,7 +75,7 @@ def requantize(path: str, weight_type: str, out: str) -> str:
 
 
 def libllama_curves(path: str, bandwidth_GBps: float, weight_types=("Q4_0", "Q4_1", "Q8_0"),
-                    tokens=tuple(range(1, 17)), rows=(1, 4)) -> list:
+                    tokens=tuple(range(1, 33)), rows=(1, 4)) -> list:
     """BlockCurves of libllama's whole forward for the file's own weight type and `weight_types` (requantized),
     one per rows count (kernel 'llama.cpp forward' / 'llama.cpp forward, 4 rows'), each followed by leaplm's whole
     forward on the same file (kernel 'leaplm forward (int8 kernel)' or 'leaplm forward (fp32)')."""

@@ -4,7 +4,7 @@ A decoder must read every weight once per forward, so a forward cannot take less
 bytes read / streaming bandwidth. The bandwidth is measured as /work/shared/tools/machine_limits.py does: one
 token through F.linear over an fp32 matrix far larger than any cache. The report gives, for the model at hand:
 bytes per forward (linear weights in their stored format, norms, one embedding row), the floor in ms, the
-measured forward time for T = 1..16 tokens (what verifying K + 1 tokens costs), and for each method the decode
+measured forward time for T = 1..16 tokens (what verifying K + 1 tokens costs; the whole-forward curve runs to 32), and for each method the decode
 time per token split into propose / score (target forwards) / rest (verify, commit, host work), against the
 floor. Speculative methods can go below the floor per token: that is the mean accepted length at work.
 
@@ -222,7 +222,7 @@ def random_weight(shape: tuple[int, int], weight_type: str, g: torch.Generator):
 
 def int8_rate(ext, reps: int = 3) -> float:
     """Multiply-adds per second of the extension's dot-product instruction on all threads (median of reps)."""
-    iters = 200_000
+    iters = 4_000_000                                                  # ~20 ms a thread: waking threads is noise
     ext.module.int8_peak(ext.path, iters // 10)                        # warm-up (clocks, thread pool)
     return statistics.median(ext.module.int8_peak(ext.path, iters) for _ in range(reps))
 
@@ -262,7 +262,7 @@ def kernel_block_costs(shapes: list[tuple[int, int]], weight_type: str, bandwidt
                       [round(macs * T / macs_per_s * 1e3, 3) for T in tokens])
 
 
-def forward_curve(model, weight_type: str, bandwidth_GBps: float, tokens=tuple(range(1, 17))) -> BlockCurve:
+def forward_curve(model, weight_type: str, bandwidth_GBps: float, tokens=tuple(range(1, 33))) -> BlockCurve:
     """leaplm's whole forward (every layer, attention, the output projection) over T tokens, as a BlockCurve
     labelled with the weight type its linears hold: comparable with llama.cpp's whole-forward curves."""
     fc = forward_costs(model, tokens=tokens, reps=7)

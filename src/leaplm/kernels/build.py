@@ -159,7 +159,7 @@ def probe_problems() -> list[tuple[object, ProbeWeight]]:
 
     g = torch.Generator().manual_seed(0)
     out = []
-    for T in (1, 2, 3, 5, 9, 16):
+    for T in (1, 2, 3, 5, 9, 16, 32):
         x = torch.randn(T, 96, generator=g)
         for width, int4 in ((256, False), (128, True)):
             q = torch.randint(0, 256, (2, 3, width), dtype=torch.uint8, generator=g)

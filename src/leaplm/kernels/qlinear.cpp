@@ -1,4 +1,4 @@
-// Quantized linear for 1..16 tokens with 8-bit integer dot products: y[t, n] = sum_k x[t, k] * w[n, k] (+ bias[n]).
+// Quantized linear for 1..32 tokens with 8-bit integer dot products: y[t, n] = sum_k x[t, k] * w[n, k] (+ bias[n]).
 //
 // Weights are blocks of 32 along k, as GGUF stores them (the integers unchanged; scales and mins in fp32):
 //   int8 (Q8_0):        w[n, g, j] = q[n, g, j] * s[n, g],          q in -128..127
@@ -33,7 +33,7 @@
 namespace {
 
 constexpr int QK = 32;
-constexpr int MAX_T = 16;
+constexpr int MAX_T = 32;
 constexpr int RG = 8;            // rows per packed group
 
 enum Path : int { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
@@ -88,17 +88,62 @@ LEAPLM_INLINE void quantize_act_body(const float* x, int T, int64_t K, Act& out)
 
 // The element-wise and reduction code outside the dot-product kernels is plain C++ in a fixed order, built twice:
 // for the baseline instruction set and with AVX2 enabled (wider vectors, no FMA contraction: the same operations,
-// so the same bits); the AVX2 build runs where the kernel's AVX2 or VNNI path was chosen.
+// so the same bits); the AVX2 build runs where the kernel's AVX2 or VNNI path was chosen. The activation
+// quantization's AVX2 form is written out in intrinsics (quantize_act_simd), the same operations per element.
 void quantize_act_base(const float* x, int T, int64_t K, Act& out) { quantize_act_body(x, T, K, out); }
+
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) void quantize_act_avx2(const float* x, int T, int64_t K, Act& out) {
-  quantize_act_body(x, T, K, out);
+// The same operations as quantize_act_body, 8 lanes at a time: |x| max per lane (lane l holds elements l, l + 8,
+// l + 16, l + 24, as the body's lanes[j % 8]), the max over lanes, the scale, then clamp, round by the magic number
+// and convert per element (vmaxps/vminps with the constant second pick it for NaN, as std::max/min do).
+__attribute__((target("avx2"))) void quantize_act_simd(const float* x, int T, int64_t K, Act& out) {
+  const int G = int(K / QK);
+  out.T = T, out.K = K, out.G = G;
+  out.qa.resize(size_t(T) * K);
+  out.a.resize(size_t(T) * G);
+  out.sa.resize(size_t(T) * G);
+  out.sq.resize(size_t(T) * G);
+  const __m256 sign = _mm256_set1_ps(-0.f), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f),
+               magic = _mm256_set1_ps(12582912.f);
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < G; ++g) {
+      const float* xb = x + t * K + g * QK;
+      __m256 v[4];
+      for (int c = 0; c < 4; ++c) v[c] = _mm256_loadu_ps(xb + 8 * c);
+      __m256 lanes = _mm256_setzero_ps();
+      for (int c = 0; c < 4; ++c) lanes = _mm256_max_ps(_mm256_andnot_ps(sign, v[c]), lanes);
+      alignas(32) float l8[8];
+      _mm256_store_ps(l8, lanes);
+      float amax = 0.f;
+      for (int l = 0; l < 8; ++l) amax = std::max(amax, l8[l]);
+      const float a = amax / 127.f;
+      const __m256 inv = _mm256_set1_ps(a > 0.f ? 1.f / a : 0.f);
+      __m256i sum = _mm256_setzero_si256();
+      __m256i q[4];
+      for (int c = 0; c < 4; ++c) {
+        __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[c], inv), lo), hi);
+        y = _mm256_sub_ps(_mm256_add_ps(y, magic), magic);
+        q[c] = _mm256_cvttps_epi32(y);
+        sum = _mm256_add_epi32(sum, q[c]);
+      }
+      // int32 -> int8 in element order: packs interleave 128-bit lanes, the permute restores the order
+      const __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
+      const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qa.data() + t * K + g * QK), b);
+      alignas(32) int32_t s8[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s8), sum);
+      int s = 0;
+      for (int l = 0; l < 8; ++l) s += s8[l];
+      out.a[t * G + g] = a;
+      out.sq[t * G + g] = s;
+      out.sa[t * G + g] = a * float(s);
+    }
 }
 #endif
 
 void quantize_act(const float* x, int T, int64_t K, Act& out, int path = 0) {
 #if defined(__x86_64__)
-  if (path > 0) return quantize_act_avx2(x, T, K, out);
+  if (path > 0) return quantize_act_simd(x, T, K, out);
 #endif
   quantize_act_base(x, T, K, out);
 }
@@ -201,9 +246,9 @@ inline __m256i block_dot_avx2(const __m256i* u, const int8_t* qa, bool int4, int
   const int G = w.G;                                                                                            \
   const int64_t K = act.K;                                                                                      \
   __m256 acc[TT];                                                                                               \
-  for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();                                                    \
+  for (int t = 0; t < TT; ++t) acc[t] = _mm256_load_ps(accp + 8 * t);                                           \
   const __m256i k128 = _mm256_set1_epi8(char(0x80));                                                            \
-  for (int g = 0; g < G; ++g) {                                                                                 \
+  for (int g = ga; g < gb; ++g) {                                                                               \
     __m256i u[8];                                                                                               \
     load_block(w, w.q + (grp * G + g) * w.block_bytes(), u);                                                    \
     if (!w.int4)                                                                                                \
@@ -215,59 +260,76 @@ inline __m256i block_dot_avx2(const __m256i* u, const int8_t* qa, bool int4, int
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(act.a[tg])), acc[t]);    \
     }                                                                                                           \
   }                                                                                                             \
-  store_group(w, act, grp, t0, TT, acc, y);
+  for (int t = 0; t < TT; ++t) _mm256_store_ps(accp + 8 * t, acc[t]);
 
-// y[t0 + t, 8 grp + r] = acc[t][r] + mt[t][r], the min term's chains run here (after the dot products)
+// y[t, 8 grp + r] = acc[t][r] + mt[t][r] for every token, the min term's chains run here (after the dot products)
 __attribute__((target("avx2,fma")))
-void store_group(const W& w, const Act& act, int64_t grp, int t0, int TT, const __m256* acc, float* y) {
+void store_group(const W& w, const Act& act, int64_t grp, const float* accs, float* y) {
   const int G = w.G;
-  for (int t = 0; t < TT; ++t) {
+  for (int t = 0; t < act.T; ++t) {
     __m256 mt = _mm256_setzero_ps();
     if (w.m)
       for (int g = 0; g < G; ++g)
-        mt = _mm256_fmadd_ps(_mm256_loadu_ps(w.m + (grp * G + g) * RG), _mm256_set1_ps(act.sa[(t0 + t) * G + g]), mt);
+        mt = _mm256_fmadd_ps(_mm256_loadu_ps(w.m + (grp * G + g) * RG), _mm256_set1_ps(act.sa[t * G + g]), mt);
     alignas(32) float out[8];
-    _mm256_store_ps(out, _mm256_add_ps(acc[t], mt));
+    _mm256_store_ps(out, _mm256_add_ps(_mm256_load_ps(accs + 8 * t), mt));
     const int64_t n0 = grp * RG;
     const int rows = int(std::min<int64_t>(RG, w.N - n0));
-    std::memcpy(y + (t0 + t) * w.N + n0, out, sizeof(float) * rows);
+    std::memcpy(y + t * w.N + n0, out, sizeof(float) * rows);
   }
 }
 
+// Tokens t0 .. t0 + TT - 1 of one row group over blocks ga .. gb - 1, continuing the fp32 sums in accp [TT, 8].
 template <int TT>
-__attribute__((target("avx2,fma"))) void group_avx2(const W& w, const Act& act, int64_t grp, int t0, float* y) {
+__attribute__((target("avx2,fma")))
+void group_avx2(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* accp) {
   LEAPLM_GROUP_BODY(block_dot_avx2)
 }
 
 template <int TT>
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
-void group_vnni(const W& w, const Act& act, int64_t grp, int t0, float* y) {
+void group_vnni(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* accp) {
   LEAPLM_GROUP_BODY(block_dot_vnni)
 }
 
 template <int TT, bool VNNI>
-inline void tile(const W& w, const Act& act, int64_t grp, int t0, float* y) {
-  if constexpr (VNNI) group_vnni<TT>(w, act, grp, t0, y);
-  else group_avx2<TT>(w, act, grp, t0, y);
+inline void tile(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* accp) {
+  if constexpr (VNNI) group_vnni<TT>(w, act, grp, t0, ga, gb, accp);
+  else group_avx2<TT>(w, act, grp, t0, ga, gb, accp);
 }
 
 // the last `rem` (<= TT) tokens in one tile of exactly that width
 template <int TT, bool VNNI>
-inline void tail(int rem, const W& w, const Act& act, int64_t grp, int t0, float* y) {
+inline void tail(int rem, const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* accp) {
   if constexpr (TT >= 1) {
-    if (rem == TT) tile<TT, VNNI>(w, act, grp, t0, y);
-    else tail<TT - 1, VNNI>(rem, w, act, grp, t0, y);
+    if (rem == TT) tile<TT, VNNI>(w, act, grp, t0, ga, gb, accp);
+    else tail<TT - 1, VNNI>(rem, w, act, grp, t0, ga, gb, accp);
   }
 }
 
+// Blocks of 32 per pass over the tokens: the int8 activations one pass reads (T x blocks x 32 bytes) stay within
+// about half of a 32 KiB L1 data cache beside the group's weights, so a block's weights are read from L1 by every
+// token tile and no tile evicts the next one's activations.
+constexpr int ACT_L1_BYTES = 16384;
+
 // All T tokens of one row group in token tiles of at most TMAX (the unpacked block stays in 8 registers and
-// each token adds an int32 and an fp32 accumulator: AVX2 has 16 vector registers, AVX-512 32).
+// each token adds an int32 and an fp32 accumulator: AVX2 has 16 vector registers, AVX-512 32), the blocks in
+// chunks that keep the activations in L1. A token's sum runs over g = 0, 1, ..., G - 1 in order whatever the
+// chunks and tiles (the partial sums wait in `accs`, unrounded fp32), so the bits do not depend on T.
 template <bool VNNI>
 void group_simd(const W& w, const Act& act, int64_t grp, float* y) {
   constexpr int TMAX = VNNI ? 8 : 4;
-  int t = 0;
-  for (; t + TMAX <= act.T; t += TMAX) tile<TMAX, VNNI>(w, act, grp, t, y);
-  if (t < act.T) tail<TMAX - 1, VNNI>(act.T - t, w, act, grp, t, y);
+  alignas(32) float accs[MAX_T * 8];
+  std::memset(accs, 0, sizeof(float) * 8 * act.T);
+  const int G = w.G;
+  const int chunk = act.T <= TMAX ? G : std::max(1, ACT_L1_BYTES / (QK * act.T));
+  for (int ga = 0; ga < G; ga += chunk) {
+    const int gb = std::min(G, ga + chunk);
+    int t = 0;
+    for (; t + TMAX <= act.T; t += TMAX) tile<TMAX, VNNI>(w, act, grp, t, ga, gb, accs + 8 * t);
+    if (t < act.T) tail<TMAX - 1, VNNI>(act.T - t, w, act, grp, t, ga, gb, accs + 8 * t);
+  }
+  store_group(w, act, grp, accs, y);
 }
 #endif
 
@@ -281,7 +343,7 @@ void run_groups(const W& w, const Act& act, int path, int64_t g0, int64_t g1, fl
   }
 }
 
-// y [M, N] = x [M, K] through the packed weight w, any M (16 tokens per kernel call); bias (N floats) or null.
+// y [M, N] = x [M, K] through the packed weight w, any M (32 tokens per kernel call); bias (N floats) or null.
 void linear_raw(const float* x, int64_t M, int64_t K, const W& w, const float* bias, int path, float* y) {
   Act act;
   const int64_t NG = (w.N + RG - 1) / RG;
@@ -296,12 +358,12 @@ void linear_raw(const float* x, int64_t M, int64_t K, const W& w, const float* b
       for (int64_t n = 0; n < w.N; ++n) y[m * w.N + n] += bias[n];
 }
 
-// x [T, K] fp32 contiguous (T <= 16); qp, sp, mp packed as above; returns y [T, N].
+// x [T, K] fp32 contiguous (T <= 32); qp, sp, mp packed as above; returns y [T, N].
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::optional<torch::Tensor> mp,
                       c10::optional<torch::Tensor> bias, int64_t N, int64_t path) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: [T, K] contiguous fp32");
   const int64_t T = x.size(0), K = x.size(1);
-  TORCH_CHECK(T >= 1 && T <= MAX_T, "qlinear takes 1..16 tokens, got ", T);
+  TORCH_CHECK(T >= 1 && T <= MAX_T, "qlinear takes 1..", MAX_T, " tokens, got ", T);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
   const bool int4 = mp.has_value();
   const int64_t G = K / QK, NG = (N + RG - 1) / RG;
@@ -374,12 +436,12 @@ double int8_peak(int64_t path, int64_t iters) {
 }
 
 // The activation quantization alone (for tests): (qa [T, K] int8, a [T, K / 32] fp32).
-std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t path) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) % QK == 0,
               "x: [T, K] contiguous fp32, K a multiple of 32");
   Act act;
   const int64_t T = x.size(0), K = x.size(1);
-  quantize_act(x.data_ptr<float>(), int(T), K, act);
+  quantize_act(x.data_ptr<float>(), int(T), K, act, int(path));
   auto qa = torch::from_blob(act.qa.data(), {T, K}, torch::kChar).clone();
   auto a = torch::from_blob(act.a.data(), {T, K / QK}, torch::kFloat).clone();
   return {qa, a};
@@ -422,12 +484,58 @@ LEAPLM_INLINE float dot8(const float* a, const float* b, int64_t n) {   // n a m
   return lane_sum(acc);
 }
 
-void rms_norm(const float* x, const float* w, int64_t M, int64_t n, float eps, float* y) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * n;
+// y = x + d, then rms_norm(y) per row (rows m0 .. m1 - 1): the residual add and the next layer's norm in one pass
+LEAPLM_INLINE void add_norm_body(float* x, const float* d, const float* w, int64_t m0, int64_t m1, int64_t n,
+                                 float eps, float* y) {
+  for (int64_t m = m0; m < m1; ++m) {
+    float* xm = x + m * n;
+    if (d)
+      for (int64_t i = 0; i < n; ++i) xm[i] += d[m * n + i];
     const float r = 1.f / std::sqrt(dot8(xm, xm, n) / float(n) + eps);
     for (int64_t i = 0; i < n; ++i) y[m * n + i] = (xm[i] * r) * w[i];
   }
+}
+
+// silu(gate) * up per row, gate = gu[:, :inter], up = gu[:, inter:]
+LEAPLM_INLINE void silu_mul_body(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* g = gu + m * 2 * inter;
+    float* o = out + m * inter;
+    for (int64_t i = 0; i < inter; ++i) o[i] = -g[i];
+    exp_inplace(o, inter);
+    for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + o[i]) * g[inter + i];
+  }
+}
+
+void add_norm_base(float* x, const float* d, const float* w, int64_t m0, int64_t m1, int64_t n, float eps, float* y) {
+  add_norm_body(x, d, w, m0, m1, n, eps, y);
+}
+void silu_mul_base(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
+  silu_mul_body(gu, m0, m1, inter, out);
+}
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) void add_norm_avx2(float* x, const float* d, const float* w, int64_t m0, int64_t m1,
+                                                   int64_t n, float eps, float* y) {
+  add_norm_body(x, d, w, m0, m1, n, eps, y);
+}
+__attribute__((target("avx2"))) void silu_mul_avx2(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
+  silu_mul_body(gu, m0, m1, inter, out);
+}
+#else
+void add_norm_avx2(float* x, const float* d, const float* w, int64_t m0, int64_t m1, int64_t n, float eps, float* y) {
+  add_norm_body(x, d, w, m0, m1, n, eps, y);
+}
+void silu_mul_avx2(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
+  silu_mul_body(gu, m0, m1, inter, out);
+}
+#endif
+
+// fn(m0, m1) over rows 0 .. M - 1, split across the threads when there are enough rows to pay for waking them
+// (each row is computed alone, so the split never changes a bit)
+template <typename F>
+void over_rows(int64_t M, int64_t min_rows, const F& fn) {
+  if (M < min_rows || at::get_num_threads() < 2) return fn(0, M);
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) { fn(m0, m1); });
 }
 
 // softmax(q k^T * scale) v for one query over its n allowed keys (in key order); p [n], o [D] scratch
@@ -527,6 +635,7 @@ class Decoder {
     std::vector<float> h(M * hid), qkv(M * (H + 2 * Hkv) * D), att(M * H * D), tmp(M * hid), gu(M * 2 * inter),
         act(M * inter);
     float* xp = out.data_ptr<float>();
+    const float* pending = nullptr;          // the down projection not yet added to the residual stream
     for (int64_t li : run) {
       TORCH_CHECK(li >= 0 && li < int64_t(layers.size()), "layer ", li, " out of range");
       const Layer& L = layers[li];
@@ -535,18 +644,21 @@ class Decoder {
       TORCH_CHECK(ck.is_contiguous() && cv.is_contiguous() && ck.scalar_type() == torch::kFloat &&
                   ck.size(0) >= B && ck.size(1) == Hkv && ck.size(3) == D && ck.size(2) >= kv_len,
                   "cache: contiguous fp32 [B, Hkv, capacity, D]");
-      rms_norm(xp, L.ln1.data_ptr<float>(), M, hid, eps, h.data());
+      add_norm(xp, pending, L.ln1.data_ptr<float>(), M, h.data());         // the previous layer's residual
       linear_raw(h.data(), M, hid, L.qkv.view(hid), L.qkv.b(), path, qkv.data());
       rope_and_store(qkv.data(), B, T, posc.data_ptr<int64_t>(), cisc.data_ptr<float>(), lens, ck, cv);
       attention(qkv.data(), B, T, lens, maskc.numel() ? maskc.data_ptr<bool>() : nullptr, ck, cv, kv_len, att.data());
       linear_raw(att.data(), M, H * D, L.o.view(H * D), L.o.b(), path, tmp.data());
-      for (int64_t i = 0; i < M * hid; ++i) xp[i] += tmp[i];
-      rms_norm(xp, L.ln2.data_ptr<float>(), M, hid, eps, h.data());
+      add_norm(xp, tmp.data(), L.ln2.data_ptr<float>(), M, h.data());
       linear_raw(h.data(), M, hid, L.gate_up.view(hid), L.gate_up.b(), path, gu.data());
-      silu_mul(gu.data(), M, act.data());
+      over_rows(M, 8, [&](int64_t m0, int64_t m1) {
+        (path > 0 ? silu_mul_avx2 : silu_mul_base)(gu.data(), m0, m1, inter, act.data());
+      });
       linear_raw(act.data(), M, inter, L.down.view(inter), L.down.b(), path, tmp.data());
-      for (int64_t i = 0; i < M * hid; ++i) xp[i] += tmp[i];
+      pending = tmp.data();
     }
+    if (pending)
+      for (int64_t i = 0; i < M * hid; ++i) xp[i] += pending[i];
     return out;
   }
 
@@ -593,14 +705,16 @@ class Decoder {
     const float scale = 1.f / std::sqrt(float(D));
     const bool wide = path > 0;
     const int64_t work = B * H * T * S * D;
-    at::parallel_for(0, B * H, work > (1 << 18) ? 1 : B * H, [&](int64_t i0, int64_t i1) {
+    // one item per (row, head, query): the queries of a block spread evenly over the threads
+    const int64_t items = B * H * T;
+    at::parallel_for(0, items, work > (1 << 18) ? 1 : items, [&](int64_t i0, int64_t i1) {
       std::vector<float> p(S), o(D);
       std::vector<int64_t> keys(S);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / H, hh = i % H, g = hh / rep;
+        const int64_t b = i / (H * T), hh = (i / T) % H, t = i % T, g = hh / rep;
         const float* kb = kp + (b * Hkv + g) * cap * D;
         const float* vb = vp + (b * Hkv + g) * cap * D;
-        for (int64_t t = 0; t < T; ++t) {
+        {
           const float* q = qkv + (b * T + t) * width + hh * D;
           int64_t n = 0;
           for (int64_t j = 0; j < S; ++j)
@@ -613,26 +727,23 @@ class Decoder {
     });
   }
 
-  void silu_mul(const float* gu, int64_t M, float* out) {   // silu(gate) * up, gate = gu[:, :inter]
-    for (int64_t m = 0; m < M; ++m) {
-      const float* g = gu + m * 2 * inter;
-      float* o = out + m * inter;
-      for (int64_t i = 0; i < inter; ++i) o[i] = -g[i];
-      exp_inplace(o, inter);
-      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + o[i]) * g[inter + i];
-    }
+  // x += d (d may be null), then h = rms_norm(x) * w, per row
+  void add_norm(float* x, const float* d, const float* w, int64_t M, float* h) {
+    if (path > 0) add_norm_avx2(x, d, w, 0, M, hid, eps, h);
+    else add_norm_base(x, d, w, 0, M, hid, eps, h);
   }
 };
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qlinear", &qlinear, "int8-activation quantized linear for 1..16 tokens over packed weights",
+  m.def("qlinear", &qlinear, "int8-activation quantized linear for 1..32 tokens over packed weights",
         pybind11::arg("x"), pybind11::arg("qp"), pybind11::arg("sp"), pybind11::arg("mp"), pybind11::arg("bias"),
         pybind11::arg("n"), pybind11::arg("path"));
   m.def("int8_peak", &int8_peak, "int8 multiply-adds per second of a path's dot-product instruction, all threads",
         pybind11::arg("path"), pybind11::arg("iters"));
-  m.def("quantize_activations", &quantize_activations, "per-token, per-32-block int8 activations (qa, a)");
+  m.def("quantize_activations", &quantize_activations, "per-token, per-32-block int8 activations (qa, a)",
+        pybind11::arg("x"), pybind11::arg("path") = 0);
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>())
       .def("add_layer", &Decoder::add_layer)

@@ -2,12 +2,12 @@
 
 Two paths compute it:
   extension  the C++ kernel (kernels/qlinear.cpp): activations quantized to int8 per token and block of 32,
-             8-bit integer dot products, each weight block read once for up to 16 tokens, fixed reduction order
+             8-bit integer dot products, each weight block read once for up to 32 tokens, fixed reduction order
              (a row's result does not depend on how many rows share the call, nor on the SIMD path).
   torch      pure PyTorch: dequantize the weight per call and use F.linear on fp32 activations (no compiler
              needed; slower, other numerics, and its GEMM may round a row differently depending on the batch
              shape).
-Blocks of more than 16 tokens (prefill, large trees) go through the kernel 16 rows at a time, so every row is
+Blocks of more than 32 tokens (prefill, large trees) go through the kernel 32 rows at a time, so every row is
 computed the same way whatever the block size.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .formats import BLOCK, QuantizedWeight, dequantize
 
 log = logging.getLogger(__name__)
 
-KERNEL_ROWS = 16          # tokens per kernel call (the kernel's register tiles cover 1..16)
+KERNEL_ROWS = 32          # tokens per kernel call (one activation quantization, each weight block read once)
 BACKENDS = ("auto", "extension", "torch")
 
 
