@@ -54,7 +54,7 @@ def test_roofline_cli_report_is_consistent(checkpoint, tmp_path):
         ("leaplm int8", "Q4_0"), ("leaplm int8", "Q4_1"), ("leaplm int8", "Q8_0"), ("leaplm forward", "Q8_0")]
     assert r["int8_GMACs"] > 0
     whole = r["curves"].pop()                                          # the whole forward (int8 = Q8_0's blocks)
-    assert whole["tokens"] == list(range(1, 17)) and whole["weight_bytes"] == r["weight_bytes"]
+    assert whole["tokens"] == list(range(1, 33)) and whole["weight_bytes"] == r["weight_bytes"]
     a = load_model(checkpoint("llama3_rope")).model.args
     macs = sum(n * k for n, k in linear_shapes(a))
     for c in r["curves"]:
