@@ -102,7 +102,7 @@ def test_roofline_on_libllama_has_both_engines_curves_per_type_and_the_break_eve
             mine = "leaplm forward (dequantized per call)"
         for kernel in ("llama.cpp forward", "llama.cpp forward, 4 rows", mine):
             c = whole[(kernel, wt)]
-            assert c["tokens"] == list(range(1, 17)) and c["vs_one"][0] == 1 and all(ms > 0 for ms in c["ms"])
+            assert c["tokens"] == list(range(1, 33)) and c["vs_one"][0] == 1 and all(ms > 0 for ms in c["ms"])
     m = {x["config"]: x for x in r["methods"]}
     assert (m["none"]["k"], m["ngram k=3 adaptive_k=false"]["k"], m["suffix k=3"]["k"]) == (0, 3, 3)
     assert m["suffix k=3"]["adaptive_k"] and not m["ngram k=3 adaptive_k=false"]["adaptive_k"]
