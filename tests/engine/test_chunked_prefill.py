@@ -7,7 +7,7 @@ import pytest
 from leaplm import Engine, SamplingParams
 from leaplm.config import ConfigError
 from leaplm.engine.scheduler import BatchScheduler, SeqRequest
-from leaplm.engine.step import MIN_CHUNK
+from leaplm.engine.table import MIN_CHUNK
 
 LONG = [3 + (i * 7) % 200 for i in range(150)]            # a 150-token prompt of byte-level ids
 SHORT = ["the quick brown fox", "déjà vu", "def add(a, b):", "speculative decoding"]

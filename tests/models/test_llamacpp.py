@@ -389,7 +389,7 @@ def test_continuous_batching_with_chunked_prefill_equals_each_request_alone(file
     prefilled in chunks; each request's tokens equal what it gets alone on the same backend (a seeded request's
     draws are fixed by its seed and positions, so sampled output compares token for token too)."""
     from leaplm.engine.scheduler import BatchScheduler, SeqRequest
-    from leaplm.engine.step import MIN_CHUNK
+    from leaplm.engine.table import MIN_CHUNK
 
     target = files["target-q8_0"]
     eng = Engine(target, draft=files["draft-q8_0"], method="draft", k=3, max_num_batched_tokens=MIN_CHUNK,

@@ -104,7 +104,7 @@ def test_sampling_follows_the_constrained_target(method, verifier, letters, exac
 
 @pytest.mark.parametrize("method, verifier", [("none", "race"), ("draft", "rejection")])
 def test_negative_control_unmasked_verification_fails_the_bound(method, verifier, letters, exact, monkeypatch):
-    import leaplm.engine.step as step
+    import leaplm.engine.commit as step
 
     monkeypatch.setattr(step, "masked", lambda logits, rc: logits)
     got, invalid, _ = sample_first_three(engine_for(letters, method), N_CONTROL, verifier)

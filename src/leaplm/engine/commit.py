@@ -4,24 +4,36 @@
   commit        stage 4 for one row: append the verified tokens (cut at a stop token, a stop string or
                 max_new_tokens), move that row's cache length, record stats and logprobs
   finish_chunk  the last chunk of a request: release the held-back text, attach finish_reason and stats
+  verify_commit stages 3 and 4 for one row of a step (a tree row scored first, by its own forward): the verifier
+                its request runs (engine/verification.py), what the proposer learns, then commit
 
 Only `commit` changes state. Neither the engine nor the scheduler re-implements these.
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 
 import torch
 
 from ..config import SamplingParams
+from ..propose.base import Proposal
 from ..sampling import make_generator
 from ..sampling.positional import check_seed, fold_seed
 from ..verify import VerifyResult
+from .constrain import RowConstraint, masked
 from .detok import IncrementalDetokenizer
+from .kpolicy.policy import RowStep
+from .observer import StepObserver
 from .request import Request, StreamChunk, TokenLogprob
-from .stats import GenerationStats
-from .verification import request_verifier
+from .row import Row, RowOutput, engine_error
+from .scoring import ChainScores
+from .stats import GenerationStats, StepClock
+from .tree_step import extra_logits, score_tree
+from .verification import request_verifier, verify_chain
+
+log = logging.getLogger(__name__)
 
 
 def new_request(ids: list[int], params: SamplingParams, *, tokenizer, eos_token_ids: list[int],
@@ -101,6 +113,45 @@ def commit(req: Request, result: VerifyResult, logits: torch.Tensor, drafted: in
         req.presence[torch.tensor(emitted, device=req.presence.device)] = True
     req.finish_reason = finish
     return StreamChunk(text, emitted, logprobs=req.logprobs[-len(emitted):] if req.logprobs and emitted else None)
+
+
+def verify_commit(model, cache, i: int, r: Row, p: Proposal | None, scored: ChainScores, clock: StepClock,
+                  observer: StepObserver, rc: RowConstraint | None = None) -> tuple[RowOutput, RowStep | None]:
+    """Stages 3 and 4 for row i of cache (a tree row scored here first, over its batch-1 view; a constrained row, rc,
+    verified against its masked logits). Returns its output and what it did (None: it failed, its error in the
+    output)."""
+    out = RowOutput(r)
+    d = p.k if p is not None else 0
+    t0 = time.perf_counter()
+    try:
+        if p is not None and p.parents is not None:
+            tree = score_tree(model, cache if cache.batch_size == 1 else cache.row_view(i), r.req, p, r.proc,
+                              r.reads_hidden, r.proposer.samples,
+                              constrain=(lambda x: masked(x, rc)) if rc is not None else None)
+            observer.observe_forward(1, tree.block_len, tree.score_s)
+            result, row_logits, row_hidden, score_s = tree.result, tree.logits, tree.hidden, tree.score_s
+            kept = [0] + [j + 1 for j in result.path]
+        else:
+            row_logits = scored.logits[i, : 1 + d]                                        # [1 + k_i, V]
+            result = verify_chain(r.req, p, r.proc, masked(row_logits, rc) if rc is not None else row_logits)
+            row_hidden = scored.hidden[i] if scored.hidden is not None else None
+            kept, score_s = list(range(1 + result.accepted)), 0.0
+        t1 = time.perf_counter()
+        if r.reads_hidden:              # the target's features of the committed block tokens
+            r.proposer.observe_hidden(len(r.req.tokens) - 1, row_hidden[kept])
+        forced = rc is not None and rc.forced                        # the grammar's drafts, not the proposer's
+        if p is not None and not forced:
+            r.proposer.observe(p, result, extra_logits(p, row_logits))
+        out.chunk = commit(r.req, result, row_logits, d, cache, row=i, forced=forced,
+                           predicted=p is not None and p.predicted)
+        clock.row(r.req.stats, score_s, t1 - t0 - score_s, time.perf_counter() - t1)
+    except Exception as e:  # noqa: BLE001 - one request's failure is its own
+        log.exception("a request failed in a step")
+        out.error = engine_error(e)
+        return out, None
+    if forced:                                       # nothing the row's proposer drafted: not its acceptance
+        return out, RowStep(0, 0, 1)
+    return out, RowStep(d, result.accepted, row_logits.shape[0], p.match if p is not None else None)
 
 
 def finish_chunk(req: Request, chunk: StreamChunk) -> StreamChunk:

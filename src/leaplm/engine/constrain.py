@@ -19,6 +19,7 @@ when the grammar is complete and the tokenizer has no end-of-sequence token to s
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,9 @@ import torch
 from ..propose.base import Proposal
 from ..structured.state import GrammarState
 from .request import Request, StreamChunk
+from .row import Row, engine_error
+
+log = logging.getLogger(__name__)
 
 MAX_FORCED = 16          # forced tokens drafted per step at most (they lengthen every row's block in a batch)
 
@@ -45,6 +49,38 @@ def forced_proposal(req: Request, limit: int, device) -> Proposal | None:
     toks = state.forced(min(limit, MAX_FORCED))
     req.stats.grammar_s += time.perf_counter() - t
     return Proposal(torch.tensor(toks, dtype=torch.long, device=device)) if toks else None
+
+
+def forced_proposals(rows: list[Row], fit: int, max_len: int, device) -> dict[int, Proposal]:
+    """Constrained rows whose grammar forces the next tokens -> those tokens as the row's proposal (within fit, the
+    cache's room for every row, the row's own room and its remaining tokens)."""
+    out = {}
+    for i, r in enumerate(rows):
+        limit = min(fit, max_len - len(r.req.tokens) - 1, r.req.remaining - 1)
+        try:
+            p = forced_proposal(r.req, limit, device) if r.req.grammar is not None and limit > 0 else None
+        except Exception:  # noqa: BLE001 - the row's grammar fails again where it is constrained, and ends there
+            p = None
+        if p is not None:
+            out[i] = p
+    return out
+
+
+def constrain_proposals(rows: list[Row], proposals: list[Proposal | None], forced: dict[int, Proposal],
+                        failed: dict[int, str]) -> tuple[list[Proposal | None], dict[int, RowConstraint]]:
+    """The forced rows' proposals put in; every constrained row's proposal cut to its grammar, with the masks of
+    its verified positions (a row whose grammar fails is put in `failed`, its proposal dropped)."""
+    proposals = [forced.get(i, p) for i, p in enumerate(proposals)]
+    constraints: dict[int, RowConstraint] = {}
+    for i, r in enumerate(rows):
+        if r.req.grammar is not None and i not in failed:
+            try:
+                proposals[i], constraints[i] = constrain_proposal(r.req, proposals[i], forced=i in forced)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                log.info("a request's grammar failed: %s", e)
+                failed[i] = engine_error(e)
+                proposals[i] = None
+    return proposals, constraints
 
 
 def constrain_proposal(req: Request, prop: Proposal | None, forced: bool = False

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from ..propose.base import Proposer
 from ..sampling import LogitsProcessor
 from .kpolicy.acceptance import AcceptanceEstimate
-from .request import Request
+from .request import Request, StreamChunk
 
 
 @dataclass
@@ -30,3 +30,31 @@ class Row:
     def reads_hidden(self) -> bool:
         """Its proposer reads the target's features (EAGLE, Medusa): forwards return the hidden states too."""
         return self.proposer is not None and self.proposer.reads_hidden
+
+
+GRAMMAR_ERROR = "grammar error: "      # how a request whose own grammar failed ends (the server answers it as a 400)
+
+
+def engine_error(e: BaseException) -> str:
+    """The error a request ends with when the engine failed it: the exception's type and first line (a C++
+    exception through pybind11 carries the C++ backtrace on the lines after); its grammar's failure is told
+    apart (GRAMMAR_ERROR)."""
+    from ..structured.state import GrammarError
+
+    text = str(e).strip().splitlines()
+    first = text[0][:500] if text else "no message"
+    if isinstance(e, GrammarError):
+        return GRAMMAR_ERROR + first
+    return f"engine error: {type(e).__name__}: {first}"
+
+
+@dataclass
+class RowOutput:
+    """What one step produced for one row: a chunk (finish_reason set on the last), or an error that ended it."""
+    row: Row
+    chunk: StreamChunk | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (self.chunk is not None and self.chunk.finish_reason is not None)

@@ -24,7 +24,8 @@ from ..config import ConfigError, SamplingParams
 from .prepare import PreparedRequest
 from .startup_checks import cached_calibrate
 from .request import StreamChunk, TokenLogprob
-from .step import Batch, Row, StepReport, engine_error, prompt_token_logprobs  # noqa: F401  (StepReport: re-exported)
+from .row import engine_error
+from .step import Batch, Row, StepReport, prompt_token_logprobs  # noqa: F401  (StepReport: re-exported)
 
 log = logging.getLogger(__name__)
 

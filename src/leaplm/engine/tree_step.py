@@ -17,6 +17,7 @@ from ..propose.base import Proposal
 from ..sampling import LogitsProcessor
 from ..verify import VerifyResult
 from .request import Request
+from .scoring import forward
 from .verification import verify_tree
 
 
@@ -47,14 +48,14 @@ def tree_block(req: Request, proposal: Proposal) -> TreeBlock:
     return TreeBlock(torch.cat(parts), layout)                                       # ids [T]
 
 
-def score_tree(forward: Callable, cache, req: Request, proposal: Proposal, proc: LogitsProcessor, feats: bool,
+def score_tree(model, cache, req: Request, proposal: Proposal, proc: LogitsProcessor, feats: bool,
                sampled: bool, constrain: Callable | None = None) -> ScoredTree:
     """The tree's own forward over the row's batch-1 cache view (after the batched one, whose slots for this row
-    it overwrites), then its verifier. forward(ids, cache, feats, **kw): the step's target forward; constrain: the
-    logits [T, V] the verifier sees (structured output masks them), the raw ones returned."""
+    it overwrites), then its verifier. feats: return the target's features too; constrain: the logits [T, V] the
+    verifier sees (structured output masks them), the raw ones returned."""
     tb = tree_block(req, proposal)
     t = time.perf_counter()
-    out = forward(tb.ids.unsqueeze(0), cache, feats, tree_mask=tb.layout.mask, position_offsets=tb.layout.depths)
+    out = forward(model, tb.ids.unsqueeze(0), cache, feats, tree_mask=tb.layout.mask, position_offsets=tb.layout.depths)
     logits, hidden = (out.logits[0], out.hidden[0]) if feats else (out[0], None)     # [T, V | hid]
     dt = time.perf_counter() - t
     result = verify_tree(req, proposal, proc, constrain(logits) if constrain is not None else logits, tb.layout,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from ..engine.scheduler import QueueFull, SchedulerClosed, SeqOutput, SeqRequest
-from ..engine.step import GRAMMAR_ERROR
+from ..engine.row import GRAMMAR_ERROR
 from ..engine.stats import GenerationStats
 from .handoff import Mailbox
 from .planning import Plan

@@ -129,7 +129,13 @@ class KPolicy:
         steps_left = max(1.0, r.req.remaining / expected_tokens(r.acceptance.rate, max(1, r.cap)))
         return seconds / steps_left
 
-    # --- observe -------------------------------------------------------------------------------------------------
+    # --- observe (engine/observer.py: StepObserver) ---------------------------------------------------------------
+    def observe_propose(self, method: str, seconds_per_token: float, rows: int | None = None) -> None:
+        self.estimates.observe_propose(method, seconds_per_token, rows=rows)
+
+    def observe_forward(self, rows: int, block_len: int, seconds: float) -> None:
+        self.estimates.costs.observe(rows, block_len, seconds)
+
     def proposed(self, proposals: list[Proposal | None]) -> None:
         self.choice.probed(any(p is not None for p in proposals))
 
