@@ -1,7 +1,7 @@
 """Stage 1 of the step: propose. Each row drafts k_i = min(K, its cap, its room) tokens, K the step's one
 choice (kpolicy.policy.KPolicy.plan). Cheap proposers (n-gram, suffix) propose at their cap inside the plan, so
-the policy knows what they have, and are trimmed to K after. Proposers that share a group (the draft model) draft for all their rows
-in one call, one batched draft forward per draft position; the others row by row.
+the policy knows what they have, and are trimmed to K after. Proposers that share a group (the draft model)
+draft for all their rows in one call, one batched draft forward per draft position; the others row by row.
 
 A sampled row's tokens are fixed by its seed and their positions (sampling/positional.py): K never changes what a
 seed produces. Proposals are cut to the step's K in `trim`, and only there.
