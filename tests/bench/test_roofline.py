@@ -71,7 +71,7 @@ def test_roofline_cli_refuses_bad_quantization(checkpoint):
     assert res.exit_code == 2 and "--quantization" in res.output
 
 
-@pytest.mark.skipif(not __import__("leaplm.models.llamacpp", fromlist=["available"]).available(),
+@pytest.mark.skipif(not __import__("leaplm.models.llamacpp.binding", fromlist=["available"]).available(),
                     reason="the llamacpp extra (llama-cpp-python) is not installed")
 def test_roofline_on_libllama_has_both_engines_curves_per_type_and_the_break_even(tmp_path):
     import sys

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from leaplm.bench.serve_load import LoadBenchConfig, RequestResult, RunResult, run_load_bench, summarize
 from leaplm.cli import app
-from leaplm.models.llamacpp import available
+from leaplm.models.llamacpp.binding import available
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from serverkit import write_pair  # noqa: E402

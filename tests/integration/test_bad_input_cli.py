@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from leaplm.cli import app
-from leaplm.models.llamacpp import available
+from leaplm.models.llamacpp.binding import available
 
 runner = CliRunner()
 

@@ -18,7 +18,7 @@ import torch
 from leaplm.config import ConfigError, SamplingParams
 from leaplm.engine.engine import Engine
 from leaplm.models.gguf_export import export_gguf
-from leaplm.models.llamacpp import available
+from leaplm.models.llamacpp.binding import available
 from leaplm.models.loading import load_model
 from leaplm.numerics import forward_reduction_length, sum_tolerance
 
@@ -84,7 +84,7 @@ def greedy(n: int = NEW) -> SamplingParams:
 # --- against the torch path -------------------------------------------------------------------------------------
 @needs_libllama
 def test_f32_logits_and_greedy_tokens_match_the_torch_path(files):
-    from leaplm.models.llamacpp import LlamaCppLM
+    from leaplm.models.llamacpp.model import LlamaCppLM
 
     ref = load_model(files["target-f32"], backend="torch")
     # attention in f32 with an f32 KV cache: then the only differences are summation orders
@@ -109,7 +109,7 @@ def test_f32_logits_and_greedy_tokens_match_the_torch_path(files):
 # --- rollback and invariance -------------------------------------------------------------------------------------
 @needs_libllama
 def test_rollback_then_rescore_equals_a_fresh_prefill(files):
-    from leaplm.models.llamacpp import LlamaCppLM
+    from leaplm.models.llamacpp.model import LlamaCppLM
 
     lm = LlamaCppLM(files["target-q8_0"])
     ctx, block, again = [5, 9, 13, 2, 7, 7, 1], [30, 31, 32, 33, 34], [40, 41, 42]
@@ -140,7 +140,7 @@ def test_a_tree_block_scores_each_branch_as_its_own_chain(files):
     """Tree verification through sequences: every node's logits equal those of its root-to-node path scored as a
     chain, and after compacting a path the row continues as if that path had been decoded."""
     from leaplm.cache.tree import tree_layout
-    from leaplm.models.llamacpp import LlamaCppLM
+    from leaplm.models.llamacpp.model import LlamaCppLM
 
     lm = LlamaCppLM(files["target-q8_0"])
     ctx = [5, 9, 13, 2, 7]
@@ -186,7 +186,7 @@ def test_batch_invariance_per_weight_type_agrees_with_the_start_up_check(qtype, 
     check must have seen one too."""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from gguf_writer import write_tiny_gguf
-    from leaplm.models.llamacpp import LlamaCppLM
+    from leaplm.models.llamacpp.model import LlamaCppLM
 
     path, _ = write_tiny_gguf(tmp_path, qtype)
     lm = LlamaCppLM(path)
@@ -299,7 +299,8 @@ def test_a_row_beside_others_that_free_cells_equals_it_alone(files):
     """Where llama.cpp is batch-invariant (Q8_0), rows live in contexts of their own (LlamaCppRows), so a row's
     logits are bit for bit those it gets alone even after other rows rolled back and finished around it (in one
     shared context their freed cells are refilled out of position order and attention rounds differently)."""
-    from leaplm.models.llamacpp import LlamaCppLM, LlamaCppRows
+    from leaplm.models.llamacpp.model import LlamaCppLM
+    from leaplm.models.llamacpp.caches import LlamaCppRows
 
     lm = LlamaCppLM(files["target-q8_0"])
     assert lm.batch_invariant
@@ -321,7 +322,8 @@ def test_a_row_beside_others_that_free_cells_equals_it_alone(files):
 # --- bad input: errors, never an abort -----------------------------------------------------------------------------
 @needs_libllama
 def test_sizes_llama_cpp_asserts_on_are_refused_first(files):
-    from leaplm.models.llamacpp import LlamaCppLM, tree_parents
+    from leaplm.models.llamacpp.model import LlamaCppLM
+    from leaplm.models.llamacpp.caches import tree_parents
 
     lm = LlamaCppLM(files["target-q8_0"])
     cache = lm.new_cache(1, 16)
@@ -353,7 +355,7 @@ def test_backend_choice_and_its_refusals(files, monkeypatch):
     assert e.value.field == "quantization"
     assert load_model(files["target-q8_0"], backend="torch").backend == "torch"
     # without the extra: auto runs torch, an explicit llamacpp fails naming the extra
-    import leaplm.models.llamacpp as lcmod
+    import leaplm.models.llamacpp.binding as lcmod
 
     monkeypatch.setattr(lcmod, "_lib", None)
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
@@ -435,7 +437,7 @@ def test_generate_names_the_backend_and_what_speculation_promises(files):
 def test_head_training_loads_a_gguf_target_on_torch_whatever_auto_serves_it_on(files):
     """`train eagle --target FILE.gguf` needs the target's features and weights in torch; `auto` serves this f32
     file on libllama, which has neither."""
-    from leaplm.models.llamacpp import LlamaCppLM
+    from leaplm.models.llamacpp.model import LlamaCppLM
     from leaplm.training.eagle import _load_target
 
     assert isinstance(load_model(files["target-f32"]).model, LlamaCppLM)

@@ -13,7 +13,7 @@ import pytest
 from leaplm.config import SamplingParams
 from leaplm.engine.engine import Engine
 from leaplm.models.gguf_export import export_gguf
-from leaplm.models.llamacpp import available
+from leaplm.models.llamacpp.binding import available
 from leaplm.models.loading import BackendChoice, auto_backend, choose_target_backend, kernel_weight_type
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -28,7 +28,7 @@ import torch
 from leaplm.config import SamplingParams
 from leaplm.engine.engine import Engine
 from leaplm.models.gguf_export import export_gguf
-from leaplm.models.llamacpp import available
+from leaplm.models.llamacpp.binding import available
 from leaplm.models.loading import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

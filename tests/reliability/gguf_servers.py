@@ -31,7 +31,7 @@ def cli_args(backend: str) -> list[str]:
 def skip_unless_available(backend: str) -> None:
     """Skip (naming what is missing) where the backend's native code cannot run here."""
     if backend == "llamacpp":
-        from leaplm.models.llamacpp import available
+        from leaplm.models.llamacpp.binding import available
 
         if not available():
             pytest.skip("the llamacpp extra (llama-cpp-python) is not installed")

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from leaplm.models.gguf_export import export_gguf
-from leaplm.models.llamacpp import available
+from leaplm.models.llamacpp.binding import available
 
 from serverkit import API_KEY, MODEL, ServerProcess, write_pair
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from leaplm import Engine, SamplingParams, StructuredOutput
-from leaplm.models.llamacpp import available
+from leaplm.models.llamacpp.binding import available
 from letters import _root_conftest
 
 pytestmark = pytest.mark.skipif(not available(), reason="the llamacpp extra (llama-cpp-python) is not installed")

@@ -60,7 +60,7 @@ def main_weight_type(path: str) -> str:
 
 def requantize(path: str, weight_type: str, out: str) -> str:
     """The GGUF file at `path` written with its matrices in `weight_type` by libllama's own quantizer."""
-    from ..models.llamacpp import libllama
+    from ..models.llamacpp.binding import libllama
 
     lc = libllama()
     p = lc.llama_model_quantize_default_params()
@@ -79,7 +79,7 @@ def libllama_curves(path: str, bandwidth_GBps: float, weight_types=("Q4_0", "Q4_
     """BlockCurves of libllama's whole forward for the file's own weight type and `weight_types` (requantized),
     one per rows count (kernel 'llama.cpp forward' / 'llama.cpp forward, 4 rows'), each followed by leaplm's whole
     forward on the same file (kernel 'leaplm forward (int8 kernel)' or 'leaplm forward (fp32)')."""
-    from ..models.llamacpp import LlamaCppLM
+    from ..models.llamacpp.model import LlamaCppLM
     from ..models.loading import load_model
     from .roofline import BlockCurve, forward_curve
 

@@ -75,7 +75,7 @@ class MedusaHeads:
 def target_head_weight(model) -> torch.Tensor:
     """[V, hid] fp32: the target's output projection as it computes it. Under --quantization the fp weight is
     freed (quant/apply.py) and the quantized one is dequantized here, so heads see the quantized target's head."""
-    if hasattr(model, "head_weight"):                   # libllama (models/llamacpp.py): read from the file
+    if hasattr(model, "head_weight"):                   # libllama (models/llamacpp/model.py): read from the file
         return model.head_weight()
     q = getattr(model, "quantized", {}).get("lm_head.weight")
     if q is None:

@@ -26,7 +26,7 @@ class CausalLM(Protocol):
 
 @dataclass
 class LoadedModel:
-    """A model ready to run, with its tokenizer (models/loading.py load_model, models/llamacpp.py)."""
+    """A model ready to run, with its tokenizer (models/loading.py load_model, models/llamacpp/model.py)."""
     model: object            # implements CausalLM
     tokenizer: object        # transformers PreTrainedTokenizerBase
     path: str                # resolved local directory

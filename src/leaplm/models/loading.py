@@ -89,7 +89,7 @@ def check_source(name: str, field: str = "model", backend: str = "auto") -> None
     name = resolve_model_name(name, field)     # `smollm2` -> its fetched file, as load_model reads it
     if is_gguf(name):
         if choose_backend(backend, True, name) == "llamacpp":
-            from .llamacpp import check_file
+            from .llamacpp.binding import check_file
 
             inspect_gguf(name, field, check_types=False)
             check_file(name, field)             # libllama reads the header and metadata (no weights)
@@ -228,12 +228,12 @@ def choose_backend(backend: str, gguf: bool, name: str, device: str = "cpu", dty
         torch_only = ("quantization", f"{quantization!r} selects leaplm's own kernels; libllama runs the "
                                       "file's own weight types")
     if backend == "auto":
-        from .llamacpp import available
+        from .llamacpp.binding import available
 
         return "llamacpp" if torch_only is None and available() else "torch"
     if torch_only is not None:
         raise ConfigError(torch_only[0], f"--backend llamacpp: {torch_only[1]} (use --backend torch or auto)")
-    from .llamacpp import libllama
+    from .llamacpp.binding import libllama
 
     libllama("backend")              # installed? (ConfigError naming the extra)
     return "llamacpp"
@@ -326,7 +326,7 @@ def choose_target_backend(name: str, method: str, backend: str = "auto", device:
                           info.n_bytes, available_memory())
     if choice.backend != "auto":
         return choice
-    from .llamacpp import available
+    from .llamacpp.binding import available
 
     if not available():
         return BackendChoice("torch", None, "the llamacpp extra (llama-cpp-python) is not installed")
@@ -353,7 +353,7 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
     name = resolve_model_name(name, field)     # `smollm2` -> its fetched file (`leaplm models fetch`)
     gguf = is_gguf(name)
     if choose_backend(backend, gguf, name, device, dtype, quantization, field) == "llamacpp":
-        from .llamacpp import load_llamacpp_model
+        from .llamacpp.model import load_llamacpp_model
 
         return load_llamacpp_model(name, field, kv_cache_dtype)
     if gguf:

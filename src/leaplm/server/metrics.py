@@ -141,7 +141,7 @@ class ServerMetrics:
 def llamacpp_contexts() -> int:
     import sys
 
-    mod = sys.modules.get("leaplm.models.llamacpp")     # never loaded: no context
+    mod = sys.modules.get("leaplm.models.llamacpp.caches")     # never loaded: no context
     return mod.live_contexts() if mod is not None else 0
 
 

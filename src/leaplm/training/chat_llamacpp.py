@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def available() -> bool:
-    from ..models.llamacpp import available as installed
+    from ..models.llamacpp.binding import available as installed
 
     return installed()
 
@@ -55,7 +55,7 @@ class LlamaCppGenerator:
     """One llama.cpp context with `slots` sequences of at most `seq_len` tokens each."""
 
     def __init__(self, path: str, slots: int, seq_len: int, threads: int | None = None):
-        from ..models.llamacpp import libllama
+        from ..models.llamacpp.binding import libllama
 
         self.L = L = libllama("backend")                # initialised once, its log routed to `logging`
         mp = L.llama_model_default_params()
