@@ -178,7 +178,7 @@ class Engine:
         first = self.prepare(prompt, params[0])
         ids = first.ids
         reqs = [first] + [self.prepare(ids, sp) for sp in params[1:]]
-        if len(params) == 1 or not self.model.supports_batch:
+        if len(params) == 1 or not self.model.capabilities.batch:
             return [self._output(list(self._run(r)), r.params, ids) for r in reqs]
         for sp in params:
             self._calibrate_for(sp)
@@ -235,7 +235,7 @@ class Engine:
     def kv_cache_peak_bytes(self) -> int:
         """Most bytes the target KV cache of generate/stream has held (it grows with the sequence)."""
         cache = self._batch.cache if self._batch is not None else None
-        return getattr(cache, "peak_nbytes", 0) or 0
+        return cache.peak_nbytes if cache is not None else 0
 
     # --- the step loop: a batch of one through the one step ---------------------------------------------------
     @property
@@ -281,7 +281,7 @@ class Engine:
         answer to the same prompt and measures a speedup no new request would see."""
         with self._factories_lock:
             for factory in self._factories.values():
-                if hasattr(factory, "forget"):
+                if factory is not None:
                     factory.forget()
 
     def _run(self, req: PreparedRequest) -> Iterator[StreamChunk]:

@@ -91,7 +91,7 @@ class BatchScheduler:
             raise ConfigError("max_queue", f"must be an integer >= 0, got {max_queue!r}")
         self.engine = engine
         self.model = engine.model
-        if max_batch > 1 and not getattr(self.model, "supports_batch", False):
+        if max_batch > 1 and not self.model.capabilities.batch:
             raise ConfigError("max_batch", f"{type(self.model).__name__} runs one sequence at a time; "
                                            "use max_batch 1 with this model")
         self.max_batch = max_batch

@@ -4,7 +4,7 @@ a batch-1 view of its cache row (engine/tree_step.py); its block here is its las
 is a tree row the batched forward is skipped.
 
 Padding is harmless: a row commits only its accepted + 1 slots, and causal attention means the logits of its real
-positions never see the padding after them. A model taking ragged rows (libllama) is told
+positions never see the padding after them. A model taking ragged rows (ModelCapabilities.ragged_rows) is told
 each row's real length and skips the padding.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def score_chains(model, cache, rows: list[Row], proposals: list[Proposal | None]
     feats = any(r.reads_hidden for r in rows)
     # a model taking ragged rows (libllama) skips the padding, and a tree row's block (scored apart)
     ragged = {"row_tokens": [0 if p is not None and p.parents is not None else 1 + (c.k if c is not None else 0)
-                             for p, c in zip(proposals, chain)]} if getattr(model, "ragged", False) else {}
+                             for p, c in zip(proposals, chain)]} if model.capabilities.ragged_rows else {}
     try:
         out = forward(model, block.to(model.device), cache, feats, **ragged)
     except Exception as e:  # noqa: BLE001 - the rows that cause it end, not the batch

@@ -1,4 +1,14 @@
-"""The protocol every model behind the engine implements: native families and the transformers fallback."""
+"""The contract of every model behind the engine: native families (llama.py), libllama (llamacpp/) and the
+transformers fallback (hf.py).
+
+  CausalLM           forward over [B, T] tokens into a KV cache, and what the model can do beyond it, declared as
+                     data (ModelCapabilities): the engine and the proposers read `model.capabilities`, never probe
+  ModelCapabilities  batched rows, ragged rows, trees, hidden states, layer subsets
+  Scored             what forward_hidden returns: the logits and the last hidden state
+  KVCacheProtocol    the cache protocol: per-row committed lengths moved by commit (advance, truncate, compact), rows
+                     moved and emptied by the batch, a row seen as a batch-1 cache. A forward writes its T tokens
+                     after each row's length without moving it; rolling back is moving a length, never a copy
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,21 +17,68 @@ from typing import Protocol, Sequence
 import torch
 
 
+@dataclass(frozen=True)
+class ModelCapabilities:
+    """What a model can do beyond a forward over one row, as data (every field False: one row at a time)."""
+    batch: bool = False            # B > 1 rows of different lengths in one forward (the step batches its rows)
+    ragged_rows: bool = False      # forward(..., row_tokens=[n_b]): row b's first n_b tokens are real, the rest
+                                   # padding that is neither computed nor written
+    trees: bool = False            # forward(..., tree_mask, position_offsets): tree proposals (suffix, lookahead)
+    hidden_states: bool = False    # forward_hidden(...) -> Scored: the target's features (EAGLE, Medusa heads)
+    layer_subsets: bool = False    # forward(..., layers=[...]): some layers only (layer-skip drafting)
+
+
+@dataclass
+class Scored:
+    """forward_hidden's result."""
+    logits: torch.Tensor     # [B, T, V] ([B, 1, V] with last_only)
+    hidden: torch.Tensor     # [B, T, hidden]: the last hidden state after the final norm (lm_head's input)
+
+
+class KVCacheProtocol(Protocol):
+    """The cache a model's new_cache returns (cache/kv_cache.py, llamacpp/caches.py, hf.py's). A model without
+    capabilities.batch has one-row caches: they are never asked to move rows or for a row's view."""
+    lengths: list[int]       # committed tokens per row
+    max_len: int             # slots per row
+    peak_nbytes: int         # most bytes it has held
+
+    @property
+    def batch_size(self) -> int: ...
+
+    def advance(self, n: int, row: int = 0) -> None:
+        """Commit the next n written tokens of row."""
+
+    def truncate(self, length: int, row: int = 0) -> None:
+        """Keep row's first `length` committed tokens (0: empty the row)."""
+
+    def compact(self, offsets: list[int], row: int = 0) -> None:
+        """After a tree block: its kept path (block rows `offsets`, root first) becomes the row's next tokens."""
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row src's committed tokens become row dst's (the batch keeps its rows dense)."""
+
+    def row_view(self, row: int) -> KVCacheProtocol:
+        """Row `row` as a batch-1 cache whose forwards write into this one; commits go to this cache."""
+
+
 class CausalLM(Protocol):
     vocab_size: int
     num_layers: int
-    max_len: int            # positions the model supports (max_position_embeddings)
-    supports_tree: bool     # can take tree_mask / position_offsets
-    supports_batch: bool    # can run B > 1 rows of different lengths
+    max_len: int                          # positions the model supports (max_position_embeddings)
+    device: torch.device
+    capabilities: ModelCapabilities
 
-    def new_cache(self, batch_size: int = 1, max_len: int | None = None): ...
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCacheProtocol: ...
 
-    def forward(self, input_ids: torch.Tensor, cache, *, tree_mask: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, cache: KVCacheProtocol, *, tree_mask: torch.Tensor | None = None,
                 position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
                 last_only: bool = False) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V]; writes the T tokens' K/V after each row's cache length
         without moving it (the caller commits with cache.advance / truncate / compact)."""
         ...
+
+    # with capabilities.hidden_states:
+    #   forward_hidden(input_ids, cache, *, ..., hidden_all=False) -> Scored
 
 
 @dataclass

@@ -14,6 +14,7 @@ target id of each draft row (d2t[0] = -1), and the target's tokenizer files (the
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -57,8 +58,8 @@ class VocabMappedDraft(torch.nn.Module):
     max_len = property(lambda self: self.inner.max_len)
     device = property(lambda self: self.inner.device)
     dtype = property(lambda self: self.inner.dtype)
-    supports_tree = property(lambda self: self.inner.supports_tree)
-    supports_batch = property(lambda self: self.inner.supports_batch)
+    # the inner model's, but no forward_hidden: the hidden states are not this adapter's to give
+    capabilities = property(lambda self: dataclasses.replace(self.inner.capabilities, hidden_states=False))
 
     def new_cache(self, batch_size: int = 1, max_len: int | None = None):
         return self.inner.new_cache(batch_size, max_len)

@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 
 from ..config import ConfigError
+from .base import ModelCapabilities
 
 
 class HFCache:
@@ -20,6 +21,7 @@ class HFCache:
         self.pkv = DynamicCache()
         self.lengths = [0]
         self.max_len = max_len
+        self.peak_nbytes = 0                   # transformers' DynamicCache grows on its own: not counted
 
     @property
     def batch_size(self) -> int:
@@ -59,8 +61,7 @@ def _causal_lm_class_names() -> set[str]:
 
 
 class HFCausalLM(torch.nn.Module):
-    supports_tree = False
-    supports_batch = False
+    capabilities = ModelCapabilities()          # one row at a time, no trees, no hidden states
 
     def __init__(self, model):
         super().__init__()

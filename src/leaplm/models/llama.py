@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache.kv_cache import KVCache
+from .base import ModelCapabilities, Scored
 
 
 
@@ -33,12 +34,6 @@ _HAS_GQA = _sdpa_has_gqa()
 def _linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or a quantized weight's own kernel (quant/linear.py) when `w` is not a tensor."""
     return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w(x, bias)
-
-
-@dataclass
-class Scored:
-    logits: torch.Tensor     # [B, T, V]
-    hidden: torch.Tensor     # [B, T, hidden]: the last hidden state after the final norm (lm_head's input)
 
 
 @dataclass
@@ -215,8 +210,7 @@ class LayerWeights:
 class LlamaForCausalLM(nn.Module):
     """Implements leaplm's CausalLM protocol (see models/base.py)."""
 
-    supports_tree = True
-    supports_batch = True
+    capabilities = ModelCapabilities(batch=True, trees=True, hidden_states=True, layer_subsets=True)
 
     def __init__(self, a: LlamaArgs):
         super().__init__()

@@ -44,7 +44,7 @@ class DraftRows:
         self.max_len = max_len
         self.cache = model.new_cache(max_rows, max_len)
         self.owners: list[DraftModelProposer] = []          # owners[s] holds slot s
-        self.batched = max_rows > 1 and getattr(model, "supports_batch", False)
+        self.batched = max_rows > 1 and model.capabilities.batch
 
     def fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [n, V_draft] -> [n, V_target], padded rows at -inf (a no-op when the sizes agree)."""

@@ -202,7 +202,7 @@ def load_eagle_head(spec: SpecConfig, target) -> EagleHead:
 
 @register("eagle")
 def _eagle(spec: SpecConfig, target, draft):
-    if not hasattr(target.model, "forward_hidden"):
+    if not target.model.capabilities.hidden_states:
         raise ConfigError("method", "eagle needs a native Llama-family target (its hidden states are read)")
     head = load_eagle_head(spec, target)
     shape = TreeShape()

@@ -146,10 +146,10 @@ def _build(spec: SpecConfig, target, draft):
     from ..models.llama import LlamaForCausalLM
 
     model = target.model
-    if getattr(target, "backend", "torch") == "llamacpp":
+    if not model.capabilities.layer_subsets and target.backend == "llamacpp":
         raise ConfigError("method", "layerskip runs the target on a subset of its layers, and libllama runs every "
                                     "layer: use the torch backend (--backend torch)")
-    if not isinstance(model, LlamaForCausalLM):
+    if not model.capabilities.layer_subsets or not isinstance(model, LlamaForCausalLM):
         raise ConfigError("method", "layerskip runs the target on a subset of its layers, which only the native "
                                     "model families (llama, mistral, qwen2, qwen3) support")
     n = model.num_layers

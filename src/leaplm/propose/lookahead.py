@@ -119,7 +119,7 @@ class LookaheadProposer(ProposerBase):
 
 @register("lookahead")
 def _build(spec: SpecConfig, target, draft):
-    if not getattr(target.model, "supports_tree", False):
+    if not target.model.capabilities.trees:
         raise ConfigError("method", "lookahead scores its window and guesses as a tree, which this model's "
                                     "adapter cannot do; use a native model family")
     device = target.model.device

@@ -77,7 +77,7 @@ class MedusaProposer(ProposerBase):
 
 @register("medusa")
 def _medusa(spec: SpecConfig, target, draft):
-    if not hasattr(target.model, "forward_hidden"):
+    if not target.model.capabilities.hidden_states:
         raise ConfigError("method", "medusa needs a native Llama-family target (its hidden states are read)")
     from ..heads.loader import load_head_for
 

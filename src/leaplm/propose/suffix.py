@@ -164,7 +164,7 @@ def load_corpus(path: str, tokenizer) -> list[list[int]]:
 
 @register("suffix")
 def _build(spec: SpecConfig, target, draft):
-    if not getattr(target.model, "supports_tree", False):
+    if not target.model.capabilities.trees:
         raise ConfigError("method", "suffix proposes trees, which this model's adapter cannot verify; "
                                     "use a native model family or --method ngram")
     docs = load_corpus(spec.corpus, target.tokenizer) if spec.corpus else []

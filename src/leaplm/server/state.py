@@ -56,7 +56,7 @@ class ServerState:
 def build_scheduler(engine, config: ServerConfig) -> BatchScheduler:
     """The scheduler over engine, calibrated and warmed up (one short request through every stage)."""
     rows = config.max_batch
-    if rows > 1 and not getattr(engine.model, "supports_batch", False):   # the transformers fallback
+    if rows > 1 and not engine.model.capabilities.batch:   # the transformers fallback
         log.warning("%s runs one sequence per forward: serving with one batch row (requests beyond it queue)",
                     type(engine.model).__name__)
         rows = 1

@@ -80,7 +80,7 @@ def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> No
         n_ctx = max(1, min(ctx, draft.max_len - 2))
         todo = [n for n in sorted({min(max_rows, 1 << i) for i in range(max_rows.bit_length() + 1)})
                 if ("draft", rows_bucket(n)) not in est.propose_s_rows]
-        if todo and (max(todo) == 1 or getattr(draft, "supports_batch", False)):
+        if todo and (max(todo) == 1 or draft.capabilities.batch):
             cache = draft.new_cache(max(todo), n_ctx + 1)
             for n in todo:
                 cache.lengths[:n] = [n_ctx] * n

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ... import faults
+from ..base import Scored
 from .binding import log_count, recent_log
 
 N_BATCH = 512          # batch entries per llama_decode (a longer prefill is split; a tree must fit in one)

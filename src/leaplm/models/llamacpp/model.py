@@ -12,7 +12,7 @@ import torch
 
 from ...config import ConfigError
 from ..base import LoadedModel
-from ..llama import Scored
+from ..base import ModelCapabilities, Scored
 from .binding import libllama, log_count, recent_log
 from .caches import KV_BYTES, ROW_N_BATCH, N_BATCH, LlamaCppCache, LlamaCppRows, LlamaCppRowView
 
@@ -25,8 +25,8 @@ KV_TYPES = {"auto": 1, "float16": 1, "float32": 0, "bfloat16": 30}
 class LlamaCppLM:
     """A GGUF file loaded by libllama, behind the CausalLM protocol (models/base.py)."""
 
-    supports_tree = True
-    supports_batch = True
+    # every layer runs (no layer subsets); rows need no padding (row_tokens)
+    capabilities = ModelCapabilities(batch=True, ragged_rows=True, trees=True, hidden_states=True)
     backend = "llamacpp"
     device = torch.device("cpu")
     dtype = torch.float32                      # of the logits and hidden states it returns
@@ -235,8 +235,6 @@ class LlamaCppLM:
         return self
 
     # --- forwards ----------------------------------------------------------------------------------------------
-    ragged = True          # forwards take row_tokens: a batch's rows need not be padded to one length
-
     def forward(self, input_ids: torch.Tensor, cache, *, tree_mask: torch.Tensor | None = None,
                 position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
                 last_only: bool = False, row_tokens: Sequence[int] | None = None) -> torch.Tensor:
