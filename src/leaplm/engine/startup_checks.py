@@ -26,8 +26,8 @@ def _identity(engine) -> list:
             return f"unhashable:{lm.path}"
 
     model = engine.model
-    quant = sorted({getattr(q, "backend", "?") for q in getattr(model, "quantized", {}).values()})
-    return [ident(engine.target), ident(engine.draft), engine.backend, str(getattr(model, "dtype", "")),
+    quant = sorted({getattr(q, "backend", "?") for q in model.quantized.values()})
+    return [ident(engine.target), ident(engine.draft), engine.backend, str(model.dtype),
             quant, torch.get_num_threads(), engine.spec.method, engine.spec.k, engine.max_model_len]
 
 

@@ -66,6 +66,8 @@ class CausalLM(Protocol):
     num_layers: int
     max_len: int                          # positions the model supports (max_position_embeddings)
     device: torch.device
+    dtype: torch.dtype                    # of the logits (and the weights, where leaplm holds them)
+    quantized: dict                       # parameter name -> leaplm's quantized stand-in (quant/apply.py); {}: none
     capabilities: ModelCapabilities
 
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCacheProtocol: ...

@@ -65,6 +65,7 @@ class HFCausalLM(torch.nn.Module):
 
     def __init__(self, model):
         super().__init__()
+        self.quantized: dict[str, object] = {}          # transformers runs its own weights: none of leaplm's
         self.model = model
         cfg = model.config
         self.vocab_size = cfg.vocab_size
@@ -93,6 +94,10 @@ class HFCausalLM(torch.nn.Module):
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
 
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> HFCache:
         if batch_size != 1:

@@ -48,6 +48,7 @@ class LlamaCppLM:
         self.threads = threads
         self.repack = repack
         self._tensors: dict[str, torch.Tensor] = {}          # dequantized tensors heads read (embedding, head)
+        self.quantized: dict[str, object] = {}               # libllama runs the file's own types: none of leaplm's
         self.flash_attn = {None: lc.LLAMA_FLASH_ATTN_TYPE_ENABLED, True: lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                            False: lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash_attn]
         self._choose_attention = flash_attn is None
