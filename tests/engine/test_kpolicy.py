@@ -27,7 +27,8 @@ def smollm2_like() -> Estimates:
 
 def draft_row(acceptance: float, lag: int = 0, remaining: int = 500) -> Row:
     """A draft-model row (not cheap, one acceptance state) whose estimate has seen `acceptance` per token."""
-    proposer = SimpleNamespace(cheap=False, bursty=False, group=object(), reads_hidden=False, lag=lambda n: lag)
+    proposer = SimpleNamespace(cheap=False, bursty=False, group=object(), reads_hidden=False, shadows=False,
+                               lag=lambda n: lag)
     req = SimpleNamespace(tokens=list(range(200)), remaining=remaining,
                           stats=SimpleNamespace(target_forwards=1, method="draft"))
     est = AcceptanceEstimate(bursty=False)

@@ -151,7 +151,7 @@ def verify_commit(model, cache, i: int, r: Row, p: Proposal | None, scored: Chai
         return out, None
     if forced:                                       # nothing the row's proposer drafted: not its acceptance
         return out, RowStep(0, 0, 1)
-    return out, RowStep(d, result.accepted, row_logits.shape[0], p.match if p is not None else None)
+    return out, RowStep(d, result.accepted, row_logits.shape[0], p.match if p is not None else None, row_logits)
 
 
 def finish_chunk(req: Request, chunk: StreamChunk) -> StreamChunk:

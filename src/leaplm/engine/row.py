@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from ..propose.base import Proposer
 from ..sampling import LogitsProcessor
 from .kpolicy.acceptance import AcceptanceEstimate
+from .kpolicy.shadow import ShadowState
 from .request import Request, StreamChunk
 
 
@@ -21,6 +22,7 @@ class Row:
     extra_tokens: float = 0.0                        # EMA of tokens a proposal adds beyond its K (lookahead)
     tag: object = None                               # the caller's handle (the scheduler's SeqRequest)
     prefilled: int = 0                               # prompt tokens in the cache (all but the last: prefill done)
+    shadow: ShadowState = field(default_factory=ShadowState)   # the K policy's evidence at K = 0
 
     @property
     def prefilling(self) -> bool:

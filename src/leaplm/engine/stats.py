@@ -28,6 +28,7 @@ class GenerationStats:
     grammar_s: float = 0.0                  # decode time spent in the grammar (masks, forced tokens, advancing)
     accepted_prediction_tokens: int = 0     # Predicted Outputs: drafted prediction tokens the output kept
     rejected_prediction_tokens: int = 0     # ... and drafted but not kept (both also in draft/accepted_tokens)
+    shadow_s: float = 0.0                   # decode time spent scoring the proposer at K = 0 (kpolicy/shadow.py)
 
     @property
     def acceptance_rate(self) -> float:
@@ -67,7 +68,7 @@ class GenerationStats:
         for f in ("prompt_tokens", "new_tokens", "target_forwards", "draft_tokens", "accepted_tokens",
                   "steps_with_draft", "prefill_s", "decode_s", "propose_s", "score_s",
                   "verify_s", "commit_s", "forced_tokens", "forced_accepted", "grammar_s",
-                  "accepted_prediction_tokens", "rejected_prediction_tokens"):
+                  "accepted_prediction_tokens", "rejected_prediction_tokens", "shadow_s"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         n = max(len(self.drafted_by_position), len(other.drafted_by_position))
         for name in ("drafted_by_position", "accepted_by_position"):

@@ -83,6 +83,8 @@ class Proposer(Protocol):
     reads_hidden: bool   # it reads the target's features of committed tokens through observe_hidden
     bursty: bool         # its acceptance comes in stretches the last outcome tells (copying proposers: n-gram,
                          # suffix, lookahead): the K policy keeps its estimate in two states (engine/kpolicy/acceptance.py)
+    shadows: bool        # guesses() scores its one-token guesses on committed tokens (a draft model), so the K policy
+                         # keeps learning while the row decodes plainly (engine/kpolicy/shadow.py)
 
     def propose(self, ctx: ProposeContext) -> Proposal: ...
 
@@ -101,9 +103,22 @@ class Proposer(Protocol):
         (the K policy prices that catching up apart from drafting)."""
         ...
 
+    def guesses(self, tokens: list[int]) -> "Guesses | None":
+        """Feed the committed tokens not seen yet (all but the last of `tokens`) teacher-forced, and return the
+        proposer's next-token logits after each: what it would have drafted first there (only when shadows)."""
+        ...
+
     def close(self) -> None:
         """The request left the batch: free what the proposer holds (a group's row)."""
         ...
+
+
+@dataclass
+class Guesses:
+    """A proposer's teacher-forced one-token guesses: logits[j] follow tokens[:start + j + 1], a guess of
+    tokens[start + j + 1]."""
+    start: int
+    logits: torch.Tensor               # [m, V] (the target's vocabulary)
 
 
 class ProposerBase:
@@ -113,6 +128,10 @@ class ProposerBase:
     group = None
     reads_hidden = False
     bursty = False
+    shadows = False
+
+    def guesses(self, tokens: list[int]) -> Guesses | None:
+        return None
 
     def observe(self, proposal: Proposal, result: VerifyResult, extra_logits: torch.Tensor | None = None) -> None:
         pass

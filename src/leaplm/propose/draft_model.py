@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..verify import VerifyResult
-from .base import Proposal, ProposeContext, ProposerBase, ProposerFactory
+from .base import Guesses, Proposal, ProposeContext, ProposerBase, ProposerFactory
 
 CATCHUP_IN_BATCH = 4      # unseen tokens a row feeds inside the batched forward; more are prefilled alone first
 
@@ -139,6 +139,19 @@ class DraftRows:
             out.append(Proposal(torch.tensor(drafts[j], device=self.out_device), q, catchup_s=catchup[j]))
         return out
 
+    def guesses(self, p: "DraftModelProposer", tokens: list[int]) -> Guesses | None:
+        """Slot p's catching up on committed tokens, every position's logits kept: tokens[p.cached: -1] fed in one
+        forward; logits [m, V], row j the draft's guess of tokens[p.cached + j + 1] (the last token is fed by the
+        next proposal, whose first draft it opens)."""
+        start, end = min(p.cached, len(tokens) - 1), len(tokens) - 1
+        if end <= start:
+            return None
+        self.cache.lengths[p.slot] = start
+        logits = self.model(torch.tensor([tokens[start:end]], device=self.model.device), self._view(p.slot))  # [1, m, V]
+        self.cache.lengths[p.slot] = end
+        p.cached = end
+        return Guesses(start, self.fit_vocab(logits[0]).to(self.out_device))
+
     def _forward(self, slots: list[int], feeds: list[list[int]], hi: int | None) -> torch.Tensor:
         """Logits [len(slots), V] at each slot's last fed token; the slots' lengths advance by what they were fed.
         hi None: one slot through its own view. Otherwise one forward over slots [0, hi), the rows right-padded to
@@ -183,6 +196,7 @@ class DraftModelFactory(ProposerFactory):
 class DraftModelProposer(ProposerBase):
     name = "draft"
     samples = True
+    shadows = True
 
     def __init__(self, model, max_len: int, out_device=None, group: DraftRows | None = None):
         self.group = group if group is not None else DraftRows(model, 1, max_len, out_device)
@@ -202,6 +216,10 @@ class DraftModelProposer(ProposerBase):
     def lag(self, n_tokens: int) -> int:
         """Committed tokens the draft has not cached yet: what its next proposal must prefill first."""
         return max(0, n_tokens - self.cached)
+
+    def guesses(self, tokens: list[int]) -> Guesses | None:
+        """Teacher-forced guesses on the committed tokens not seen yet (DraftRows.guesses)."""
+        return self.group.guesses(self, tokens)
 
     def observe(self, proposal: Proposal, result: VerifyResult, extra_logits=None) -> None:
         self.cached = self.n_ctx + min(result.accepted, self.k - 1)

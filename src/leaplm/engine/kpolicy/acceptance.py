@@ -50,6 +50,19 @@ class Counts:
         self.accepted = d * self.accepted + accepted
         self.rejected = d * self.rejected + (1 if accepted < drafted else 0)
 
+    def observe_expected(self, passed: list[float], d: float) -> None:
+        """A step that would have asked len(passed) drafts, passed[i] the probability that its first i + 1 were
+        accepted (1 or 0 where the outcome is known): counterfactual evidence gathered at K = 0 (shadow.py)."""
+        asked = len(passed)
+        grow = asked - len(self.asked)
+        if grow > 0:
+            self.asked += [0.0] * grow
+            self.passed += [0.0] * grow
+        self.asked = [d * w + (1.0 if i < asked else 0.0) for i, w in enumerate(self.asked)]
+        self.passed = [d * w + (passed[i] if i < asked else 0.0) for i, w in enumerate(self.passed)]
+        self.accepted = d * self.accepted + sum(passed)
+        self.rejected = d * self.rejected + (1.0 - passed[-1])
+
     def tokens_by_k(self, cap: int, prior_weight: float) -> list[float]:
         """Expected tokens of a step with a proposal asking for k = 0..cap drafts (1 at k = 0): 1 + sum over i < k
         of P(first i + 1 accepted). Each position's measured frequency is smoothed towards the previous position's
@@ -142,6 +155,18 @@ class AcceptanceEstimate:
                 self.match_counts(match).observe(drafted, accepted, asked, d)
             self.counts.observe(drafted, accepted, asked, d)
             self.hit = accepted > 0 or not self.bursty
+
+    def observe_expected(self, passed: list[float], match: int | None = None) -> None:
+        """What a proposal of len(passed) drafts would have kept, had the row drafted (it decoded plainly):
+        passed[i] the probability that its first i + 1 drafts were accepted. match: a cheap proposer's context
+        match length. Counted like a drafting step's outcome (shadow.py gathers it)."""
+        if not passed:
+            return
+        self.version += 1
+        if match is not None:
+            self.match_counts(match).observe_expected(passed, self.decay)
+        self.counts.observe_expected(passed, self.decay)
+        self.hit = passed[0] >= 0.5 or not self.bursty
 
     def observe_match(self, had: bool) -> None:
         """The proposer was asked and had a proposal (or not)."""

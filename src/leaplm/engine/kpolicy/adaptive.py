@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .acceptance import AcceptanceEstimate, expected_tokens
 from .costs import BatchCostModel
@@ -70,26 +70,28 @@ def with_proposal(spec: RowSpec, acceptance: AcceptanceEstimate, length: int, ma
 
 @dataclass
 class Overrun:
-    """How much more than predicted a step that drafts costs, relative to a plain step: EMAs of measured /
-    predicted seconds of each; their ratio (at least 1, once 3 drafting steps are measured) scales the predicted
-    seconds of drafting. The prediction prices chain forwards and a proposal per drafted token; a tree proposal
-    (several head levels whatever K, the race over the vocabulary at each node), its tree-masked forward, or a
-    head catching up on the context it skipped at K = 0 cost more (unpriced, those costs held the head methods at
-    0.87-0.97x plain decoding with K ~ 0 on the embedded target)."""
-    slack: float = 0.05            # what the ratio of the two noisy EMAs shows of noise alone: not charged
-    drafting: float | None = None
-    plain: float | None = None
-    drafting_steps: int = 0
+    """How much more than predicted a step that drafts costs, relative to a plain step: the fastest measured /
+    predicted seconds of each over their last `window` steps; their ratio (at least 1, once 3 drafting steps are
+    measured) scales the predicted seconds of drafting. The prediction prices chain forwards and a proposal per
+    drafted token; a tree proposal (several head levels whatever K, the race over the vocabulary at each node),
+    its tree-masked forward, or a head catching up on the context it skipped at K = 0 cost more (unpriced, those costs
+    held the head methods at 0.87-0.97x plain decoding with K ~ 0 on the embedded target).
+
+    Why the fastest, as the start-up calibration keeps (costs.BatchCostModel.calibrated): other processes only add
+    to a step's time, and a few drafting steps that met them (one of 224 ms and one of 460 ms where a plain step
+    took 20-60 ms, on a machine running other jobs) would otherwise price drafting out of a request that pays."""
+    slack: float = 0.05            # what the ratio shows of noise alone: not charged
+    window: int = 8
+    drafting: list[float] = field(default_factory=list)    # [<= window] measured / predicted of drafting steps
+    plain: list[float] = field(default_factory=list)       # [<= window] ... of plain steps
     value: float = 1.0
 
     def observe(self, drafted: bool, measured_over_predicted: float) -> None:
-        if drafted:
-            self.drafting = _ema(self.drafting, measured_over_predicted)
-            self.drafting_steps += 1
-        else:
-            self.plain = _ema(self.plain, measured_over_predicted)
-        if self.drafting_steps >= 3:
-            self.value = max(1.0, self.drafting / (self.plain or 1.0) - self.slack)
+        kept = self.drafting if drafted else self.plain
+        kept.append(measured_over_predicted)
+        del kept[:-self.window]
+        if len(self.drafting) >= 3:
+            self.value = max(1.0, min(self.drafting) / (min(self.plain) if self.plain else 1.0) - self.slack)
 
 
 class BatchAdaptiveK:
@@ -238,9 +240,3 @@ class BatchAdaptiveK:
             self.probes.measured(n, seconds, tokens, self.plain_s.get(n) or self.costs.cost(n, 1))
         self.probes.measuring = False
 
-
-def _ema(old: float | None, x: float, d: float = 0.9) -> float:
-    """An EMA of measured / predicted seconds; a sample counts at most twice the estimate (one step slowed by
-    another process must not price drafting out: at K = 0 only rare probes would bring it back)."""
-    x = min(x, 2.0 * (old or 1.0))
-    return x if old is None else d * old + (1 - d) * x

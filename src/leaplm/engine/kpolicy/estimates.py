@@ -49,3 +49,8 @@ class Estimates:
                            match: int | None = None, known: bool = False, bursty: bool = True) -> None:
         """A step of a row of `method` (drafted 0: its proposer had nothing to propose)."""
         self.acceptance(method, bursty).observe(drafted, accepted, asked, match, known)
+
+    def observe_expected(self, method: str, passed: list[float], match: int | None = None,
+                         bursty: bool = True) -> None:
+        """Evidence gathered at K = 0 for a row of `method` (AcceptanceEstimate.observe_expected)."""
+        self.acceptance(method, bursty).observe_expected(passed, match)

@@ -9,7 +9,8 @@
            then costs what plain decoding costs, not a pricing of every K
   proposed whether any row had a proposal (a probe without one is retried at the next step)
   observe  per row: drafted, accepted, the tokens scored (acceptance estimates, per row and per method); the step's
-           seconds without its commits (the overrun of drafting, probe losses)
+           seconds without its commits (the overrun of drafting, probe losses). A row that decoded plainly is
+           scored on what its proposer would have drafted (shadow.py), so K = 0 keeps learning
 
 Costs and acceptance are the engine's (estimates.Estimates): one calibration, shared by every batch of an engine.
 """
@@ -23,10 +24,15 @@ from ...propose.base import Proposal
 from .acceptance import AcceptanceEstimate, expected_tokens
 from .adaptive import BatchAdaptiveK, RowSpec, with_proposal
 from .estimates import Estimates
+from .shadow import (SHADOW_CHUNK, forget, keep_cheap, keep_probs, resolve_cheap, resolve_guesses,
+                     score_guesses)
 from ..row import Row
 
 # Steps at K = 0 held without pricing before the choice is priced again (the costs' level moves with the load)
 HOLD_STEPS = 16
+# A draft model that has not seen a long stretch (a new row's prompt) catches up at K = 0 only while that costs at
+# most this share of the plain steps its request has left (shadow.py)
+SHADOW_BUDGET = 0.03
 
 
 @dataclass
@@ -45,6 +51,7 @@ class RowStep:
     accepted: int
     scored: int                            # tokens the target scored for the row (its block, extra tokens too)
     match: int | None = None               # the proposal's context match length (cheap proposers)
+    logits: object = None                  # [scored, V] the target's logits of the row's block (evidence at K = 0)
 
 
 class KPolicy:
@@ -148,6 +155,8 @@ class KPolicy:
         for i, (r, d) in enumerate(zip(rows, done)):
             if d is not None and plan.asked[i]:
                 self._observe_row(r, d, plan.asked[i], known=i in plan.early)
+            if d is not None and self.enabled and not r.fixed_k and r.proposer is not None:
+                self._shadow(r, d, plan, i)
         if not timed:
             return
         drafted = sum(d.drafted for d in done if d is not None)
@@ -164,6 +173,34 @@ class KPolicy:
         if d.drafted:
             extra = max(0, d.scored - d.drafted - 1)
             r.extra_tokens = extra if r.extra_tokens == 0 else 0.9 * r.extra_tokens + 0.1 * extra
+
+
+    def _shadow(self, r: Row, d: RowStep, plan: StepPlan, i: int) -> None:
+        """Evidence at K = 0 (shadow.py): a plain step's cheap proposal kept to compare with the tokens to come, a
+        draft model's guesses scored every SHADOW_CHUNK tokens; what is now known counted as drafting would be."""
+        st, req, method, bursty = r.shadow, r.req, r.req.stats.method, r.proposer.bursty
+        if d.drafted:
+            forget(st)
+        plain = not plan.asked[i] and not d.drafted
+        if plain and plan.early.get(i) is not None:
+            p = plan.early[i]
+            keep_cheap(st, len(req.tokens) - 1, p.tokens.tolist(), p.match)
+        evidence = resolve_cheap(st, req.tokens) if st.pending else []
+        if plain and r.proposer.shadows and r.cap > 0:
+            if req.verifier == "rejection" and d.logits is not None:
+                keep_probs(st, len(req.tokens) - 1, r.proc.probs(d.logits[-1:])[0])
+            lag = r.proposer.lag(len(req.tokens))
+            affordable = lag <= 2 * SHADOW_CHUNK or (
+                self.catchup_now_s(r) <= SHADOW_BUDGET * req.remaining * self.estimates.costs.cost(1, 1))
+            if lag > SHADOW_CHUNK and affordable:
+                before = st.seconds
+                score_guesses(st, r.proposer, req, r.proc, req.verifier)
+                req.stats.shadow_s += st.seconds - before
+                req.stats.decode_s += st.seconds - before
+            evidence += [(passed, None) for passed in resolve_guesses(st, r.cap)]
+        for passed, match in evidence:
+            r.acceptance.observe_expected(passed, match)
+            self.estimates.observe_expected(method, passed, match, bursty)
 
 
 def _drafting_rows(rows: list[Row]) -> dict[str, int]:

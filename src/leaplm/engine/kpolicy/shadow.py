@@ -1,0 +1,137 @@
+"""Evidence at K = 0: while a row decodes plainly, whether its proposer would have been right.
+
+At K = 0 nothing is drafted, so nothing is verified, and an acceptance estimate that a few early misses pushed
+below break-even would stay there (only rare probes could move it). Instead the policy keeps scoring the proposer
+against the tokens the target commits anyway:
+
+  cheap proposers (n-gram, suffix) propose at every step before K is chosen; at K = 0 the proposal is kept and
+           compared with the tokens committed after it: its accepted length is the run of tokens that agree
+  a draft model (Proposer.shadows) catches up on the committed tokens every SHADOW_CHUNK steps in one forward
+           that keeps every position's logits: its guess of each committed token given the committed tokens
+           before it (teacher-forced). A chain proposal starting at position t would have kept the run of
+           consecutive right guesses from t: a right guess is fed back as the committed token itself, so the
+           guesses after it are the same teacher-forced ones. Greedy: a guess is right when its argmax is the
+           committed token; the race (seeded requests): when its race sample at that position (the same
+           exponentials the target's sample used) is; rejection sampling: with probability sum min(p, q) over the
+           target's p at that position (its top PROBS_TOP tokens, kept at each plain step)
+
+Either way the outcome of a would-be proposal of the row's K drafts feeds the row's estimate and its method's as
+a drafting step would (AcceptanceEstimate.observe_expected), so a row whose proposer starts hitting returns to
+speculation within a few steps. The draft's forward is the catching up a later proposal would pay anyway (a
+chunk of 8 tokens costs about what one token does); its seconds are counted in the request's shadow_s.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ...sampling.positional import ranked
+
+SHADOW_CHUNK = 8        # committed tokens a draft model catches up on at once at K = 0
+PROBS_TOP = 32          # the target's top tokens kept per plain step for rejection sampling's sum min(p, q)
+MAX_PENDING = 16        # cheap proposals at K = 0 awaiting the tokens they are compared with
+
+
+@dataclass
+class Pending:
+    """A cheap proposer's proposal made at K = 0: tokens[j] would have been the token at index start + j."""
+    start: int
+    tokens: list[int]
+    match: int | None
+
+
+@dataclass
+class ShadowState:
+    """One row's evidence at K = 0 not yet counted."""
+    pending: list[Pending] = field(default_factory=list)      # cheap proposals awaiting their tokens
+    # a draft model: for committed token index t, the probability that its teacher-forced guess was right
+    right: dict[int, float] = field(default_factory=dict)
+    counted: int = -1                                         # token indexes <= this have been counted
+    probs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # t -> ([top] ids, [top] p)
+    seconds: float = 0.0                                      # spent scoring guesses (the draft's forwards)
+
+
+def keep_cheap(state: ShadowState, start: int, tokens: list[int], match: int | None) -> None:
+    state.pending.append(Pending(start, tokens, match))
+    del state.pending[:-MAX_PENDING]
+
+
+def resolve_cheap(state: ShadowState, committed: list[int]) -> list[tuple[list[float], int | None]]:
+    """Proposals whose outcome the committed tokens now tell (a disagreeing token, or all their tokens in):
+    [(passed, match)] with passed[i] 1.0 while the first i + 1 agreed, else 0.0."""
+    out, keep = [], []
+    for p in state.pending:
+        known = len(committed) - p.start
+        run = 0
+        while run < min(len(p.tokens), known) and committed[p.start + run] == p.tokens[run]:
+            run += 1
+        if run < min(len(p.tokens), known) or known >= len(p.tokens):
+            out.append(([1.0] * run + [0.0] * (len(p.tokens) - run), p.match))
+        else:
+            keep.append(p)
+    state.pending = keep
+    return out
+
+
+def keep_probs(state: ShadowState, t: int, p: torch.Tensor) -> None:
+    """The target's p [V] at committed token index t (rejection sampling's rows)."""
+    top = p.topk(min(PROBS_TOP, p.numel()))
+    state.probs[t] = (top.indices, top.values)
+
+
+def score_guesses(state: ShadowState, proposer, req, proc, verifier: str) -> None:
+    """A draft model catches up on the committed tokens it has not seen, scoring each guess (module docstring)."""
+    t0 = time.perf_counter()
+    g = proposer.guesses(req.tokens)
+    first = len(req.prompt_ids)            # guesses of the prompt's own tokens say little about the output's
+    if g is not None:
+        targets = req.tokens[g.start + 1: g.start + 1 + g.logits.shape[0]]
+        if verifier == "greedy":
+            right = (proc.greedy(g.logits) == torch.tensor(targets, device=g.logits.device)).tolist()
+            for j, ok in enumerate(right):
+                if g.start + 1 + j >= first:
+                    state.right[g.start + 1 + j] = 1.0 if ok else 0.0
+        else:
+            q = proc.probs(g.logits)                                                   # [m, V]
+            for j, tok in enumerate(targets):
+                t = g.start + 1 + j
+                if t < first:
+                    continue
+                if verifier == "race":
+                    state.right[t] = 1.0 if ranked(q[j], req.seed, t, 1)[0] == tok else 0.0
+                elif t in state.probs:
+                    ids, p = state.probs[t]
+                    state.right[t] = float(torch.minimum(p, q[j][ids]).sum())
+        state.probs = {t: v for t, v in state.probs.items() if t > g.start + len(targets)}
+    state.seconds += time.perf_counter() - t0
+
+
+def resolve_guesses(state: ShadowState, cap: int) -> list[list[float]]:
+    """Would-be proposals of `cap` drafts starting at each scored token index whose outcome is known (a wrong guess
+    in its window, or its whole window scored): [passed] each, passed[i] the probability that its first i + 1
+    drafts were kept. The scored indexes are contiguous (forget() clears them when the row drafts)."""
+    out = []
+    for t in sorted(t for t in state.right if t > state.counted):
+        passed, prob = [], 1.0
+        for j in range(cap):
+            a = state.right.get(t + j)
+            if a is None:
+                break
+            prob *= a
+            passed.append(prob)
+        if len(passed) < cap and prob > 0.0:
+            break                                      # its window is not scored yet
+        out.append(passed + [0.0] * (cap - len(passed)))
+        state.counted = t
+    for t in [t for t in state.right if t <= state.counted - cap]:
+        del state.right[t]
+    return out
+
+
+def forget(state: ShadowState) -> None:
+    """The row drafted: guesses scored before are not followed by the ones after (the draft skipped ahead)."""
+    state.right.clear()
+    state.probs.clear()
+    state.counted = -1

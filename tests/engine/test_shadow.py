@@ -1,0 +1,187 @@
+"""Evidence at K = 0 (engine/kpolicy/shadow.py): a row decoding plainly keeps scoring its proposer against the
+tokens the target commits, so a request whose first proposals missed returns to speculation once they hit.
+Scripted proposers over fake rows and a fixed cost model; deterministic, no model, no timing."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from leaplm.engine.kpolicy.acceptance import AcceptanceEstimate
+from leaplm.engine.kpolicy.estimates import Estimates
+from leaplm.engine.kpolicy.policy import KPolicy, RowStep
+from leaplm.engine.kpolicy.shadow import SHADOW_CHUNK, ShadowState, resolve_cheap, resolve_guesses
+from leaplm.engine.kpolicy.shadow import keep_cheap
+from leaplm.engine.row import Row
+from leaplm.propose.base import Guesses, Proposal
+
+V = 16
+PROMPT = 10
+
+
+def text(t: int) -> int:
+    """The token the target commits at index t."""
+    return (3 * t + 1) % V
+
+
+def costs() -> Estimates:
+    """A one-token forward 10 ms, a block of T > 1 tokens 1.5x + 2% a token, a drafted token 0.3 ms."""
+    est = Estimates()
+    est.costs.calibrated(1, [{T: 1e-2 * (1.0 if T == 1 else 1.5 + 0.02 * T) for T in range(1, 10)}])
+    est.observe_propose("draft", 3e-4, rows=1)
+    est.draft_prefill_s_per_token = 1e-4
+    return est
+
+
+class ScriptedDraft:
+    """A draft-like proposer whose guess of token t is right from index `right_from` on, wrong before."""
+    cheap, bursty, group, reads_hidden, samples = False, False, None, False, False
+
+    def __init__(self, right_from: int, shadows: bool = True):
+        self.right_from = right_from
+        self.shadows = shadows
+        self.cached = 0
+        self.fed = 0                      # tokens fed teacher-forced
+
+    def guess(self, t: int) -> int:
+        return text(t) if t >= self.right_from else (text(t) + 1) % V
+
+    def lag(self, n: int) -> int:
+        return max(0, n - self.cached)
+
+    def guesses(self, tokens: list[int]) -> Guesses | None:
+        start, end = min(self.cached, len(tokens) - 1), len(tokens) - 1
+        if end <= start:
+            return None
+        logits = torch.full((end - start, V), -1e9)
+        for j in range(end - start):
+            logits[j, self.guess(start + j + 1)] = 0.0
+        self.fed += end - start
+        self.cached = end
+        return Guesses(start, logits)
+
+
+def new_row(proposer, cap: int = 4, verifier: str = "greedy", remaining: int = 400) -> Row:
+    req = SimpleNamespace(tokens=[text(t) for t in range(PROMPT)], prompt_ids=list(range(PROMPT)),
+                          remaining=remaining, verifier=verifier, seed=None,
+                          stats=SimpleNamespace(target_forwards=1, method="draft", shadow_s=0.0, decode_s=0.0))
+    proc = SimpleNamespace(greedy=lambda logits, presence=None: logits.argmax(-1))
+    return Row(req, proc, proposer, cap, acceptance=AcceptanceEstimate(bursty=False))
+
+
+def step(policy: KPolicy, row: Row, early=None) -> int:
+    """One step: the plan's K, the scripted proposer's drafts verified against the text, one commit."""
+    plan = policy.plan([row], lambda i, cap: early(len(row.req.tokens), cap) if early else None, 64)
+    k = plan.asked[0]
+    L = len(row.req.tokens)
+    prop = plan.early.get(0) if early else None
+    if k and prop is None and not early:
+        prop = Proposal(torch.tensor([row.proposer.guess(L + j) for j in range(k)]))
+    drafted = min(k, prop.k) if (k and prop is not None) else 0
+    policy.proposed([prop if drafted else None])
+    acc = 0
+    while acc < drafted and int(prop.tokens[acc]) == text(L + acc):
+        acc += 1
+    row.req.tokens += [text(L + j) for j in range(acc + 1)]
+    row.req.remaining -= acc + 1
+    row.req.stats.target_forwards += 1
+    if drafted and not early:
+        row.proposer.cached = L + acc                 # the draft has seen what it drafted and was kept
+    secs = 1e-2 * (1.0 if not drafted else 1.5 + 0.02 * (drafted + 1))
+    policy.observe([row], plan, [RowStep(drafted, acc, drafted + 1, prop.match if drafted else None)], secs, 0.0)
+    return drafted
+
+
+def test_a_draft_that_missed_at_first_returns_to_speculation_once_it_hits():
+    """The draft's guesses are wrong for the first 40 tokens, then right. Its first proposals miss, the estimate
+    falls and the row decodes plainly; once the guesses hit, the row drafts again within a bounded number of steps
+    (a chunk of guesses, a proposal's window, a few steps of evidence), and keeps drafting."""
+    switch = PROMPT + 40
+    proposer = ScriptedDraft(right_from=switch)
+    row, policy = new_row(proposer), KPolicy(costs(), enabled=True, max_len=4096)
+    drafted = []
+    while len(row.req.tokens) < switch:
+        drafted.append(step(policy, row))
+    assert sum(1 for d in drafted[-16:] if d) <= 2, drafted   # missing: plain decoding, a probe at most
+    steps_back = None
+    for s in range(60):
+        if step(policy, row) and steps_back is None:
+            steps_back = s
+    assert steps_back is not None and steps_back <= 2 * SHADOW_CHUNK + 4 + 6, steps_back
+    late = [step(policy, row) for _ in range(20)]
+    assert sum(1 for d in late if d) >= 18, late
+    assert row.req.stats.shadow_s >= 0.0 and proposer.fed > 0
+
+
+def test_without_guesses_the_same_row_waits_for_probes():
+    """The negative control: the same script with a proposer that cannot score guesses learns only at probes,
+    and is still at K = 0 where the scored one is drafting again."""
+    switch = PROMPT + 40
+    proposer = ScriptedDraft(right_from=switch, shadows=False)
+    row, policy = new_row(proposer), KPolicy(costs(), enabled=True, max_len=4096)
+    while len(row.req.tokens) < switch:
+        step(policy, row)
+    back = [step(policy, row) for _ in range(2 * SHADOW_CHUNK + 4 + 6)]
+    assert not any(back), back
+
+
+def test_an_ngram_proposal_at_k0_is_compared_with_the_tokens_that_follow():
+    """A cheap proposer's proposals made at K = 0 are resolved as the tokens come: agreeing tokens count as
+    accepted, the first disagreeing one ends the run; a proposal waits until its outcome is known."""
+    st = ShadowState()
+    keep_cheap(st, 5, [7, 8, 9], match=3)
+    assert resolve_cheap(st, [0] * 5 + [7, 8]) == []                     # 2 of 3 known, both agree: wait
+    assert resolve_cheap(st, [0] * 5 + [7, 8, 1]) == [([1.0, 1.0, 0.0], 3)]
+    keep_cheap(st, 5, [6, 8], match=None)
+    assert resolve_cheap(st, [0] * 5 + [7]) == [([0.0, 0.0], None)]       # a wrong first token: known at once
+
+
+def test_a_cheap_proposer_that_missed_returns_to_speculation_once_it_hits():
+    """An n-gram-like proposer (cheap, bursty) that proposes at every step: wrong for the first 40 tokens, then
+    right. At K = 0 its proposals are still compared with what is committed, so it drafts again within a few
+    steps of starting to hit."""
+    switch = PROMPT + 40
+    proposer = SimpleNamespace(cheap=True, bursty=True, group=None, reads_hidden=False, shadows=False,
+                               lag=lambda n: 0)
+    row = new_row(proposer)
+    row.acceptance = AcceptanceEstimate(bursty=True)
+    policy = KPolicy(costs(), enabled=True, max_len=4096)
+
+    def early(L: int, cap: int) -> Proposal:
+        toks = [text(L + j) if L + j >= switch else (text(L + j) + 1) % V for j in range(cap)]
+        return Proposal(torch.tensor(toks), match=2)
+
+    while len(row.req.tokens) < switch:
+        step(policy, row, early)
+    back = None
+    for s in range(40):
+        if step(policy, row, early) and back is None:
+            back = s
+    assert back is not None and back <= 8, back
+
+
+@pytest.mark.parametrize("cap", [1, 3])
+def test_would_be_proposals_count_the_run_of_right_guesses(cap):
+    """A proposal starting at t keeps the run of right teacher-forced guesses from t (at most cap); one is counted
+    once its window is scored or a wrong guess ends it."""
+    st = ShadowState()
+    st.right = {10: 1.0, 11: 1.0, 12: 0.0, 13: 1.0}
+    out = resolve_guesses(st, cap)
+    expect = {1: [[1.0], [1.0], [0.0], [1.0]],
+              3: [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]}[cap]
+    assert out == expect
+    st.right.update({14: 1.0, 15: 1.0})
+    if cap == 3:
+        assert resolve_guesses(st, cap) == [[1.0, 1.0, 1.0]]
+
+
+def test_rejection_sampling_evidence_is_a_probability():
+    """Under rejection sampling a guess is right with probability sum min(p, q): passed is their running product."""
+    st = ShadowState()
+    st.right = {20: 0.5, 21: 0.8}
+    assert resolve_guesses(st, 2) == [[0.5, pytest.approx(0.4)]]
+    est = AcceptanceEstimate(bursty=False)
+    before = est.tokens_by_k(2)
+    est.observe_expected([0.5, 0.4])
+    assert est.tokens_by_k(2)[2] < before[2]
