@@ -1,6 +1,7 @@
 """`leaplm generate`: one prompt through the engine, text on stdout, acceptance and speed on stderr."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -21,6 +22,43 @@ def _skip_layers(text: Optional[str]) -> Optional[list[int]]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         fail(f"--skip-layers: expected comma-separated layer indices, got {text!r}")
+
+
+def _compare(engine, prompt: str, shown: str, params: SamplingParams, rounds: int = 2) -> None:
+    """Plain decoding (method none, the same loaded target) and the engine's method on the same request, each run
+    `rounds` times interleaved after a short warm-up (the faster run of each is shown): the text once, then both
+    side by side."""
+    from ..engine.engine import Engine
+
+    plain = Engine(model=engine.target, method="none", max_model_len=engine.max_model_len)
+    warm = dataclasses.replace(params, max_new_tokens=min(8, params.max_new_tokens))
+    plain.generate(prompt, warm)
+    engine.generate(prompt, warm)
+    best: dict[str, object] = {}
+    for _ in range(rounds):
+        for name, e in (("none", plain), ("spec", engine)):
+            o = e.generate(prompt, params)
+            if name not in best or o.stats.decode_s < best[name].stats.decode_s:
+                best[name] = o
+    a, b = best["none"], best["spec"]
+    write(shown + b.text + "\n")
+    sa, sb = a.stats, b.stats
+    label = f"{sb.method} k={sb.k}" + (" adaptive" if engine.spec.adaptive_k else "")
+    rows = [("", "none", label),
+            ("tokens/s", f"{sa.tokens_per_s:.1f}", f"{sb.tokens_per_s:.1f}"),
+            ("target forwards", str(sa.target_forwards), str(sb.target_forwards)),
+            ("mean accepted length", f"{sa.mean_accepted_length:.2f}", f"{sb.mean_accepted_length:.2f}"),
+            ("steps that drafted", "-", f"{sb.steps_with_draft} of {sb.target_forwards}"),
+            ("acceptance", "-", f"{sb.acceptance_rate:.2f}")]
+    w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    for r in rows:
+        write(f"{r[0]:<{w0}}  {r[1]:>{w1}}  {r[2]}\n")
+    speedup = sb.tokens_per_s / sa.tokens_per_s if sa.tokens_per_s else 0.0
+    same = "yes" if a.token_ids == b.token_ids else "no"
+    if not params.greedy and params.seed is None:
+        same += " (sampled without --seed: each run draws its own text)"
+    write(f"speedup: {speedup:.2f}x | identical: {same} | {sa.new_tokens} tokens, "
+          f"faster of {rounds} runs each, interleaved | backend {engine.backend}\n")
 
 
 def _structured(json_schema: Optional[str], regex: Optional[str], grammar: Optional[str],
@@ -103,6 +141,8 @@ def generate(
     speculative_config: Optional[str] = SPECULATIVE_CONFIG,
     draft_min: Optional[int] = DRAFT_MIN,
     n_gpu_layers: Optional[int] = N_GPU_LAYERS,
+    compare: bool = typer.Option(False, "--compare", help="Also decode the prompt plainly (method none, the same "
+                                 "model) and print both side by side: speed, target forwards, identical text."),
     *, options: EngineOptions,
 ):
     """Generate a continuation of PROMPT, with speculation, and report acceptance and speed."""
@@ -151,6 +191,14 @@ def generate(
     except ConfigError as e:
         fail(f"--{e.field.replace('_', '-')}: {e.message}" if e.field != "prompt" else f"prompt: {e.message}")
     shown = "" if chat else prompt       # a chat prints the answer only, not the template around it
+    if compare:
+        if n > 1 or stream or as_json:
+            fail(f"--compare: runs one request at a time and prints a table; not with "
+                 f"{'-n ' + str(n) if n > 1 else '--stream' if stream else '--json'}")
+        if engine.spec.method == "none":
+            fail("--compare: compares plain decoding with a speculative method; --method none has nothing to compare")
+        _compare(engine, prompt, shown, params[0])
+        return
     total = GenerationStats(engine.spec.method, engine.spec.k if engine.spec.method != "none" else 0)
     samples = []
     # --samples N: the N samples are the N rows of one batch (one batched target forward per step), printed in order
