@@ -20,6 +20,7 @@ from ..propose.base import Proposer
 from ..propose.registry import make_proposer_factory
 from ..structured.state import GrammarState, GrammarVocab
 from .kpolicy.estimates import Estimates
+from .kpolicy.priors import card_acceptance, shared
 from .prepare import PreparedRequest, PromptInput, check_context, prepare, prompt_ids
 from .request import StreamChunk, TokenLogprob
 from .startup_checks import cached_calibrate, cached_check_threads
@@ -153,6 +154,10 @@ class Engine:
         self._grammar_vocab: GrammarVocab | None = None   # built by the first constrained request
         self.proposer_factory(spec.method)        # fails here, naming the field, if the method cannot run
         self.estimates = Estimates()              # the one cost calibration, shared by every batch
+        # acceptance priors shared with the process's other engines of this target and proposer; the first
+        # request starts from the draft's card (kpolicy/priors.py)
+        self.estimates.method_acceptance = shared((self.target.path, self.draft.path if self.draft else spec.head))
+        self.estimates.card = card_acceptance(self.draft.path) if self.draft is not None else {}
         self._batch: Batch | None = None
         self._batch_busy = False
         # torch's threads against one thread: a warning when other work makes more threads slower (its docstring)

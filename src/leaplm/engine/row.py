@@ -23,6 +23,7 @@ class Row:
     tag: object = None                               # the caller's handle (the scheduler's SeqRequest)
     prefilled: int = 0                               # prompt tokens in the cache (all but the last: prefill done)
     shadow: ShadowState = field(default_factory=ShadowState)   # the K policy's evidence at K = 0
+    band: str = "greedy"                             # its temperature band (kpolicy/priors.py temperature_band)
 
     @property
     def prefilling(self) -> bool:

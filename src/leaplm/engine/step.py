@@ -36,6 +36,7 @@ from .commit import finish_chunk, new_request, verify_commit
 from .constrain import constrain_proposals, dead_end, forced_proposals
 from .kpolicy.estimates import Estimates
 from .kpolicy.policy import KPolicy
+from .kpolicy.priors import temperature_band
 from .proposing import planned, propose_row, propose_rows
 from .request import TokenLogprob
 from .row import Row, RowOutput
@@ -152,9 +153,10 @@ class Batch:
             prompt_lps = [None] + (prompt_token_logprobs(logits, ids[1:], prompt_logprobs) if logits is not None
                                    else [])
         req.stats.prefill_s = time.perf_counter() - t0
+        band = temperature_band(params.temperature)
         row = Row(req, LogitsProcessor(params), proposer, cap, adaptive_k is False,
-                  self.policy.new_acceptance(method, proposer is not None and proposer.bursty), tag=tag,
-                  prefilled=len(ids) - 1 if whole else 0)
+                  self.policy.new_acceptance(method, proposer is not None and proposer.bursty, band), tag=tag,
+                  prefilled=len(ids) - 1 if whole else 0, band=band)
         self.table.add(row)
         return row, prompt_lps
 

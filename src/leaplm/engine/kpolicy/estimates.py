@@ -22,8 +22,11 @@ class Estimates:
     # (method, rows bucket) -> the same, for proposers that draft for many rows at once (the draft model): its
     # forward over n rows costs far less than n forwards, so its cost per drafted token depends on n
     propose_s_rows: dict[tuple[str, int], float] = field(default_factory=dict)
-    # method -> acceptance over all its requests (slow EMA): the starting estimate of a new request's row
-    method_acceptance: dict[str, AcceptanceEstimate] = field(default_factory=dict)
+    # (method, temperature band) -> acceptance over all its requests (slow EMA): the starting estimate of a new
+    # request's row; an engine shares it with the process's other engines of the same target and proposer
+    # (priors.shared)
+    method_acceptance: dict[tuple[str, str], AcceptanceEstimate] = field(default_factory=dict)
+    card: dict[str, float] = field(default_factory=dict)   # band -> per-token acceptance on the proposer's card
     draft_prefill_s_per_token: float = 0.0
     calibrated_rows: set[int] = field(default_factory=set)          # batch sizes step.calibrate has measured
 
@@ -41,16 +44,18 @@ class Estimates:
         by_rows = self.propose_s_rows.get((method, rows_bucket(rows)))
         return by_rows if by_rows is not None else self.propose_s.get(method, 0.0)
 
-    def acceptance(self, method: str, bursty: bool = True) -> AcceptanceEstimate:
-        """`method`'s acceptance over all its requests (created on first use; bursty: see AcceptanceEstimate)."""
-        return self.method_acceptance.setdefault(method, AcceptanceEstimate(decay=0.98, bursty=bursty))
+    def acceptance(self, method: str, bursty: bool = True, band: str = "greedy") -> AcceptanceEstimate:
+        """`method`'s acceptance over all its requests in a temperature band (created on first use; bursty: see
+        AcceptanceEstimate)."""
+        return self.method_acceptance.setdefault((method, band), AcceptanceEstimate(decay=0.98, bursty=bursty))
 
     def observe_acceptance(self, method: str, drafted: int, accepted: int, asked: int | None = None,
-                           match: int | None = None, known: bool = False, bursty: bool = True) -> None:
+                           match: int | None = None, known: bool = False, bursty: bool = True,
+                           band: str = "greedy") -> None:
         """A step of a row of `method` (drafted 0: its proposer had nothing to propose)."""
-        self.acceptance(method, bursty).observe(drafted, accepted, asked, match, known)
+        self.acceptance(method, bursty, band).observe(drafted, accepted, asked, match, known)
 
     def observe_expected(self, method: str, passed: list[float], match: int | None = None,
-                         bursty: bool = True) -> None:
+                         bursty: bool = True, band: str = "greedy") -> None:
         """Evidence gathered at K = 0 for a row of `method` (AcceptanceEstimate.observe_expected)."""
-        self.acceptance(method, bursty).observe_expected(passed, match)
+        self.acceptance(method, bursty, band).observe_expected(passed, match)

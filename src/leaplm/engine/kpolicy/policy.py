@@ -24,6 +24,7 @@ from ...propose.base import Proposal
 from .acceptance import AcceptanceEstimate, expected_tokens
 from .adaptive import BatchAdaptiveK, RowSpec, with_proposal
 from .estimates import Estimates
+from .priors import from_card
 from .shadow import (SHADOW_CHUNK, forget, keep_cheap, keep_probs, resolve_cheap, resolve_guesses,
                      score_guesses)
 from ..row import Row
@@ -66,10 +67,16 @@ class KPolicy:
     def enabled(self) -> bool:
         return self.choice.enabled
 
-    def new_acceptance(self, method: str, bursty: bool) -> AcceptanceEstimate:
-        """A joining row's estimate: what its method measured on earlier requests, else the prior."""
-        seen = self.estimates.method_acceptance.get(method)
-        return AcceptanceEstimate.seeded(seen) if seen is not None else AcceptanceEstimate(bursty=bursty)
+    def new_acceptance(self, method: str, bursty: bool, band: str = "greedy") -> AcceptanceEstimate:
+        """A joining row's estimate: what its method measured on earlier requests in its temperature band (this
+        engine's or another of the process with the same target and proposer: priors.py), else its proposer's
+        card, else the prior."""
+        seen = self.estimates.method_acceptance.get((method, band))
+        if seen is not None:
+            return AcceptanceEstimate.seeded(seen)
+        if band in self.estimates.card:
+            return from_card(self.estimates.card[band], bursty)
+        return AcceptanceEstimate(bursty=bursty)
 
     # --- plan ----------------------------------------------------------------------------------------------------
     def plan(self, rows: list[Row], propose_cheap: Callable[[int, int], Proposal | None], room: int,
@@ -90,7 +97,7 @@ class KPolicy:
             if sp.cap > 0 and r.proposer.cheap:
                 p = early[i] = propose_cheap(i, sp.cap)
                 r.acceptance.observe_match(p is not None)
-                self.estimates.acceptance(r.req.stats.method, r.proposer.bursty).observe_match(p is not None)
+                self.estimates.acceptance(r.req.stats.method, r.proposer.bursty, r.band).observe_match(p is not None)
                 specs[i] = with_proposal(sp, r.acceptance, p.k if p is not None else 0,
                                          p.match if p is not None else None)
         chosen = self.choice.choose([sp for sp, r in zip(specs, rows) if not r.fixed_k])
@@ -169,7 +176,7 @@ class KPolicy:
         match = d.match if d.drafted else None
         r.acceptance.observe(d.drafted, d.accepted, max(asked, d.drafted), match, known)
         self.estimates.observe_acceptance(r.req.stats.method, d.drafted, d.accepted, max(asked, d.drafted), match,
-                                          known, r.proposer.bursty)
+                                          known, r.proposer.bursty, r.band)
         if d.drafted:
             extra = max(0, d.scored - d.drafted - 1)
             r.extra_tokens = extra if r.extra_tokens == 0 else 0.9 * r.extra_tokens + 0.1 * extra
@@ -200,7 +207,7 @@ class KPolicy:
             evidence += [(passed, None) for passed in resolve_guesses(st, r.cap)]
         for passed, match in evidence:
             r.acceptance.observe_expected(passed, match)
-            self.estimates.observe_expected(method, passed, match, bursty)
+            self.estimates.observe_expected(method, passed, match, bursty, r.band)
 
 
 def _drafting_rows(rows: list[Row]) -> dict[str, int]:
