@@ -1,5 +1,6 @@
 # Two commands do all setup on a fresh machine with Python 3.11 and pip:
-#   make demo   builds .venv and runs `leaplm generate` on the embedded model family
+#   make demo   builds .venv and runs `leaplm generate --compare` on the embedded model family: a held-out
+#               function's opening (examples/demo-prompt.txt), plain decoding and the draft side by side
 #   make test   builds .venv and runs the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -23,7 +24,7 @@ $(BIN)/leaplm: pyproject.toml
 setup: $(BIN)/leaplm
 
 demo: setup
-	$(BIN)/leaplm generate "def quicksort(arr):" --max-new-tokens 96
+	$(BIN)/leaplm generate --compare --threads 1 --max-new-tokens 96 < examples/demo-prompt.txt
 
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
