@@ -199,7 +199,8 @@ class KPolicy:
             lag = r.proposer.lag(len(req.tokens))
             affordable = lag <= 2 * SHADOW_CHUNK or (
                 self.catchup_now_s(r) <= SHADOW_BUDGET * req.remaining * self.estimates.costs.cost(1, 1))
-            if lag > SHADOW_CHUNK and affordable:
+            # not on a row's first step: like its drafts, its catching up waits until the first token is out
+            if lag > SHADOW_CHUNK and affordable and req.stats.target_forwards > 1:
                 before = st.seconds
                 score_guesses(st, r.proposer, req, r.proc, req.verifier)
                 req.stats.shadow_s += st.seconds - before
