@@ -87,7 +87,8 @@ def bytes_per_forward(model) -> int:
         if name in q:
             total += q[name].weight.nbytes
         elif name == "embed_tokens.weight":
-            total += p.shape[1] * p.element_size()
+            eq = getattr(model, "embed_quantized", None)   # a GGUF embedding looked up row by row from its blocks
+            total += eq.nbytes // eq.out_features if eq is not None else p.shape[1] * p.element_size()
         else:
             total += p.numel() * p.element_size()
     return total
