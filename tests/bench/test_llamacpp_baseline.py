@@ -248,6 +248,11 @@ def test_bench_cli_llamacpp_rows_from_stand_in_binaries(checkpoint, tmp_path, mo
     assert s["model"].endswith("target-f32.gguf") and s["draft"].endswith("draft-q8_0.gguf")
     assert s["llama_bench"]["tokens_per_s"] == 123.5 and s["threads"] == 1 and s["truncated_output_retries"] == 0
     assert "tokenized" in res.output and "llama-bench tg128" in res.output
+    # leaplm's rows carry their decode rate (prefill excluded); the fastest of them is set against tg128
+    best = s["best_vs_llama_bench"]["code"]
+    assert best["config"] in ("none", "draft k=2") and rows[best["config"]]["decode_tokens_per_s"] > 0
+    assert best["vs_llama_bench"] == pytest.approx(best["decode_tokens_per_s"] / 123.5)
+    assert best["decode_tokens_per_s"] == max(rows[c]["decode_tokens_per_s"] for c in ("none", "draft k=2"))
 
 
 def test_a_failing_binary_stops_the_bench_with_its_name(checkpoint, tmp_path, monkeypatch):
@@ -279,3 +284,20 @@ def test_probe_turns_repacking_off_when_the_process_dies(tmp_path, caplog):
     assert s.no_repack and "--no-repack" in lc.completion_command(s, "p", 4)
     assert "killed by signal 4" in caplog.text
     assert lc.llama_bench_command(s)[-2:] == ["--repack", "0"]
+
+
+def test_best_vs_llama_bench_reads_leaplm_rows_by_decode_rate():
+    from leaplm.bench.runner import ConfigSummary
+    from leaplm.cli.bench_llamacpp import best_vs_llama_bench
+
+    def row(config, workload, decode, wall=None):
+        return ConfigSummary(config, workload, 10.0, None, None, None, None, 1, wall_tokens_per_s=wall,
+                             decode_tokens_per_s=decode)
+
+    fig = lc.BenchFigure(128, 100.0, 1.0, 3, "fake")
+    rows = [row("none", "edit", 90.0), row("none +prediction", "edit", 210.0),
+            row("llama.cpp lookup k=4", "edit", 400.0, wall=300.0),      # another engine: never leaplm's best
+            row("hf", "edit", None), row("none", "quote", 80.0)]
+    best = best_vs_llama_bench(fig, rows)
+    assert best["edit"] == {"config": "none +prediction", "decode_tokens_per_s": 210.0, "vs_llama_bench": 2.1}
+    assert best["quote"]["config"] == "none" and best["quote"]["vs_llama_bench"] == pytest.approx(0.8)

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from ..config import SamplingParams
+from ..engine.stats import GenerationStats
 from .workloads import Workload
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,8 @@ class Sample:
     accepted_tokens: int = 0
     target_forwards: int = 0
     wall_seconds: float | None = None           # an external engine's whole process (seconds is its own clock)
-    decode_tokens_per_s: float | None = None    # an external engine's own decode figure
+    decode_tokens_per_s: float | None = None    # the engine's own decode rate: an external engine's figure;
+                                                # leaplm's new tokens / decoding seconds (prefill excluded)
     text: str | None = None                     # an external engine's generated text (it reports no token ids)
     prompt_tokens: int | None = None            # as the external engine tokenized the prompt
     constrained: bool = False                   # run with the prompt's constraint (a `+schema` configuration)
@@ -59,7 +61,7 @@ class ConfigSummary:
     identical: bool | None              # greedy output token-identical to the baseline on every prompt
     samples: int
     wall_tokens_per_s: float | None = None      # external engines: new tokens / whole-process seconds (median)
-    decode_tokens_per_s: float | None = None    # external engines: their own decode figure (median)
+    decode_tokens_per_s: float | None = None    # the engine's own decode rate (median; Sample says how)
     common_prefix: float | None = None          # external engines: median count of the baseline's first tokens
     common_prefix_min: int | None = None        # its text reproduces (llamacpp.common_prefix_tokens), the fewest,
     compared_tokens: float | None = None        # and the median count compared (up to the baseline's first EOS)
@@ -249,6 +251,8 @@ def run_bench(contenders: list[Contender], workloads: list[Workload], max_new_to
                         s.new_tokens, s.seconds, s.wall_seconds = st.new_tokens, st.seconds, st.wall_seconds
                         s.decode_tokens_per_s, s.text, s.prompt_tokens = (
                             st.decode_tokens_per_s, st.text, st.prompt_tokens)
+                    elif isinstance(st, GenerationStats) and st.decode_s > 0:
+                        s.decode_tokens_per_s = st.new_tokens / st.decode_s
                     if st is not None:
                         s.draft_tokens, s.accepted_tokens, s.target_forwards = (
                             st.draft_tokens, st.accepted_tokens, st.target_forwards)

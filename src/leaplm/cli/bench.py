@@ -248,6 +248,10 @@ def bench(
                                     timing="llama.cpp rows: prompt + decode by llama.cpp's own timing lines "
                                            "(model load excluded); wall tok/s: the whole process",
                                     llama_bench=reference and reference.__dict__)
+        if reference is not None:
+            from .bench_llamacpp import best_vs_llama_bench
+
+            settings["llamacpp"]["best_vs_llama_bench"] = best_vs_llama_bench(reference, summaries)
     print_table(summaries, settings)
     if reference is not None:
         from .bench_llamacpp import print_reference
