@@ -143,9 +143,14 @@ def generate(
     n_gpu_layers: Optional[int] = N_GPU_LAYERS,
     compare: bool = typer.Option(False, "--compare", help="Also decode the prompt plainly (method none, the same "
                                  "model) and print both side by side: speed, target forwards, identical text."),
+    startup: bool = typer.Option(False, "--startup", help="Report the time to the first token and its parts "
+                                 "(import, load, checks, prefill, first token) and the peak RSS (docs/startup.md)."),
     *, options: EngineOptions,
 ):
     """Generate a continuation of PROMPT, with speculation, and report acceptance and speed."""
+    from .startup import StartupClock
+
+    clock = StartupClock() if startup else None
     from ..engine.engine import Engine
     from ..engine.stats import GenerationStats
 
@@ -161,6 +166,8 @@ def generate(
         sc = parse_speculative_config(speculative_config)
     except ConfigError as e:
         fail(f"{ALIAS_FLAGS.get(e.field, '--' + e.field.replace('_', '-'))}: {e.message}")
+    if startup and (n > 1 or compare):
+        fail(f"--startup: times one request; not with {'--compare' if compare else '-n ' + str(n)}")
     method, draft = sc.method or method, sc.draft or draft
     k = sc.k if sc.k is not None else k
     ngram_min = sc.ngram_min if sc.ngram_min is not None else ngram_min
@@ -185,6 +192,8 @@ def generate(
                             skip_confidence=skip_confidence, corpus=corpus)
         engine = Engine(config=options.engine_config(draft=draft, method=method, k=k, head=head,
                                                      spec_options=spec_options))
+        if clock:
+            clock.mark("engine")
         if chat:                          # a user message, through the model's chat template (engine/prepare.py)
             prompt = [{"role": "user", "content": prompt}]
         prepared = engine.prepare(prompt, params[0])
@@ -204,15 +213,25 @@ def generate(
     # --samples N: the N samples are the N rows of one batch (one batched target forward per step), printed in order
     batched = engine.generate_batch(prompt, params) if n > 1 else None
     for i, sp in enumerate(params):
-        if stream and not as_json and batched is None:
-            write(shown)
+        printing = stream and not as_json
+        if (printing or clock) and batched is None:     # one sample, chunk by chunk: the prepared request
+            if printing:
+                write(shown)
             text, ids, reason, st = "", [], None, None
-            for chunk in engine.stream(prepared):      # one sample: the prepared request
-                write(chunk.text)
+            if clock:
+                clock.mark("run")
+            for chunk in engine.stream(prepared):
+                if clock and "first" not in clock.marks:
+                    clock.mark("first")
+                if printing:
+                    write(chunk.text)
                 text += chunk.text
                 ids += chunk.token_ids
                 reason, st = chunk.finish_reason or reason, chunk.stats or st
-            write("\n")
+            if printing:
+                write("\n")
+            elif not as_json:
+                write(shown + text + "\n")
         else:
             o = batched[i] if batched is not None else engine.generate(prepared)
             text, ids, reason, st = o.text, o.token_ids, o.finish_reason, o.stats
@@ -224,9 +243,14 @@ def generate(
         total.merge(st)
     if batched is not None:             # the rows decoded side by side: the batch's time, not the sum of its rows'
         total.decode_s = max(o.stats.decode_s for o in batched)
+    report = None
+    if clock:
+        clock.mark("end")
+        clock.marks.setdefault("first", clock.marks["end"])      # no token came out (an empty answer)
+        report = clock.report(engine, total.prefill_s)
     if as_json:
         s = total
-        print(json.dumps({"samples": samples, "stats": {
+        print(json.dumps({"samples": samples, **({"startup": report.to_dict()} if report else {}), "stats": {
             "method": s.method, "k": s.k, "new_tokens": s.new_tokens, "target_forwards": s.target_forwards,
             "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
             "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_length": round(s.mean_accepted_length, 4),
@@ -255,3 +279,6 @@ def generate(
         err.print(f"[dim]{spec} | {s.new_tokens} tokens in {s.target_forwards} target forwards{acc} | "
                   f"{s.tokens_per_s:.1f} tokens/s | backend {engine.backend}"
                   f"{'' if engine.exactness == 'identical' else ' (' + engine.exactness + ')'}[/]")
+        if report:
+            for line in report.lines():
+                err.print(line, markup=False, highlight=False)

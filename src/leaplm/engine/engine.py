@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -25,7 +26,7 @@ from .prepare import PreparedRequest, PromptInput, check_context, prepare, promp
 from .request import StreamChunk, TokenLogprob
 from .startup_checks import cached_calibrate, cached_check_threads
 from .step import Batch
-from .stats import GenerationStats
+from .stats import GenerationStats, StartupTimes
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class Engine:
         elif (model, draft, method, spec, spec_options) != (None, None, None, None, {}):
             raise ConfigError("config", "give the engine's settings in config alone, not beside it")
         self.config = config
+        self.startup = StartupTimes()                # what the start cost, by part
         self._build(config)
 
     def _build(self, config: EngineConfig) -> None:
@@ -102,8 +104,10 @@ class Engine:
             first = spec.method if spec is not None else method or ("draft" if draft is not None else "none")
             choice = choose_target_backend(model, first if first in METHODS else "none", backend, device, dtype,
                                            quantization)
+            t0 = time.perf_counter()
             self.target = load_model(model, device, dtype, "model", choice.quantization or quantization,
                                      kv_cache_dtype, choice.backend)
+            self.startup.load_s += time.perf_counter() - t0
         self.backend_reason = choice.reason
         if draft is None and (method == "draft" or (spec is not None and spec.method == "draft" and spec.draft is None)):
             # --method draft without --draft: the shipped draft trained for this target (matched by tokenizer).
@@ -119,16 +123,20 @@ class Engine:
             log.info("backend auto: llama.cpp's kernels for %s's weight types are not batch-invariant, so method %s "
                      "runs on torch, where its greedy output is identical to plain decoding (--backend llamacpp "
                      "runs it on libllama, identical up to that rounding)", self.target.name, spec.method)
+            t0 = time.perf_counter()
             self.target = load_model(model, device, dtype, "model", quantization, kv_cache_dtype, "torch")
+            self.startup.load_s += time.perf_counter() - t0
             self.backend_reason = (f"llama.cpp's kernels are not batch-invariant for this file's weight types, "
                                    f"so method {spec.method} runs on torch")
         self.draft: LoadedModel | None = None
         if spec.method == "draft":
+            t0 = time.perf_counter()
             src = draft if draft is not None else spec.draft
             self.draft = src if isinstance(src, LoadedModel) else load_model(
                 src, draft_device or device, dtype, "draft",
                 draft_quantization(choice.quantization or quantization, src), backend=draft_backend(backend))
             check_vocab(self.target, self.draft)
+            self.startup.draft_s = time.perf_counter() - t0
         if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
                                                    or isinstance(max_num_batched_tokens, bool)
                                                    or max_num_batched_tokens < 1):
@@ -137,7 +145,9 @@ class Engine:
         self.backend = self.target.backend
         # what speculation promises here: libllama on weight types whose block kernels round differently from its
         # one-token kernels (LlamaCppLM.batch_invariant) keeps greedy identity only up to that rounding
+        t_checks = time.perf_counter()
         self.exactness = exactness_of(self.target)
+        self.startup.checks_s = time.perf_counter() - t_checks
         self.tokenizer = self.target.tokenizer
         self.model = self.target.model
         log.info("backend: %s for %s%s (speculation: %s; why: %s)", self.backend, self.target.name,
@@ -161,9 +171,11 @@ class Engine:
         self._batch: Batch | None = None
         self._batch_busy = False
         # torch's threads against one thread: a warning when other work makes more threads slower (its docstring)
+        t_checks = time.perf_counter()
         self.thread_check = cached_check_threads(self)
         if spec.method != "none" and spec.adaptive_k:
             cached_calibrate(self, max_rows=1, ctx=64, repeats=3)
+        self.startup.checks_s += time.perf_counter() - t_checks
 
     # --- public API ------------------------------------------------------------------------------------------
     def generate(self, prompt: PromptInput | PreparedRequest,
@@ -311,7 +323,9 @@ class Engine:
         """The engine's batch of one, or a fresh one while another stream still holds it (two interleaved
         streams must not share a cache row)."""
         if self._batch is None:
+            t0 = time.perf_counter()
             self._batch = Batch(self, 1)
+            self.startup.cache_s = time.perf_counter() - t0
         elif self._batch_busy:
             return Batch(self, 1)
         self._batch_busy = True

@@ -83,6 +83,16 @@ class GenerationStats:
 
 
 @dataclass
+class StartupTimes:
+    """Seconds an engine spent before its first token, by part (`leaplm generate --startup` prints them)."""
+    load_s: float = 0.0          # the target: weights (and the kernel's library), config, tokenizer
+    draft_s: float = 0.0         # the draft model (method draft) and the check that it shares the tokenizer
+    checks_s: float = 0.0        # llama.cpp's batch-invariance check, the thread check, the cost calibration (read
+                                 # from the start-up cache after the first start: startup_cache.py)
+    cache_s: float = 0.0         # the first batch's KV cache
+
+
+@dataclass
 class StepClock:
     """Seconds of one batched step by stage, charged to its rows' stats (each row: its own proposing, verifying,
     committing and tree forward; every row: the batched forward and the whole step as decode time)."""
