@@ -1,6 +1,11 @@
 """Write a tiny random Llama as a GGUF file with the `gguf` package's writer, as llama.cpp's converter would:
 llama.cpp tensor names, q/k rows permuted into llama.cpp's rope layout, 1-D tensors in F32, the byte-level BPE
-tokenizer of tests/conftest.py as tokenizer.ggml.* metadata, and a chat template."""
+tokenizer of tests/conftest.py as tokenizer.ggml.* metadata, and a chat template.
+
+The `gguf` package quantizes to Q8_0, Q4_x and Q5_x but not to the K-quants, so Q4_K and Q6_K blocks are written
+here by plain round-to-nearest encoders in llama.cpp's block layout (block_q4_K, block_q6_K); the tests check them
+with the `gguf` package's dequantizer. qtype "Q4_K_M" mixes the types as llama.cpp's Q4_K_M does on a small model:
+K-quants where a row is a multiple of 256, Q5_0 / Q8_0 elsewhere, Q6_K for the embedding and output."""
 from __future__ import annotations
 
 import json
@@ -33,10 +38,74 @@ def _root_conftest():
     return sys.modules[name]
 
 
+def _f16(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the fp16 bytes [..., 2], their value in fp32)."""
+    h = np.asarray(v, dtype=np.float32).astype(np.float16)
+    return h[..., None].view(np.uint8), h.astype(np.float32)
+
+
+def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.where(b > 0, a / np.where(b > 0, b, 1), 0)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """x [N, K] fp32 (K a multiple of 256) -> block_q4_K bytes [N, K / 256 * 144]: per block of 32 a 6-bit scale
+    and min under the super-block's fp16 d and dmin; w = d * sc * q - dmin * m, q in 0..15."""
+    N, K = x.shape
+    S = K // 256
+    b = x.reshape(N, S, 8, 32)
+    lo, hi = np.minimum(b.min(-1), 0), b.max(-1)                      # [N, S, 8]
+    sub_scale, sub_min = (hi - lo) / 15, -lo
+    d, dv = _f16(sub_scale.max(-1) / 63)
+    dmin, dminv = _f16(sub_min.max(-1) / 63)
+    sc = np.clip(np.rint(_div(sub_scale, dv[..., None])), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(_div(sub_min, dminv[..., None])), 0, 63).astype(np.uint8)
+    s, m = dv[..., None] * sc, dminv[..., None] * mn
+    q = np.clip(np.rint(_div(b + m[..., None], s[..., None])), 0, 15).astype(np.uint8)   # [N, S, 8, 32]
+    scales = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], -1)      # [N, S, 12]
+    qs = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(N, S, 128)   # chunk c: blocks 2c (low), 2c + 1 (high)
+    return np.concatenate([d, dmin, scales, qs], -1).reshape(N, S * 144)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """x [N, K] fp32 (K a multiple of 256) -> block_q6_K bytes [N, K / 256 * 210]: per 16 weights an int8 scale
+    under the super-block's fp16 d; w = d * sc * (q - 32), q in 0..63."""
+    N, K = x.shape
+    S = K // 256
+    b = x.reshape(N, S, 16, 16)
+    sub = np.abs(b).max(-1) / 31                                        # [N, S, 16]
+    d, dv = _f16(sub.max(-1) / 127)
+    sc = np.clip(np.rint(_div(sub, dv[..., None])), -128, 127).astype(np.int8)
+    s = dv[..., None] * sc
+    q = (np.clip(np.rint(_div(b, s[..., None])), -32, 31) + 32).astype(np.uint8).reshape(N, S, 2, 4, 32)
+    ql = np.concatenate([q[:, :, :, 0] & 15 | ((q[:, :, :, 2] & 15) << 4),
+                         q[:, :, :, 1] & 15 | ((q[:, :, :, 3] & 15) << 4)], -1).reshape(N, S, 128)
+    qh = (q[:, :, :, 0] >> 4 | (q[:, :, :, 1] >> 4) << 2 | (q[:, :, :, 2] >> 4) << 4 |
+          (q[:, :, :, 3] >> 4) << 6).reshape(N, S, 64)
+    return np.concatenate([ql, qh, sc.view(np.uint8), d], -1).reshape(N, S * 210)
+
+
+K_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+
+
+def q4_k_m_type(name: str) -> str:
+    """The type of tensor `name` in the tiny Q4_K_M file: layer 0 in K-quants, layer 1 as on a model whose rows are
+    not multiples of 256 (Q5_0, a Q8_0 attn_v), ffn_down Q6_K then Q4_K, the embedding and output Q6_K."""
+    if name in ("token_embd.weight", "output.weight"):
+        return "Q6_K"
+    layer, kind = int(name.split(".")[1]), name.split(".")[2]
+    if kind == "ffn_down":
+        return "Q6_K" if layer == 0 else "Q4_K"
+    if layer == 0:
+        return "Q4_K"
+    return "Q8_0" if kind == "attn_v" else "Q5_0"
+
+
 def write_tiny_gguf(dir_path, qtype: str = "F32", seed: int = 0, tied: bool = False, add_bos: bool | None = False,
                     arch: str = "llama") -> tuple[str, str]:
     """(gguf file path, Hugging Face directory of the same random model). Dimensions are multiples of 32 so every
-    block quantization applies to every matrix."""
+    block quantization applies to every matrix (qtype "Q4_K_M": of 256, for the K-quants)."""
     import gguf
     from gguf.quants import quantize
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -47,8 +116,10 @@ def write_tiny_gguf(dir_path, qtype: str = "F32", seed: int = 0, tied: bool = Fa
     tok = write_byte_tokenizer(hf_dir)
     vocab = len(tok)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    wide = qtype == "Q4_K_M"
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=256 if wide else 64, intermediate_size=512 if wide else 128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64 if wide else 16,
+                      max_position_embeddings=256,
                       initializer_range=0.3, tie_word_embeddings=tied, rms_norm_eps=1e-5, rope_theta=10000.0)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():                  # norms away from 1 so a misplaced norm shows
@@ -96,8 +167,10 @@ def write_tiny_gguf(dir_path, qtype: str = "F32", seed: int = 0, tied: bool = Fa
         elif qtype == "F16":
             w.add_tensor(name, arr.astype(np.float16))
         else:
-            t = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(name, quantize(arr, t), raw_dtype=t)
+            tname = q4_k_m_type(name) if qtype == "Q4_K_M" else qtype
+            t = gguf.GGMLQuantizationType[tname]
+            raw = K_QUANTIZERS[tname](arr) if tname in K_QUANTIZERS else quantize(arr, t)
+            w.add_tensor(name, raw, raw_dtype=t)
 
     put("token_embd.weight", sd["model.embed_tokens.weight"])
     put("output_norm.weight", sd["model.norm.weight"])

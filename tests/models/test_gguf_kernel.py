@@ -51,7 +51,8 @@ def test_header_parser_agrees_with_the_gguf_reader(files):
         assert np.array_equal(g.raw(t.name).reshape(-1).view(np.uint8), np.asarray(t.data).reshape(-1).view(np.uint8))
 
 
-@pytest.mark.parametrize("qtype,tied", [("Q8_0", False), ("Q4_0", True), ("Q4_1", False)])
+@pytest.mark.parametrize("qtype,tied", [("Q8_0", False), ("Q4_0", True), ("Q4_1", False), ("Q4_K_M", False),
+                                        ("Q4_K_M", True)])
 def test_kernel_load_makes_no_full_precision_copy_and_equals_the_dequantizing_path(files, qtype, tied, monkeypatch):
     import transformers.modeling_gguf_pytorch_utils as tgguf
 

@@ -1,4 +1,4 @@
-"""`--backend auto` for GGUF targets (models/loading.auto_backend): every method on a Q8_0/Q4_0/Q4_1 file runs on
+"""`--backend auto` for GGUF targets (models/loading.auto_backend): every method on a file of the kernel's types runs on
 leaplm's int8 kernel (torch, quantization 'gguf') unless dequantizing the file would take more than half the
 memory available; other weight types on libllama; the choice and its reason reach the engine, `generate --json`
 and /metrics."""
@@ -28,7 +28,15 @@ Q4_1_FILE = {"token_embd.weight": "Q8_0", "output_norm.weight": "F32", "blk.0.at
 
 def test_kernel_weight_type_reads_the_decoder_matrices():
     assert kernel_weight_type(Q4_1_FILE) == "Q4_1"                     # the most common; Q8_0 beside it is fine
-    assert kernel_weight_type({**Q4_1_FILE, "blk.1.ffn_up.weight": "Q4_K"}) is None
+    assert kernel_weight_type({**Q4_1_FILE, "blk.1.ffn_up.weight": "Q5_1"}) is None
+    # a Q4_K_M file: Q5_0 where a row is not a multiple of 256, Q4_K / Q6_K ffn_down, Q8_0 attn_v
+    q4_k_m = {"blk.0.attn_q.weight": "Q5_0", "blk.0.attn_k.weight": "Q5_0", "blk.0.attn_v.weight": "Q8_0",
+              "blk.0.ffn_gate.weight": "Q5_0", "blk.0.ffn_up.weight": "Q5_0", "blk.0.ffn_down.weight": "Q6_K",
+              "blk.1.attn_q.weight": "Q5_0", "blk.1.ffn_down.weight": "Q4_K"}
+    assert kernel_weight_type(q4_k_m) == "Q5_0"
+    # q/k/v in the kernel's int4 and int6 formats cannot run as one call
+    assert kernel_weight_type({**q4_k_m, "blk.0.attn_q.weight": "Q4_K", "blk.0.attn_k.weight": "Q4_K",
+                               "blk.0.attn_v.weight": "Q6_K"}) is None
     assert kernel_weight_type({**Q4_1_FILE, "blk.0.attn_q.weight": "F16"}) is None
     assert kernel_weight_type({"token_embd.weight": "F32", "blk.0.attn_q.weight": "F32"}) is None    # an f32 file
     assert kernel_weight_type({"token_embd.weight": "Q4_1"}) is None                                 # no decoder
@@ -52,7 +60,7 @@ def test_auto_puts_plain_decoding_there_too_unless_memory_is_short():
 
 def test_auto_leaves_the_rest_to_libllama():
     other = auto_backend("ngram", None, None)
-    assert (other.backend, other.quantization) == ("auto", None) and "Q8_0/Q4_0/Q4_1" in other.reason
+    assert (other.backend, other.quantization) == ("auto", None) and "Q4_0/Q4_1/Q4_K" in other.reason
     nokernel = auto_backend("ngram", "Q8_0", "no C++ compiler found")
     assert (nokernel.backend, nokernel.quantization) == ("auto", None) and "no C++ compiler" in nokernel.reason
 
@@ -98,7 +106,7 @@ def test_the_engine_follows_the_choice_and_stays_identical_to_plain_decoding_on_
     assert plain.backend == "torch" and plain.target.model.quantized and "plain decoding" in plain.backend_reason
     assert spec.generate([1, 2, 3, 1, 2], greedy).token_ids == plain.generate([1, 2, 3, 1, 2], greedy).token_ids
     f32 = Engine(files["f32"], method="none")
-    assert f32.backend == "llamacpp" and "Q8_0/Q4_0/Q4_1" in f32.backend_reason
+    assert f32.backend == "llamacpp" and "Q4_0/Q4_1/Q4_K" in f32.backend_reason
 
 
 @needs_libllama
@@ -126,7 +134,7 @@ def test_generate_json_reports_the_reason(files):
                                    "--max-new-tokens", "4", "--ignore-eos", "--json"])
     assert res.exit_code == 0, res.output
     stats = json.loads(res.stdout)["stats"]
-    assert stats["backend"] == "llamacpp" and "Q8_0/Q4_0/Q4_1" in stats["backend_reason"]
+    assert stats["backend"] == "llamacpp" and "Q4_0/Q4_1/Q4_K" in stats["backend_reason"]
 
 
 @needs_libllama

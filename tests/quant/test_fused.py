@@ -4,6 +4,9 @@ verification, a chain vs a tree, alone vs beside another batch row). Greedy iden
 quantized target runs through it too (test_quantized_model.py)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,8 +35,19 @@ pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
                                 reason=f"C++ extension cannot be built here: {unavailable_reason()}")
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=["int8", "int4", "Q4_K_M"])
 def model(request, tmp_path_factory):
+    """A tiny model on the kernel: quantized at load (int8, int4) or a GGUF file's own Q4_K_M blocks (Q4_K, Q6_K,
+    Q5_0 and Q8_0 matrices, the int4, int6 and int8 formats; tests/models/gguf_writer.py)."""
+    if request.param == "Q4_K_M":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+        from gguf_writer import write_tiny_gguf
+
+        path = write_tiny_gguf(tmp_path_factory.mktemp("fused_k"), "Q4_K_M", seed=5)[0]
+        m = load_model(path, quantization="gguf").model
+        assert {lin.weight.fmt for lin in m.quantized.values()} == {"int8", "int4", "int6"}
+        assert why_not_fused(m) is None and m.fused_layers() is not None
+        return m
     path = write_tiny_llama(tmp_path_factory.mktemp("fused"), vocab=40, layers=3, hidden=64, heads=4, kv_heads=2,
                             seed=5)
     m = load_model(path, quantization=request.param).model
@@ -63,7 +77,7 @@ def test_close_to_the_pytorch_layer_loop(model):
     # that can tip (one int8 step is 1/127 of a block's largest activation)
     assert torch.allclose(a, b, rtol=0, atol=scale / 127 / 8), ((a - b).abs().max() / scale).item()
     # negative control: a model with one layer fewer is far off
-    c = logits(model, IDS, layers=[0, 1])
+    c = logits(model, IDS, layers=list(range(model.num_layers - 1)))
     assert not torch.allclose(c, b, rtol=0, atol=scale / 127 / 8)
 
 

@@ -23,6 +23,7 @@ from leaplm.quant.formats import BLOCK, QuantizedWeight, dequantize, quantize
 from leaplm.quant.linear import QuantizedLinear, pack
 
 EPS = torch.finfo(torch.float32).eps
+FORMATS = ["int8", "int4", "int6"]                # int6: GGUF Q6_K's form, a scale per 16 weights
 needs_ext = pytest.mark.skipif(unavailable_reason() is not None,
                                reason=f"C++ extension cannot be built here: {unavailable_reason()}")
 
@@ -45,16 +46,19 @@ def quantize_activations_ref(x):
 
 
 def int8_reference(qw, x):
-    """The kernel's arithmetic in float64: (y [T, N], magnitude [T, N] = sum_g |s a P| + |m sa|)."""
+    """The kernel's arithmetic in float64: (y [T, N], magnitude [T, N] = sum_g |s a P| + |m sa|). int6: P and s
+    per half block of 16 (G counts halves)."""
     qa, a = quantize_activations_ref(x)
     T, K = x.shape
     N, G = qw.scale.shape
-    if qw.fmt == "int8":
-        q = qw.q.reshape(N, G, BLOCK).long()
+    if qw.fmt == "int6":
+        a = a.repeat_interleave(2, 1)                                           # [T, G]: a block's a per half
+    if qw.fmt in ("int8", "int6"):
+        q = qw.q.reshape(N, G, -1).long()
     else:
         p = qw.q.reshape(N, G, BLOCK // 2).long()
         q = torch.cat([p & 0x0F, p >> 4], -1)                                   # [N, G, 32]
-    P = torch.einsum("ngj,tgj->tng", q, qa.reshape(T, G, BLOCK).long()).double()   # exact block dots [T, N, G]
+    P = torch.einsum("ngj,tgj->tng", q, qa.reshape(T, G, -1).long()).double()   # exact block dots [T, N, G]
     d = (qw.scale.unsqueeze(0) * a.unsqueeze(1)).double()                       # fp32 product, as the kernel
     terms = P * d
     mag = terms.abs()
@@ -88,7 +92,7 @@ def test_activation_quantization_matches_its_reference():
 
 
 @needs_ext
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("T", [1, 3, 8, 16])
 def test_every_path_matches_the_float64_reference_of_its_arithmetic(fmt, T):
     qw, x, _ = case(fmt, T, N=37, K=160, seed=T)
@@ -105,7 +109,7 @@ def test_every_path_matches_the_float64_reference_of_its_arithmetic(fmt, T):
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("extension", marks=needs_ext)])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("T", [1, 3, 8, 16, 37])
 def test_matches_dequantized_reference(backend, fmt, T):
     qw, x, bias = case(fmt, T)
@@ -139,7 +143,7 @@ def test_shapes_and_bf16_activations(backend):
 
 
 @needs_ext
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_row_is_bit_identical_alone_or_with_15_others(fmt):
     qw, x, bias = case(fmt, 16, N=72, K=160, seed=3)
     lin = QuantizedLinear(qw, "extension")
@@ -159,7 +163,7 @@ def test_row_is_bit_identical_alone_or_with_15_others(fmt):
 
 
 @needs_ext
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_long_rows_in_blocks_of_1_to_32_give_the_same_bits_on_every_path(fmt):
     """K = 1280 (40 blocks of 32): blocks of many tokens walk the blocks in chunks that keep their activations in
     L1 (16 blocks a pass at T = 32); a token's result is still the same bits alone, at any T up to 32, at any
@@ -177,7 +181,7 @@ def test_long_rows_in_blocks_of_1_to_32_give_the_same_bits_on_every_path(fmt):
 
 
 @needs_ext
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_simd_and_scalar_paths_agree_bit_for_bit(fmt):
     ext = load()
     paths = usable_paths()
@@ -207,7 +211,7 @@ def test_q4_0_and_q4_1_blocks_as_stored():
 
 
 @needs_ext
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_extension_and_fallback_agree(fmt):
     qw, x, bias = case(fmt, 9, seed=5)
     a, b = QuantizedLinear(qw, "extension")(x, bias), QuantizedLinear(qw, "torch")(x, bias)
@@ -253,12 +257,12 @@ def test_unknown_backend_is_refused():
 
 def test_pack_keeps_every_integer_and_scale():
     """The row-group layout is a permutation: unpacking it gives back the weight's numbers."""
-    for fmt, width in (("int8", 256), ("int4", 128)):
+    for fmt, width, scales in (("int8", 256, 1), ("int4", 128, 1), ("int6", 256, 2)):
         qw, _, _ = case(fmt, 1, N=19, K=64)
         p = pack(qw)
-        assert p.q.shape == (3, 2, width) and p.scale.shape == (3, 2, 8) and p.rows == 19
+        assert p.q.shape == (3, 2, width) and p.scale.shape == (3, 2 * scales, 8) and p.rows == 19
         chunks = width // 32
         q = p.q.reshape(3, 2, chunks, 8, 4).permute(0, 3, 1, 2, 4).reshape(24, -1)[:19]
         assert torch.equal(q, qw.q.view(torch.uint8))
-        assert torch.equal(p.scale.transpose(1, 2).reshape(24, 2)[:19], qw.scale)
+        assert torch.equal(p.scale.transpose(1, 2).reshape(24, 2 * scales)[:19], qw.scale)
         assert (p.q.reshape(3, 2, chunks, 8, 4)[2, :, :, 3:] == 0).all()      # padding rows are zero

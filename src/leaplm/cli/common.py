@@ -153,7 +153,7 @@ class EngineOptions:
     dtype: str = _option("float32", "--dtype", help="float32|bfloat16|float16|auto (auto: the checkpoint's dtype).")
     quantization: Optional[str] = _option(None, "--quantization", help="Weight-only quantization of target and "
                                           "draft: int8 | int4 (blocks of 32, quantized at load) | gguf (a GGUF "
-                                          "file's own Q8_0/Q4_0/Q4_1 blocks). Default: none.")
+                                          "file's own blocks: Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K). Default: none.")
     kv_cache_dtype: str = _option("auto", "--kv-cache-dtype", help="KV-cache dtype: auto (the model's)|float32|"
                                   "bfloat16|float16.")
     max_model_len: Optional[int] = _option(None, "--max-model-len", "-c", "--ctx-size", help="Context (prompt + "

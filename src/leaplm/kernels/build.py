@@ -146,24 +146,26 @@ def choose_path(module, paths=SIMD_PATHS) -> tuple[int, str]:
 @dataclass
 class ProbeWeight:
     """A weight in the kernel's row-group layout (quant/linear.py PackedWeight): what the probe passes it."""
-    q: object               # uint8 [groups, blocks, 256] (int8) | [groups, blocks, 128] (int4 nibbles)
-    scale: object           # fp32 [groups, blocks, 8]
+    q: object               # uint8 [groups, blocks, 256] (int8, int6) | [groups, blocks, 128] (int4 nibbles)
+    scale: object           # fp32 [groups, blocks, 8] | int6: [groups, blocks, 16] (a scale per half block)
     minv: object            # fp32 [groups, blocks, 8] for int4, None for int8
     rows: int
 
 
 def probe_problems() -> list[tuple[object, ProbeWeight]]:
-    """Small problems covering both formats and every token-tile width: (x [T, 96], a weight of 13 rows in 2
-    groups of 8, 3 blocks of 32). Its bytes are random: the probe compares the paths, whatever the weights say."""
+    """Small problems covering every format and token-tile width: (x [T, 96], a weight of 13 rows in 2 groups of
+    8, 3 blocks of 32). Its bytes are random: the probe compares the paths, whatever the weights say."""
     import torch
 
     g = torch.Generator().manual_seed(0)
     out = []
     for T in (1, 2, 3, 5, 9, 16, 32):
         x = torch.randn(T, 96, generator=g)
-        for width, int4 in ((256, False), (128, True)):
+        for width, int4, scales in ((256, False, 8), (128, True, 8), (256, False, 16)):
             q = torch.randint(0, 256, (2, 3, width), dtype=torch.uint8, generator=g)
-            scale, minv = torch.rand(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
+            if scales == 16:                   # int6: integers in -32..31
+                q = ((q.view(torch.int8) >> 2).view(torch.uint8)).contiguous()
+            scale, minv = torch.rand(2, 3, scales, generator=g), torch.randn(2, 3, 8, generator=g)
             out.append((x, ProbeWeight(q, scale, minv if int4 else None, 13)))
     return out
 

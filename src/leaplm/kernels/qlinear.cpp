@@ -1,19 +1,21 @@
 // Quantized linear for 1..32 tokens with 8-bit integer dot products: y[t, n] = sum_k x[t, k] * w[n, k] (+ bias[n]).
 //
 // Weights are blocks of 32 along k, as GGUF stores them (the integers unchanged; scales and mins in fp32):
-//   int8 (Q8_0):        w[n, g, j] = q[n, g, j] * s[n, g],          q in -128..127
-//   int4 (Q4_0, Q4_1):  w[n, g, j] = q[n, g, j] * s[n, g] + m[n, g], q in 0..15   (Q4_0: m = -8 s)
+//   int8 (Q8_0, Q5_0):  w[n, g, j] = q[n, g, j] * s[n, g],          q in -128..127
+//   int4 (Q4_0, Q4_1, Q4_K): w[n, g, j] = q[n, g, j] * s[n, g] + m[n, g], q in 0..15   (Q4_0: m = -8 s)
+//   int6 (Q6_K):        w[n, g, j] = q[n, g, j] * s[n, g, j / 16],   q in -32..31: int8 with a scale per half block
 // At load the rows are repacked in groups of 8 so that one 8-lane vector holds the same 4 weights of 8 rows
 // (quant/linear.py, `pack`):
 //   int8  qp [N/8, G, 8 chunks, 8 rows, 4 bytes]: chunk c = elements 4c .. 4c+3 of the block
 //   int4  qp [N/8, G, 4 chunks, 8 rows, 4 bytes]: GGUF's nibble bytes 4c .. 4c+3; the low nibbles are elements
 //         4c .. 4c+3, the high nibbles elements 16+4c .. 16+4c+3
-//   sp, mp [N/8, G, 8 rows] fp32
+//   sp, mp [N/8, G, 8 rows] fp32 (int6: sp [N/8, G, 2 halves, 8 rows])
 // Activations are quantized per token and per block of 32 to int8 (round half to even, scale a = amax / 127),
 // once per call; then every weight block is read from memory once for all T tokens. The arithmetic of one
 // (row n, token t), in this order whatever T, the tiling, the thread split or the instruction set:
 //   P[g]  = sum_j q[n, g, j] * qa[t, g, j]                         int32, exact
 //   acc   = fma(float(P[g]), s[n, g] * a[t, g], acc)                for g = 0, 1, ..., G - 1
+//           (int6: P[g] in two halves of 16, fma(float(P_lo), s_lo * a, acc) then fma(float(P_hi), s_hi * a, acc))
 //   mt    = fma(m[n, g], a[t, g] * float(sum_j qa[t, g, j]), mt)    for g = 0, 1, ..., G - 1 (int4 only)
 //   y     = acc + mt
 // A row's result is therefore bit-identical alone or with 15 other rows, and every path (scalar, AVX2, AVX-512
@@ -39,11 +41,11 @@ constexpr int RG = 8;            // rows per packed group
 enum Path : int { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
 
 // The activations of one call, quantized: qa [T, K] int8; a, sa [T, G] fp32 (sa = a * sum of the block's qa);
-// sq [T, G] int32 (sum of the block's qa).
+// sq [T, G] int32 (sum of the block's qa); sq16 [T, G] int32 (sum of its first 16 qa).
 struct Act {
   std::vector<int8_t> qa;
   std::vector<float> a, sa;
-  std::vector<int32_t> sq;
+  std::vector<int32_t> sq, sq16;
   int T;
   int64_t K;
   int G;
@@ -58,6 +60,7 @@ LEAPLM_INLINE void quantize_act_body(const float* x, int T, int64_t K, Act& out)
   out.a.resize(size_t(T) * G);
   out.sa.resize(size_t(T) * G);
   out.sq.resize(size_t(T) * G);
+  out.sq16.resize(size_t(T) * G);
   for (int t = 0; t < T; ++t)
     for (int g = 0; g < G; ++g) {
       const float* xb = x + t * K + g * QK;
@@ -75,13 +78,15 @@ LEAPLM_INLINE void quantize_act_body(const float* x, int T, int64_t K, Act& out)
         v = (v + 12582912.f) - 12582912.f;
         q[j] = int32_t(v);
       }
-      int sum = 0;
+      int sum = 0, sum16 = 0;
       for (int j = 0; j < QK; ++j) {
         qb[j] = int8_t(q[j]);
         sum += q[j];
+        if (j == 15) sum16 = sum;
       }
       out.a[t * G + g] = a;
       out.sq[t * G + g] = sum;
+      out.sq16[t * G + g] = sum16;
       out.sa[t * G + g] = a * float(sum);
     }
 }
@@ -103,6 +108,7 @@ __attribute__((target("avx2"))) void quantize_act_simd(const float* x, int T, in
   out.a.resize(size_t(T) * G);
   out.sa.resize(size_t(T) * G);
   out.sq.resize(size_t(T) * G);
+  out.sq16.resize(size_t(T) * G);
   const __m256 sign = _mm256_set1_ps(-0.f), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f),
                magic = _mm256_set1_ps(12582912.f);
   for (int t = 0; t < T; ++t)
@@ -130,12 +136,14 @@ __attribute__((target("avx2"))) void quantize_act_simd(const float* x, int T, in
       const __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
       const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qa.data() + t * K + g * QK), b);
-      alignas(32) int32_t s8[8];
+      alignas(32) int32_t s8[8], h8[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(s8), sum);
-      int s = 0;
-      for (int l = 0; l < 8; ++l) s += s8[l];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(h8), _mm256_add_epi32(q[0], q[1]));   // elements 0 .. 15
+      int s = 0, h = 0;
+      for (int l = 0; l < 8; ++l) s += s8[l], h += h8[l];
       out.a[t * G + g] = a;
       out.sq[t * G + g] = s;
+      out.sq16[t * G + g] = h;
       out.sa[t * G + g] = a * float(s);
     }
 }
@@ -151,11 +159,12 @@ void quantize_act(const float* x, int T, int64_t K, Act& out, int path = 0) {
 // One packed weight matrix.
 struct W {
   const uint8_t* q;      // int8: [N/8, G, 8, 8, 4] (signed bytes); int4: [N/8, G, 4, 8, 4]
-  const float* s;        // [N/8, G, 8]
+  const float* s;        // [N/8, G, 8] | int6: [N/8, G, 2, 8]
   const float* m;        // [N/8, G, 8] (int4) or null
   int64_t N;             // rows written (the packed matrix may have up to 7 zero rows more)
   int G;
   bool int4;
+  bool half;             // int6: int8 integers with a scale per half block (16 weights)
   int64_t block_bytes() const { return int4 ? 128 : 256; }   // one block of 8 rows
 };
 
@@ -177,9 +186,17 @@ void group_scalar(const W& w, const Act& act, int64_t grp, float* y) {
       float acc = 0.f, mt = 0.f;
       for (int g = 0; g < G; ++g) {
         const int8_t* qa = act.qa.data() + t * act.K + g * QK;
+        const size_t sg = (grp * G + g) * RG + r;
+        if (w.half) {
+          int32_t p[2] = {0, 0};
+          for (int j = 0; j < QK; ++j) p[j / 16] += weight_at(w, grp, g, r, j) * int32_t(qa[j]);
+          const size_t sh = (grp * G + g) * 2 * RG + r;
+          acc = std::fma(float(p[0]), w.s[sh] * act.a[t * G + g], acc);
+          acc = std::fma(float(p[1]), w.s[sh + RG] * act.a[t * G + g], acc);
+          continue;
+        }
         int32_t p = 0;
         for (int j = 0; j < QK; ++j) p += weight_at(w, grp, g, r, j) * int32_t(qa[j]);
-        const size_t sg = (grp * G + g) * RG + r;
         acc = std::fma(float(p), w.s[sg] * act.a[t * G + g], acc);
         if (w.m) mt = std::fma(w.m[sg], act.sa[t * G + g], mt);
       }
@@ -242,6 +259,63 @@ inline __m256i block_dot_avx2(const __m256i* u, const int8_t* qa, bool int4, int
   return p;
 }
 
+// int6: the two halves' products (chunks 0 .. 3 hold elements 0 .. 15, chunks 4 .. 7 elements 16 .. 31), exact
+// int32; u as for int8 (the signed bytes + 128), each half corrected by 128 * its sum of qa.
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+inline void block_dot2_vnni(const __m256i* u, const int8_t* qa, int32_t sq, int32_t sq16, __m256i& lo, __m256i& hi) {
+  const int32_t* q4 = reinterpret_cast<const int32_t*>(qa);
+  __m256i a = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[0], _mm256_set1_epi32(q4[0]));
+  __m256i b = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[4], _mm256_set1_epi32(q4[4]));
+  for (int c = 1; c < 4; ++c) {
+    a = _mm256_dpbusd_epi32(a, u[c], _mm256_set1_epi32(q4[c]));
+    b = _mm256_dpbusd_epi32(b, u[c + 4], _mm256_set1_epi32(q4[c + 4]));
+  }
+  lo = _mm256_sub_epi32(a, _mm256_set1_epi32(128 * sq16));
+  hi = _mm256_sub_epi32(b, _mm256_set1_epi32(128 * (sq - sq16)));
+}
+
+// int6 on AVX2: the sign moves onto the activation as for int8; |w| <= 32, so a half's 4 maddubs results add in
+// int16 without overflow (4 * 2 * 32 * 127 < 2^15) before one madd widens them.
+__attribute__((target("avx2,fma")))
+inline void block_dot2_avx2(const __m256i* u, const int8_t* qa, int32_t, int32_t, __m256i& lo, __m256i& hi) {
+  const int32_t* q4 = reinterpret_cast<const int32_t*>(qa);
+  const __m256i ones = _mm256_set1_epi16(1), k128 = _mm256_set1_epi8(char(0x80));
+  __m256i s[2];
+  for (int h = 0; h < 2; ++h) {
+    s[h] = _mm256_setzero_si256();
+    for (int c = 4 * h; c < 4 * h + 4; ++c) {
+      const __m256i wq = _mm256_xor_si256(u[c], k128);
+      const __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(q4[c]), wq);
+      s[h] = _mm256_add_epi16(s[h], _mm256_maddubs_epi16(_mm256_abs_epi8(wq), a));
+    }
+  }
+  lo = _mm256_madd_epi16(s[0], ones);
+  hi = _mm256_madd_epi16(s[1], ones);
+}
+
+#define LEAPLM_GROUP_BODY_HALF(DOT2)                                                                            \
+  const int G = w.G;                                                                                            \
+  const int64_t K = act.K;                                                                                      \
+  __m256 acc[TT];                                                                                               \
+  for (int t = 0; t < TT; ++t) acc[t] = _mm256_load_ps(accp + 8 * t);                                           \
+  const __m256i k128 = _mm256_set1_epi8(char(0x80));                                                            \
+  for (int g = ga; g < gb; ++g) {                                                                               \
+    __m256i u[8];                                                                                               \
+    load_block(w, w.q + (grp * G + g) * w.block_bytes(), u);                                                    \
+    for (int c = 0; c < 8; ++c) u[c] = _mm256_xor_si256(u[c], k128);                                           \
+    const float* sp = w.s + (grp * G + g) * 2 * RG;                                                             \
+    const __m256 slo = _mm256_loadu_ps(sp), shi = _mm256_loadu_ps(sp + RG);                                     \
+    for (int t = 0; t < TT; ++t) {                                                                              \
+      const int tg = (t0 + t) * G + g;                                                                          \
+      __m256i lo, hi;                                                                                           \
+      DOT2(u, act.qa.data() + (t0 + t) * K + g * QK, act.sq[tg], act.sq16[tg], lo, hi);                         \
+      const __m256 av = _mm256_set1_ps(act.a[tg]);                                                              \
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(slo, av), acc[t]);                         \
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(shi, av), acc[t]);                         \
+    }                                                                                                           \
+  }                                                                                                             \
+  for (int t = 0; t < TT; ++t) _mm256_store_ps(accp + 8 * t, acc[t]);
+
 #define LEAPLM_GROUP_BODY(DOT)                                                                                  \
   const int G = w.G;                                                                                            \
   const int64_t K = act.K;                                                                                      \
@@ -292,10 +366,28 @@ void group_vnni(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb,
   LEAPLM_GROUP_BODY(block_dot_vnni)
 }
 
+template <int TT>
+__attribute__((target("avx2,fma")))
+void group_avx2_half(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* accp) {
+  LEAPLM_GROUP_BODY_HALF(block_dot2_avx2)
+}
+
+template <int TT>
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+void group_vnni_half(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* accp) {
+  LEAPLM_GROUP_BODY_HALF(block_dot2_vnni)
+}
+
 template <int TT, bool VNNI>
 inline void tile(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* accp) {
-  if constexpr (VNNI) group_vnni<TT>(w, act, grp, t0, ga, gb, accp);
-  else group_avx2<TT>(w, act, grp, t0, ga, gb, accp);
+  if (w.half) {
+    if constexpr (VNNI) group_vnni_half<TT>(w, act, grp, t0, ga, gb, accp);
+    else group_avx2_half<TT>(w, act, grp, t0, ga, gb, accp);
+  } else if constexpr (VNNI) {
+    group_vnni<TT>(w, act, grp, t0, ga, gb, accp);
+  } else {
+    group_avx2<TT>(w, act, grp, t0, ga, gb, accp);
+  }
 }
 
 // the last `rem` (<= TT) tokens in one tile of exactly that width
@@ -369,8 +461,9 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::
   const int64_t G = K / QK, NG = (N + RG - 1) / RG;
   TORCH_CHECK(qp.is_contiguous() && qp.scalar_type() == torch::kUInt8 && qp.numel() == NG * G * (int4 ? 128 : 256),
               "qp: packed uint8 [N/8, G, ", int4 ? 128 : 256, "]");
-  TORCH_CHECK(sp.is_contiguous() && sp.scalar_type() == torch::kFloat && sp.numel() == NG * G * RG,
-              "sp: fp32 [N/8, G, 8]");
+  const bool half = !int4 && sp.numel() == 2 * NG * G * RG;        // int6: a scale per half block
+  TORCH_CHECK(sp.is_contiguous() && sp.scalar_type() == torch::kFloat && (half || sp.numel() == NG * G * RG),
+              "sp: fp32 [N/8, G, 8] (int6: [N/8, G, 2, 8])");
   if (int4)
     TORCH_CHECK(mp->is_contiguous() && mp->scalar_type() == torch::kFloat && mp->numel() == NG * G * RG,
                 "mp: fp32 [N/8, G, 8]");
@@ -380,7 +473,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::
 #endif
   Act act;
   quantize_act(x.data_ptr<float>(), int(T), K, act, int(path));
-  const W w{qp.data_ptr<uint8_t>(), sp.data_ptr<float>(), int4 ? mp->data_ptr<float>() : nullptr, N, int(G), int4};
+  const W w{qp.data_ptr<uint8_t>(), sp.data_ptr<float>(), int4 ? mp->data_ptr<float>() : nullptr, N, int(G), int4,
+            half};
   auto y = torch::empty({T, N}, x.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, NG, 4, [&](int64_t g0, int64_t g1) { run_groups(w, act, int(path), g0, g1, yp); });
@@ -581,8 +675,9 @@ struct PackedLinear {
   torch::Tensor q, s, m, bias;   // m, bias: empty when absent
   int64_t rows;
   W view(int64_t K) const {
-    return W{q.data_ptr<uint8_t>(), s.data_ptr<float>(), m.numel() ? m.data_ptr<float>() : nullptr, rows,
-             int(K / QK), m.numel() > 0};
+    const bool int4 = m.numel() > 0;
+    return W{q.data_ptr<uint8_t>(), s.data_ptr<float>(), int4 ? m.data_ptr<float>() : nullptr, rows, int(K / QK),
+             int4, !int4 && s.numel() == 2 * ((rows + RG - 1) / RG) * (K / QK) * RG};
   }
   const float* b() const { return bias.numel() ? bias.data_ptr<float>() : nullptr; }
 };

@@ -1,4 +1,4 @@
-"""A GGUF file's Q8_0 / Q4_0 / Q4_1 blocks straight into leaplm's int8 kernel (`--quantization gguf`, the default
+"""A GGUF file's Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks straight into leaplm's int8 kernel (`--quantization gguf`, the default
 for such files): no full-precision copy of any matrix is made.
 
 Each decoder matrix and the output projection is read as the file stores it (a view of the mapped file), handed
@@ -21,14 +21,32 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..quant.formats import GGUF_TYPES
 from .base import LoadedModel
 from .gguf import GGUFFile, GGUFInfo, dequantize_tensor, parse_gguf, read_gguf_config
 from .llama import LlamaForCausalLM, args_from_hf_config, meta_model, native_blockers
 
 log = logging.getLogger(__name__)
 
-KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1")      # the block types the int8 kernel computes on as stored
+KERNEL_TYPES = tuple(GGUF_TYPES)              # the block types the int8 kernel computes on as stored
 PAIRED_ROPE = ("llama", "mistral")           # architectures whose files store q/k rows in the native layout
+
+
+FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))   # matrices one kernel call computes together
+
+
+def mixed_fusions(tensor_types: dict[str, str]) -> list[str]:
+    """The fused matrices (q/k/v, gate/up) whose parts the kernel holds in different formats (a Q4_K attn_q beside
+    a Q6_K attn_v: int4 and int6), which it cannot run as one call; e.g. ['blk.3.attn_q/k/v: Q4_K/Q6_K']."""
+    out = []
+    layers = sorted({int(n.split(".")[1]) for n in tensor_types if n.startswith("blk.")})
+    for i in layers:
+        for group in FUSED:
+            types = [tensor_types.get(f"blk.{i}.{m}.weight") for m in group]
+            if all(t in GGUF_TYPES for t in types) and len({GGUF_TYPES[t] for t in types}) > 1:
+                out.append(f"blk.{i}.{group[0]}/{'/'.join(m.split('_')[1] for m in group[1:])}: "
+                           f"{'/'.join(types)}")
+    return out
 
 
 def kernel_blockers(g: GGUFFile, cfg: dict) -> list[str]:
@@ -49,6 +67,8 @@ def kernel_blockers(g: GGUFFile, cfg: dict) -> list[str]:
             break
     if "token_embd.weight" not in g.tensors:
         out.append("tensor token_embd.weight is missing")
+    if not out:
+        out += [f"{m} mix the kernel's formats" for m in mixed_fusions({n: t.type_name for n, t in g.tensors.items()})]
     return out
 
 

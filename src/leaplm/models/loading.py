@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from ..quant.formats import GGUF_TYPES
 from .base import LoadedModel
 from .draft_vocab import VocabMappedDraft, has_draft_vocab, read_d2t
 from .llama import native_blockers
@@ -239,7 +240,7 @@ def choose_backend(backend: str, gguf: bool, name: str, device: str = "cpu", dty
     return "llamacpp"
 
 
-KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1")      # the block types leaplm's int8 kernel computes on as stored
+KERNEL_TYPES = tuple(GGUF_TYPES)             # the block types leaplm's int8 kernel computes on as stored
 
 
 @dataclass(frozen=True)
@@ -253,10 +254,13 @@ class BackendChoice:
 
 def kernel_weight_type(tensor_types: dict[str, str]) -> str | None:
     """The block type of a GGUF file's decoder matrices when every one of them is a type leaplm's int8 kernel
-    takes as stored (the most common, e.g. 'Q4_1'); None when some other type (F32, F16, a K-quant) is among them.
-    1-D tensors (norms) are F32 in every file and do not count."""
+    takes as stored (the most common, e.g. 'Q4_1'); None when some other type (F32, F16, Q5_1, Q3_K) is among
+    them or a fused pair mixes the kernel's formats (gguf_kernel.mixed_fusions). 1-D tensors (norms) are F32 in
+    every file and do not count."""
+    from .gguf_kernel import mixed_fusions
+
     mats = [t for n, t in tensor_types.items() if n.startswith("blk.") and t != "F32"]
-    if not mats or any(t not in KERNEL_TYPES for t in mats):
+    if not mats or any(t not in KERNEL_TYPES for t in mats) or mixed_fusions(tensor_types):
         return None
     return Counter(mats).most_common(1)[0][0]
 
@@ -276,7 +280,7 @@ def available_memory() -> int | None:
 def auto_backend(method: str, weight_type: str | None, kernel_unavailable: str | None,
                  file_bytes: int = 0, free_bytes: int | None = None) -> BackendChoice:
     """`--backend auto` for a GGUF target on the CPU with nothing else asking for a path (no --quantization,
-    float32): leaplm's int8 kernel (torch, quantization 'gguf') for a Q8_0/Q4_0/Q4_1 file, every method, because
+    float32): leaplm's int8 kernel (torch, quantization 'gguf') for a file in KERNEL_TYPES, every method, because
     there a verify block costs far less than on libllama and one token no more (measured on SmolLM2: kernel
     vs libllama in one run, docs/backends.md); otherwise load_model's usual choice (libllama when it is
     installed). weight_type: kernel_weight_type of the file; kernel_unavailable: why the kernel cannot be built
@@ -284,8 +288,8 @@ def auto_backend(method: str, weight_type: str | None, kernel_unavailable: str |
     kernel holds its blocks as they are, with fp32 scales: about 1.25x the file; models/gguf_kernel.py);
     free_bytes: memory available (None: unknown)."""
     if weight_type is None:
-        return BackendChoice("auto", None, "the file's matrices are not all Q8_0/Q4_0/Q4_1, the types leaplm's "
-                                           "int8 kernel takes")
+        return BackendChoice("auto", None, f"the file's matrices are not all {'/'.join(KERNEL_TYPES)}, the types "
+                                           "leaplm's int8 kernel takes (with q/k/v and gate/up in one format)")
     if kernel_unavailable is not None:
         return BackendChoice("auto", None, f"leaplm's int8 kernel cannot be built here ({kernel_unavailable})")
     if free_bytes is not None and 2 * file_bytes > free_bytes:

@@ -2,8 +2,8 @@
 
   int8 | int4   quantize every linear weight at load (round to nearest, blocks of 32; see formats.py). A GGUF
                 tensor already in that format (Q8_0 for int8, Q4_0/Q4_1 for int4) is taken from the file as is.
-  gguf          a GGUF file's own blocks: Q8_0 -> int8, Q4_0/Q4_1 -> int4, exactly as stored; tensors of other
-                types stay in the model's dtype (logged).
+  gguf          a GGUF file's own blocks: Q8_0/Q5_0 -> int8, Q4_0/Q4_1/Q4_K -> int4, Q6_K -> int6, exactly as
+                stored (formats.GGUF_TYPES); tensors of other types stay in the model's dtype (logged).
 The token embedding stays in the model's dtype (a lookup reads T rows, not the matrix). The engine's promise
 becomes identity with plain decoding of the same quantized model.
 """
@@ -16,13 +16,12 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from .formats import BLOCK, QuantizedWeight, cat_rows, dequantize, from_gguf_blocks, quantize
+from .formats import BLOCK, GGUF_TYPES, QuantizedWeight, cat_rows, dequantize, from_gguf_blocks, quantize
 from .linear import QuantizedLinear
 
 log = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
-GGUF_FORMAT = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
 
 
 @dataclass
@@ -70,8 +69,8 @@ def quantize_model(model, quantization: str, gguf_path: str | None = None, backe
             rep.from_file.append(name)
         elif quantization == "gguf":
             ft = file_types.get(name, "unknown")
-            rep.kept[name] = (f"GGUF type {ft}: the int8 kernel takes Q8_0, Q4_0, Q4_1; it runs dequantized"
-                              if any(t not in GGUF_FORMAT for t in ft.split("/")) else
+            rep.kept[name] = (f"GGUF type {ft}: the int8 kernel takes {', '.join(GGUF_TYPES)}; it runs dequantized"
+                              if any(t not in GGUF_TYPES for t in ft.split("/")) else
                               "its blocks did not match the loaded weight")
             continue
         elif w.shape[1] % BLOCK:
@@ -122,7 +121,7 @@ def _gguf_weights(model, path: str, types: dict[str, str] | None = None) -> dict
 
     def get(n: str) -> QuantizedWeight | None:
         t = raw.get(n)
-        if t is None or t.tensor_type.name not in GGUF_FORMAT:
+        if t is None or t.tensor_type.name not in GGUF_TYPES:
             return None
         K, N = (int(x) for x in t.shape[:2])
         return from_gguf_blocks(t.data, t.tensor_type.name, (N, K))

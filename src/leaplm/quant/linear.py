@@ -33,23 +33,24 @@ GROUP = 8                 # rows per packed group: one 8-lane vector holds the s
 class PackedWeight:
     """A QuantizedWeight's integers and scales in the kernel's row-group layout (kernels/qlinear.cpp): the same
     numbers, reordered so that 8 rows' 4 consecutive weights are 32 contiguous bytes."""
-    q: torch.Tensor              # uint8 [N8 / 8, G, 256] (int8: the signed bytes) | [N8 / 8, G, 128] (int4 nibbles)
-    scale: torch.Tensor          # fp32 [N8 / 8, G, 8]
+    q: torch.Tensor              # uint8 [N8 / 8, G, 256] (int8, int6: the signed bytes) | [N8 / 8, G, 128] (int4)
+    scale: torch.Tensor          # fp32 [N8 / 8, G, 8] | int6: [N8 / 8, G, 2 * 8] (the first half's 8, the second's)
     minv: torch.Tensor | None    # fp32 [N8 / 8, G, 8] for int4, None for int8
     rows: int                    # N (N8 = N rounded up to a multiple of 8; the padding rows are zero)
 
 
 def pack(w: QuantizedWeight) -> PackedWeight:
-    N, G = w.scale.shape
+    N, G = w.scale.shape[0], w.in_features // BLOCK
     NG = -(-N // GROUP)
     pad = NG * GROUP - N
     q = F.pad(w.q.view(torch.uint8), (0, 0, 0, pad))                   # [N8, K | K / 2]
-    chunks = BLOCK // 4 if w.fmt == "int8" else BLOCK // 8             # 4-byte chunks per block (int4: 2 weights a byte)
+    chunks = BLOCK // 8 if w.fmt == "int4" else BLOCK // 4             # 4-byte chunks per block (int4: 2 weights a byte)
     # [N8, G * chunks * 4] -> [NG, 8 rows, G, chunks, 4] -> [NG, G, chunks, 8 rows, 4]
     # moved as 4-byte words (the same bytes; a quarter of the elements for the strided copy)
     q = (q.contiguous().view(torch.int32).reshape(NG, GROUP, G, chunks).permute(0, 2, 3, 1).contiguous()
          .view(torch.uint8).reshape(NG, G, chunks * GROUP * 4))
-    lay = lambda t: F.pad(t, (0, 0, 0, pad)).reshape(NG, GROUP, G).transpose(1, 2).contiguous()   # [NG, G, 8]
+    # [N, G'] -> [NG, G', 8] (int6: G' = 2 G, so a block's two halves' 8 rows follow each other)
+    lay = lambda t: F.pad(t, (0, 0, 0, pad)).reshape(NG, GROUP, -1).transpose(1, 2).contiguous()   # noqa: E731
     return PackedWeight(q, lay(w.scale.float()), None if w.minv is None else lay(w.minv.float()), N)
 
 
