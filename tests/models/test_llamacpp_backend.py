@@ -1,7 +1,9 @@
-"""`--backend auto` for GGUF targets (models/loading.auto_backend): every method on a file of the kernel's types runs on
-leaplm's int8 kernel (torch, quantization 'gguf') unless dequantizing the file would take more than half the
-memory available; other weight types on libllama; the choice and its reason reach the engine, `generate --json`
-and /metrics."""
+"""`--backend auto` for GGUF targets (models/loading.auto_backend): a file of the kernel's types runs on the engine
+the start-up measurement says is faster for the method (models/backend_costs.py; the timings are injected here, so
+the choice is tested against known costs; one test times the real engines), on leaplm's int8 kernel (torch,
+quantization 'gguf') when libllama is not installed, unless the file would take more than half the memory
+available; other weight types on libllama; the choice and its reason reach the engine, `generate --json` and
+/metrics."""
 from __future__ import annotations
 
 import json
@@ -14,6 +16,8 @@ from leaplm.config import SamplingParams
 from leaplm.engine.engine import Engine
 from leaplm.models.gguf_export import export_gguf
 from leaplm.models.llamacpp.binding import available
+from leaplm.models import backend_costs
+from leaplm.models.backend_costs import BackendCosts, choose_by_costs
 from leaplm.models.loading import BackendChoice, auto_backend, choose_target_backend, kernel_weight_type
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -65,6 +69,45 @@ def test_auto_leaves_the_rest_to_libllama():
     assert (nokernel.backend, nokernel.quantization) == ("auto", None) and "no C++ compiler" in nokernel.reason
 
 
+KERNEL_FASTER = BackendCosts(kernel_one_ms=6.0, kernel_block_ms=17.0, llamacpp_one_ms=9.0, llamacpp_block_ms=37.0,
+                             llamacpp_invariant=True, threads=2)
+
+
+@pytest.fixture(autouse=True)
+def _injected_costs(monkeypatch):
+    """The start-up timing returns KERNEL_FASTER unless a test injects other costs (a real timing of tiny models
+    is noise: which engine wins would change from run to run)."""
+    calls = []
+
+    def fake(path, load_kernel):
+        calls.append(path)
+        return KERNEL_FASTER
+    monkeypatch.setattr(backend_costs, "measure", fake)
+    return calls
+
+
+def test_the_choice_follows_the_measured_costs():
+    mk = lambda **kw: BackendCosts(**{**KERNEL_FASTER.__dict__, **kw})   # noqa: E731
+    assert choose_by_costs("none", KERNEL_FASTER).backend == "torch"
+    assert choose_by_costs("ngram", KERNEL_FASTER).backend == "torch"
+    slow_one = mk(kernel_one_ms=9.5)                  # libllama's one-token forward is faster: plain decoding there
+    assert choose_by_costs("none", slow_one).backend == "llamacpp"
+    assert choose_by_costs("ngram", slow_one).backend == "torch"         # the block still favours the kernel
+    slow_block = mk(kernel_block_ms=40.0)
+    assert choose_by_costs("ngram", slow_block).backend == "llamacpp"
+    # where libllama's blocks round differently, a speculating method stays on the kernel (greedy identity)
+    assert choose_by_costs("ngram", mk(kernel_block_ms=40.0, llamacpp_invariant=False)).backend == "torch"
+    why = choose_by_costs("draft", slow_block).reason
+    assert "40.00 ms" in why and "37.00 ms" in why and "draft" in why and "2 threads" in why
+    got = auto_backend("none", "Q4_1", None, 10 * 2**20, 2**30, slow_one)
+    assert (got.backend, got.quantization) == ("llamacpp", None) and "9.50 ms" in got.reason
+    got = auto_backend("ngram", "Q4_1", None, 10 * 2**20, 2**30, slow_one)
+    assert (got.backend, got.quantization) == ("torch", "gguf") and "Q4_1 blocks" in got.reason
+    # memory comes first: a file too large for the kernel's copy is not timed there
+    big = auto_backend("ngram", "Q4_1", None, 16 * 2**30, 24 * 2**30, KERNEL_FASTER)
+    assert big.backend == "auto"
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("backend_choice")
@@ -80,7 +123,7 @@ def test_choose_target_backend_on_files(files):
 
     kernel = unavailable_reason() is None
     assert choose_target_backend(files["q8_0"], "ngram") == (
-        BackendChoice("torch", "gguf", auto_backend("ngram", "Q8_0", None).reason) if kernel
+        BackendChoice("torch", "gguf", auto_backend("ngram", "Q8_0", None, costs=KERNEL_FASTER).reason) if kernel
         else BackendChoice("llamacpp", None, auto_backend("ngram", "Q8_0", unavailable_reason()).reason
                            + "; GGUF files run on libllama"))
     assert choose_target_backend(files["q8_0"], "none").backend == ("torch" if kernel else "llamacpp")
@@ -151,3 +194,35 @@ def test_serve_checks_a_catalog_name_as_its_fetched_file(files, monkeypatch):
     with pytest.raises(ConfigError, match="leaplm models fetch smollm2") as e:
         check_source("smollm2")
     assert e.value.field == "model"
+
+
+@needs_libllama
+def test_the_measurement_is_taken_once_per_file_and_machine(files, tmp_path, monkeypatch, _injected_costs):
+    from leaplm.kernels.build import unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(f"leaplm's int8 kernel cannot be built here ({unavailable_reason()})")
+    monkeypatch.setenv("LEAPLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LEAPLM_NO_STARTUP_CACHE", raising=False)
+    slow_one = BackendCosts(**{**KERNEL_FASTER.__dict__, "kernel_one_ms": 12.0})
+    monkeypatch.setattr(backend_costs, "measure", lambda path, load: _injected_costs.append(path) or slow_one)
+    assert choose_target_backend(files["q8_0"], "none").backend == "llamacpp"      # follows the measurement
+    assert choose_target_backend(files["q8_0"], "ngram").backend == "torch"
+    assert len(_injected_costs) == 1                                             # the second start read the cache
+    monkeypatch.setenv("LEAPLM_RECALIBRATE", "1")
+    choose_target_backend(files["q8_0"], "none")
+    assert len(_injected_costs) == 2
+
+
+@needs_libllama
+def test_both_engines_are_timed_for_real(files, monkeypatch):
+    from leaplm.kernels.build import unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(f"leaplm's int8 kernel cannot be built here ({unavailable_reason()})")
+    from leaplm.models import load_model
+
+    monkeypatch.undo()                                   # the real measure()
+    c = backend_costs.measure(files["q8_0"], lambda p: load_model(p, quantization="gguf", backend="torch").model)
+    assert min(c.kernel_one_ms, c.kernel_block_ms, c.llamacpp_one_ms, c.llamacpp_block_ms) > 0
+    assert isinstance(c.llamacpp_invariant, bool) and c.threads >= 1

@@ -263,10 +263,14 @@ def kernel_block_costs(shapes: list[tuple[int, int]], weight_type: str, bandwidt
                       [round(macs * T / macs_per_s * 1e3, 3) for T in tokens])
 
 
-def forward_curve(model, weight_type: str, bandwidth_GBps: float, tokens=tuple(range(1, 33))) -> BlockCurve:
+def forward_curve(model, weight_type: str, bandwidth_GBps: float, tokens=tuple(range(1, 33)),
+                  macs_per_s: float = 0.0) -> BlockCurve:
     """leaplm's whole forward (every layer, attention, the output projection) over T tokens, as a BlockCurve
-    labelled with the weight type its linears hold: comparable with llama.cpp's whole-forward curves."""
+    labelled with the weight type its linears hold: comparable with llama.cpp's whole-forward curves. With the
+    machine's int8 rate (macs_per_s > 0), the arithmetic floor per T: the linears' multiply-adds x T / the rate."""
     fc = forward_costs(model, tokens=tokens, reps=7)
     nbytes = bytes_per_forward(model)
+    macs = sum(n * k for n, k in linear_shapes(model.args))
+    floor = [round(macs * T / macs_per_s * 1e3, 3) for T in tokens] if macs_per_s > 0 else []
     return BlockCurve("leaplm forward", weight_type, list(tokens), [f.ms for f in fc], [f.vs_one for f in fc], nbytes,
-                      round(nbytes / (bandwidth_GBps * 1e9) * 1e3, 3), [])
+                      round(nbytes / (bandwidth_GBps * 1e9) * 1e3, 3), floor)

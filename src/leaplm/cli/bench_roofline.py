@@ -68,11 +68,11 @@ def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens
         from ..bench.roofline import forward_curve
 
         wt = {"int8": "Q8_0", "int4": "Q4_1"}.get(quantization) or rep.weight_type    # gguf: the file's own
-        rep.curves.append(forward_curve(m, wt, bw))
+        rep.curves.append(forward_curve(m, wt, bw, macs_per_s=rep.int8_GMACs * 1e9))
     if target.backend == "llamacpp":        # libllama's whole forward per weight type, beside the int8 kernel's
         from ..bench.llamacpp_costs import libllama_curves
 
-        rep.curves += libllama_curves(target.path, bw)
+        rep.curves += libllama_curves(target.path, bw, macs_per_s=rep.int8_GMACs * 1e9)
     prompts_all = [p for w in wl for p in w.prompts]
     rep.methods = method_costs(engines, prompts_all, max_new_tokens, rounds, floor, SamplingParams)
     if rep.weight_type:

@@ -278,15 +278,15 @@ def available_memory() -> int | None:
 
 
 def auto_backend(method: str, weight_type: str | None, kernel_unavailable: str | None,
-                 file_bytes: int = 0, free_bytes: int | None = None) -> BackendChoice:
+                 file_bytes: int = 0, free_bytes: int | None = None, costs=None) -> BackendChoice:
     """`--backend auto` for a GGUF target on the CPU with nothing else asking for a path (no --quantization,
-    float32): leaplm's int8 kernel (torch, quantization 'gguf') for a file in KERNEL_TYPES, every method, because
-    there a verify block costs far less than on libllama and one token no more (measured on SmolLM2: kernel
-    vs libllama in one run, docs/backends.md); otherwise load_model's usual choice (libllama when it is
-    installed). weight_type: kernel_weight_type of the file; kernel_unavailable: why the kernel cannot be built
-    here (kernels/build.unavailable_reason), None when it can; file_bytes: the file's tensors as stored (the
-    kernel holds its blocks as they are, with fp32 scales: about 1.25x the file; models/gguf_kernel.py);
-    free_bytes: memory available (None: unknown)."""
+    float32). A file in KERNEL_TYPES that fits: the engine the start-up measurement says is faster for `method`
+    (costs: backend_costs.BackendCosts, timed on both; backend_costs.choose_by_costs), or leaplm's int8 kernel
+    (torch, quantization 'gguf') when there is no measurement (libllama not installed). Otherwise load_model's
+    usual choice (libllama when it is installed). weight_type: kernel_weight_type of the file; kernel_unavailable:
+    why the kernel cannot be built here (kernels/build.unavailable_reason), None when it can; file_bytes: the
+    file's tensors as stored (the kernel holds its blocks as they are, with fp32 scales: about 1.25x the file;
+    models/gguf_kernel.py); free_bytes: memory available (None: unknown)."""
     if weight_type is None:
         return BackendChoice("auto", None, f"the file's matrices are not all {'/'.join(KERNEL_TYPES)}, the types "
                                            "leaplm's int8 kernel takes (with q/k/v and gate/up in one format)")
@@ -296,6 +296,13 @@ def auto_backend(method: str, weight_type: str | None, kernel_unavailable: str |
         return BackendChoice("auto", None, f"the file's blocks for leaplm's int8 kernel ({file_bytes / 2**30:.1f} "
                                            f"GiB as stored) take more than half the memory available "
                                            f"({free_bytes / 2**30:.1f} GiB)")
+    if costs is not None:
+        from .backend_costs import choose_by_costs
+
+        by = choose_by_costs(method, costs)
+        if by.backend == "llamacpp":
+            return BackendChoice("llamacpp", None, f"{by.reason}; libllama is faster")
+        return BackendChoice("torch", "gguf", f"{by.reason}; the int8 kernel over the file's {weight_type} blocks")
     what = ("plain decoding: one token costs no more" if method == "none" else
             f"method {method} verifies blocks of tokens, which cost far less")
     return BackendChoice("torch", "gguf", f"{what} on leaplm's int8 kernel over the file's {weight_type} blocks "
@@ -326,11 +333,21 @@ def choose_target_backend(name: str, method: str, backend: str = "auto", device:
     info = inspect_gguf(path, "model", check_types=False)
     types = info.tensor_types
     weight_type = kernel_weight_type(types) if all(t in TENSOR_TYPES for t in types.values()) else None
+    from .llamacpp.binding import available
+
     choice = auto_backend(method, weight_type, unavailable_reason() if weight_type else None,
                           info.n_bytes, available_memory())
+    if choice.backend == "torch" and available():      # both engines can run it: the faster one, measured
+        from .backend_costs import cached_costs
+
+        try:
+            costs = cached_costs(str(path), lambda p: load_model(p, quantization="gguf", backend="torch").model)
+        except (ConfigError, RuntimeError, OSError) as e:
+            log.warning("backend auto: %s could not be timed on both engines (%s); the int8 kernel runs it", path, e)
+            return choice
+        return auto_backend(method, weight_type, None, info.n_bytes, None, costs)
     if choice.backend != "auto":
         return choice
-    from .llamacpp.binding import available
 
     if not available():
         return BackendChoice("torch", None, "the llamacpp extra (llama-cpp-python) is not installed")
