@@ -3,12 +3,15 @@ that planned over drafts and then committed some equals a fresh one fed the comm
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from leaplm.config import StructuredOutput
-from leaplm.structured.state import GrammarVocab, unpack_bitmask
+from leaplm.structured.state import GrammarVocab, fill_mask, unpack_bitmask
 
 A, B, C, D, E, F, G = range(7)
 ALTERNATE = StructuredOutput(regex="((a|b)(c|d|e))+f?")       # letters from {a, b}, then from {c, d, e}, ...
@@ -35,6 +38,37 @@ def test_unpack_bitmask_matches_bit_arithmetic():
     bm = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 5), dtype=torch.int32)
     ref = ((bm.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(3, -1)[:, :150].bool()
     assert torch.equal(unpack_bitmask(bm, 150), ref)
+
+
+def test_fill_mask_writes_the_row_llguidance_torch_writes(vocab):
+    """fill_mask against llguidance.torch's fill_next_token_bitmask (the reference), in the middle row of three;
+    the other rows untouched."""
+    import llguidance.torch as lt
+
+    s = vocab.state(ALTERNATE)
+    for tokens in ([], [A], [C]):
+        s.advance(tokens)
+        ours = torch.full((3, 1), 7, dtype=torch.int32)                            # [3, words]
+        ref = torch.full((3, 1), 7, dtype=torch.int32)
+        fill_mask(s.m, ours, 1)
+        lt.fill_next_token_bitmask(s.m, ref, 1)
+        assert torch.equal(ours, ref) and ours[1, 0] != 7 and ours[0, 0] == ours[2, 0] == 7
+
+
+def test_grammar_masks_never_import_llguidance_torch():
+    """Its import compiles a kernel with torch.compile, about a second holding the GIL, which would stall every
+    request running beside the first constrained one; masks are computed without it (a fresh process)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "from letters import letter_tokenizer\n"
+            "from leaplm.config import StructuredOutput\n"
+            "from leaplm.structured.state import GrammarVocab\n"
+            "s = GrammarVocab(letter_tokenizer(), 8, eos_token_ids=[]).state(StructuredOutput(regex='(a|b)+'))\n"
+            "assert s.allowed().any() and s.plan_chain([0, 1, 2])[0] == 2\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('llguidance.torch', 'torch._dynamo'))))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 
 def test_masks_follow_the_grammar_and_unknown_ids_are_never_allowed(vocab):

@@ -36,6 +36,15 @@ def unpack_bitmask(bm: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(bits[:, :vocab_size].astype(bool))
 
 
+def fill_mask(matcher, bm: torch.Tensor, j: int) -> None:
+    """The mask after the matcher's state into row j of bm [N, words] int32 (CPU, contiguous): what
+    llguidance.torch.fill_next_token_bitmask does, without importing llguidance.torch, whose import compiles a
+    kernel with torch.compile (about a second holding the GIL: every request running meanwhile would stall).
+    llguidance computes the mask without the GIL."""
+    row = bm[j]                                                                           # [words]
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+
 class GrammarError(RuntimeError):
     """The request's grammar failed while it ran: llguidance refused a token, or a step went past its limits
     (lexer fuel, Earley items in a row: a grammar too wide or too ambiguous). The request's own fault: it ends."""
@@ -133,8 +142,6 @@ class GrammarState:
 
     def __init__(self, matcher, vocab_size: int, eos: frozenset[int] = frozenset(), ll_vocab: int | None = None,
                  phantom: int | None = None):
-        import llguidance.torch as lt
-
         self.m = matcher
         self.vocab_size = vocab_size
         self.eos = eos                                       # end-of-sequence ids: consumed, they stop the grammar
@@ -142,8 +149,7 @@ class GrammarState:
         self._eos_only[sorted(eos)] = True
         self.phantom = phantom if phantom is not None and phantom < vocab_size else None   # masked out
         self.committed = 0                                   # output tokens consumed
-        self._fill = lt.fill_next_token_bitmask
-        self._bm = lt.allocate_token_bitmask(1, ll_vocab or vocab_size)   # [rows, ceil(V' / 32)] int32, grown
+        self._bm = torch.full((1, ((ll_vocab or vocab_size) + 31) // 32), -1, dtype=torch.int32)  # [rows, words]
 
     # --- queries at the committed state --------------------------------------------------------------------------
     def allowed(self) -> torch.Tensor:
@@ -234,7 +240,7 @@ class GrammarState:
         eos_last = n > 0 and drafts[n - 1] in self.eos
         fed = n - 1 if eos_last else n
         for j in range(fed + 1):
-            self._fill(self.m, self._bm, j)
+            fill_mask(self.m, self._bm, j)
             if j < fed and not self.m.consume_token(drafts[j]):
                 raise GrammarError(f"llguidance refused a validated token: {self.m.get_error()}")
         self._rollback(fed)
