@@ -3,6 +3,9 @@ scheduler built, calibrated and warmed up for serving."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,9 +41,11 @@ class ServerState:
     # safe to use from several threads at once.
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="leaplm-tokenize"))
-    # Grammars compile here (llguidance drops the GIL; a large one takes up to seconds), beside the tokenizing
+    # Grammars compile here (llguidance drops the GIL; a hostile one takes up to seconds of CPU), beside the
+    # tokenizing, at the lowest CPU priority: a compile gets the cores the steps and the event loop leave
     grammar_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="leaplm-grammar"))
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="leaplm-grammar",
+                                                   initializer=lowest_cpu_priority))
 
     def attach(self, engine, scheduler: BatchScheduler) -> None:
         self.engine, self.scheduler = engine, scheduler
@@ -51,6 +56,18 @@ class ServerState:
         self.metrics.bind(scheduler, self.admission)
         scheduler.observer = self.metrics
         scheduler.on_step_outputs = self.mailbox.flush
+
+
+def lowest_cpu_priority() -> None:
+    """Give the calling thread the lowest CPU priority (nice 19) where a thread has its own (Linux), so that it runs
+    on what the other threads leave: a hostile grammar's seconds of compiling then take no CPU from the steps of
+    the requests running meanwhile (docs/reliability.md: the hostile-grammar attack). Elsewhere a thread's
+    priority is the process's own, left as it is."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError as e:          # a sandbox that forbids it: the pool runs at the process's priority
+            log.warning("could not lower the grammar compiles' CPU priority: %s", e)
 
 
 def build_scheduler(engine, config: ServerConfig) -> BatchScheduler:
