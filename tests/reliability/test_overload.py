@@ -1,6 +1,8 @@
 """Overload and admission: the queue limit is counted in sequences (prompts x n) with running ones included,
 429s come fast with a Retry-After derived from the measured drain rate, nothing hangs, and the KV-cache budget
-refuses what can never fit (400 naming the field) and what cannot fit now (429)."""
+refuses what can never fit (400 naming the field) and what cannot fit now (429). The burst also runs on the tiny
+pair as GGUF files through both native paths (the int8 kernel, libllama) with speculation, where the backends'
+own counts of KV cells and sequences must be back to 0 afterwards."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +12,8 @@ import httpx
 import pytest
 
 import rawhttp
-from serverkit import API_KEY, MODEL, InProcessServer
+from gguf_servers import BACKENDS, cli_args, skip_unless_available, write_gguf_pair
+from serverkit import API_KEY, MODEL, InProcessServer, ServerProcess
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 # one token per step and 300 of them: each runs for a while
@@ -143,9 +146,32 @@ def test_burst_gets_fast_429s_and_nothing_hangs(busy_server):
     """64 simultaneous requests against 4 places: every one is answered (200 or 429) well before its timeout,
     every 429 before any admitted request has finished (a refusal that waited for a place could not), and the
     server is idle with no row held afterwards."""
-    srv = busy_server
-    body = dict(LONG, max_tokens=120)        # admitted requests run for a while: waiting would show
+    _burst(busy_server, dict(LONG, max_tokens=120))       # admitted requests run for a while: waiting would show
 
+
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory):
+    return write_gguf_pair(tmp_path_factory.mktemp("overload_pair"))
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_burst_on_gguf_gets_fast_429s_and_leaves_nothing(gguf_pair, backend):
+    """The burst against `leaplm serve` on each native path (2 rows, 2 waiting places), speculating with the draft
+    model: the same answers, and afterwards no KV cell or sequence held as the backend counts them."""
+    skip_unless_available(backend)
+    srv = ServerProcess(*gguf_pair, "--max-batch", "2", "--max-queue", "2", "--k", "4", "--method", "draft",
+                        *cli_args(backend))
+    try:
+        srv.wait_ready(600)
+        _burst(srv, dict(LONG, max_tokens=120, speculative={"method": "draft"}))
+        native = {(m, c): srv.metric(m, f'cache="{c}"') for m in ("leaplm_native_kv_cells", "leaplm_native_sequences")
+                  for c in ("target", "draft")}
+        assert not any(native.values()), native
+    finally:
+        assert srv.stop() == 0, srv.log_path.read_text()[-2000:]
+
+
+def _burst(srv, body: dict) -> None:
     async def one(h):
         t = time.perf_counter()
         r = await h.post("/v1/completions", json=body)

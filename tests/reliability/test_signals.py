@@ -1,6 +1,7 @@
 """Signals under load on a real `leaplm serve` process: SIGTERM drains, a second signal during the drain stops
 at once but cleanly (every client gets a well-formed end: a finished stream, or an error event then [DONE];
-never a plain-text 500 or a cut connection), and the process exits 0, never by SIGABRT."""
+never a plain-text 500 or a cut connection), and the process exits 0, never by SIGABRT. On the tiny checkpoints,
+and on the tiny pair as GGUF files through both native paths (the int8 kernel, libllama) with speculation."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from gguf_servers import BACKENDS, cli_args, skip_unless_available, write_gguf_pair
 from serverkit import API_KEY, MODEL, ServerProcess
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -68,7 +70,24 @@ async def _load_then_signals(srv: ServerProcess, n: int, signals: list[float]) -
 
 @pytest.mark.parametrize("gap", [0.0, 0.05, 0.3])
 def test_second_sigterm_during_drain_exits_cleanly(tiny_pair, gap):
-    srv = ServerProcess(*tiny_pair, "--drain-timeout", "60", "--max-batch", "4", "--method", "none")
+    _second_sigterm(ServerProcess(*tiny_pair, "--drain-timeout", "60", "--max-batch", "4", "--method", "none"), gap)
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory):
+    return write_gguf_pair(tmp_path_factory.mktemp("signals_pair"))
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_second_sigterm_on_gguf_exits_cleanly(gguf_pair, backend):
+    """The same on each native path, speculating with the draft model: the C++ layer loop or libllama's contexts
+    torn down mid-step by the second signal end the process with 0, not SIGABRT."""
+    skip_unless_available(backend)
+    _second_sigterm(ServerProcess(*gguf_pair, "--drain-timeout", "60", "--max-batch", "4", "--k", "4", "--method",
+                                  "draft", *cli_args(backend)), 0.05)
+
+
+def _second_sigterm(srv: ServerProcess, gap: float) -> None:
     try:
         srv.wait_ready()
         seen = asyncio.run(_load_then_signals(srv, 6, [0.0, 0.1 + gap]))
