@@ -831,17 +831,20 @@ class Decoder {
 
 }  // namespace
 
+// Every entry point that computes runs without the GIL (the arguments are converted and the result wrapped while
+// it is held): a forward is milliseconds of C++ during which the server's event loop thread must be able to run.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("qlinear", &qlinear, "int8-activation quantized linear for 1..32 tokens over packed weights",
         pybind11::arg("x"), pybind11::arg("qp"), pybind11::arg("sp"), pybind11::arg("mp"), pybind11::arg("bias"),
-        pybind11::arg("n"), pybind11::arg("path"));
+        pybind11::arg("n"), pybind11::arg("path"), nogil());
   m.def("int8_peak", &int8_peak, "int8 multiply-adds per second of a path's dot-product instruction, all threads",
-        pybind11::arg("path"), pybind11::arg("iters"));
+        pybind11::arg("path"), pybind11::arg("iters"), nogil());
   m.def("quantize_activations", &quantize_activations, "per-token, per-32-block int8 activations (qa, a)",
-        pybind11::arg("x"), pybind11::arg("path") = 0);
+        pybind11::arg("x"), pybind11::arg("path") = 0, nogil());
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>())
       .def("add_layer", &Decoder::add_layer)
-      .def("forward", &Decoder::forward)
+      .def("forward", &Decoder::forward, nogil())
       .def("num_layers", &Decoder::num_layers);
 }
