@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 from leaplm.config import SamplingParams
 from leaplm.engine.engine import Engine
@@ -16,9 +18,17 @@ class RecordingLoop:
 
     def __init__(self):
         self.calls = []
+        self.called = threading.Condition()
 
-    def call_soon_threadsafe(self, fn, *args):
-        self.calls.append((fn, args))
+    def call_soon_threadsafe(self, fn, *args):     # the mailbox's waker thread
+        with self.called:
+            self.calls.append((fn, args))
+            self.called.notify_all()
+
+    def wait_calls(self, n: int, timeout: float = 10.0) -> int:
+        with self.called:
+            self.called.wait_for(lambda: len(self.calls) >= n, timeout)
+            return len(self.calls)
 
 
 class Sink:
@@ -46,13 +56,32 @@ def test_one_handoff_per_step_for_every_row(loaded):
     steps = 0
     while sched.step():
         steps += 1
-        assert len(loop.calls) == steps            # four rows' outputs, one call
+        assert loop.wait_calls(steps) == steps     # four rows' outputs, one call (sent by the waker thread)
         fn, args = loop.calls[-1]
         fn(*args)                                  # the event loop's turn: every row's output reaches its job
         assert all(len(j.queue.got) == steps for j in jobs)
     assert steps == 6 and all(j.queue.got[-1][1].finished for j in jobs)
     sched.step()                                   # nothing ran, nothing came back: no wake-up
+    time.sleep(0.2)
     assert len(loop.calls) == steps
+
+
+def test_no_second_wake_up_while_one_is_pending():
+    """Outputs of steps that end before the event loop's turn ride on the wake-up already sent."""
+    mailbox, loop, job = Mailbox(), RecordingLoop(), FakeJob()
+    mailbox.loop = loop
+    for step in range(3):
+        mailbox.put(job, 0, step)
+        mailbox.flush()
+    assert loop.wait_calls(1) == 1
+    time.sleep(0.2)
+    assert len(loop.calls) == 1
+    fn, args = loop.calls[0]
+    fn(*args)
+    assert job.queue.got == [(0, 0), (0, 1), (0, 2)]
+    mailbox.put(job, 0, 3)                         # after the delivery ran, the next output wakes the loop again
+    mailbox.flush()
+    assert loop.wait_calls(2) == 2
 
 
 def test_chunk_events_are_the_json_of_the_whole_chunk():
