@@ -226,3 +226,68 @@ def test_both_engines_are_timed_for_real(files, monkeypatch):
     c = backend_costs.measure(files["q8_0"], lambda p: load_model(p, quantization="gguf", backend="torch").model)
     assert min(c.kernel_one_ms, c.kernel_block_ms, c.llamacpp_one_ms, c.llamacpp_block_ms) > 0
     assert isinstance(c.llamacpp_invariant, bool) and c.threads >= 1
+
+
+def count_loads(monkeypatch) -> list[str]:
+    """The backends of every model load the engine makes from here on."""
+    import leaplm.engine.engine as engine_module
+
+    loads, load = [], engine_module.load_model
+
+    def counted(name, *args, **kw):
+        got = load(name, *args, **kw)
+        loads.append(got.backend)
+        return got
+
+    monkeypatch.setattr(engine_module, "load_model", counted)
+    return loads
+
+
+@needs_libllama
+def test_auto_loads_the_target_once_from_the_cached_batch_variance_check(files, tmp_path, monkeypatch):
+    """An f32 file (a type the int8 kernel does not take) goes to libllama, and a speculating method leaves it for
+    torch where libllama is not batch-invariant. The first start on a machine measures the check on the loaded
+    model (two loads when it fails); every later start reads it from the start-up cache and loads once, on the
+    backend the first start ended on."""
+    monkeypatch.setenv("LEAPLM_CACHE", str(tmp_path))
+    monkeypatch.delenv("LEAPLM_NO_STARTUP_CACHE", raising=False)
+    loads = count_loads(monkeypatch)
+    first = Engine(files["f32"], method="ngram", k=4)
+    invariant = first.backend == "llamacpp"
+    assert loads == (["llamacpp"] if invariant else ["llamacpp", "torch"])
+    loads.clear()
+    again = Engine(files["f32"], method="ngram", k=4)
+    assert loads == [first.backend] and again.backend == first.backend
+    loads.clear()
+    Engine(files["f32"], method="none")                    # plain decoding: libllama whatever the check says
+    assert loads == ["llamacpp"]
+
+
+@needs_libllama
+@pytest.mark.parametrize("variance", [0.25, 0.0])
+def test_a_cached_check_decides_the_backend_before_loading(files, tmp_path, monkeypatch, variance):
+    """With the check's result in the start-up cache (as a start on this machine wrote it), the target loads once:
+    on torch where libllama moved a logit, on libllama where it did not. A result kept for another thread count
+    is not this one's: that start measures."""
+    import torch
+
+    from leaplm import startup_cache
+    from leaplm.models.llamacpp.binding import libllama
+    from leaplm.models.llamacpp.model import KV_TYPES, variance_key
+
+    monkeypatch.setenv("LEAPLM_CACHE", str(tmp_path))
+    monkeypatch.delenv("LEAPLM_NO_STARTUP_CACHE", raising=False)
+    lc = libllama()
+    n = torch.get_num_threads()
+    key = variance_key(lc, files["f32"], n + 1, KV_TYPES["auto"], True, True, lc.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+    startup_cache.write_json("batch-variance", key, {"variance": variance, "flash_attn": 1})
+    loads = count_loads(monkeypatch)
+    Engine(files["f32"], method="ngram", k=4)
+    assert loads[0] == "llamacpp"                           # another thread count's entry: measured here
+    key = variance_key(lc, files["f32"], n, KV_TYPES["auto"], True, True, lc.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+    startup_cache.write_json("batch-variance", key, {"variance": variance, "flash_attn": 1})
+    loads.clear()
+    eng = Engine(files["f32"], method="ngram", k=4)
+    assert loads == ["torch" if variance else "llamacpp"] and eng.backend == loads[0]
+    if variance:
+        assert "not batch-invariant" in eng.backend_reason and "cached" in eng.backend_reason

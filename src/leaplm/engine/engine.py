@@ -15,7 +15,8 @@ from typing import Callable, Iterator
 
 from ..config import MAX_SAMPLES, METHODS, ConfigError, EngineConfig, SamplingParams, SpecConfig, StructuredOutput
 from ..models import LoadedModel, load_model
-from ..models.loading import BackendChoice, choose_target_backend, draft_backend, resolve_max_model_len
+from ..models.loading import (NOT_INVARIANT, BackendChoice, choose_target_backend, draft_backend,
+                              resolve_max_model_len)
 from ..models import embedded
 from ..propose.base import Proposer
 from ..propose.registry import make_proposer_factory
@@ -103,7 +104,7 @@ class Engine:
         else:
             first = spec.method if spec is not None else method or ("draft" if draft is not None else "none")
             choice = choose_target_backend(model, first if first in METHODS else "none", backend, device, dtype,
-                                           quantization)
+                                           quantization, kv_cache_dtype)
             t0 = time.perf_counter()
             self.target = load_model(model, device, dtype, "model", choice.quantization or quantization,
                                      kv_cache_dtype, choice.backend)
@@ -118,16 +119,18 @@ class Engine:
             draft_name = draft.name if isinstance(draft, LoadedModel) else draft
             spec = SpecConfig(method=method, k=k, draft=draft_name, **spec_options)
         self.spec = spec
+        # the check was not in the start-up cache (choose_target_backend reads it there): measured on the loaded
+        # model, the one start on this machine, file and thread count that loads the target twice
         if (backend == "auto" and not isinstance(model, LoadedModel) and self.target.backend == "llamacpp"
                 and spec.method != "none" and not self.target.model.batch_invariant):
             log.info("backend auto: llama.cpp's kernels for %s's weight types are not batch-invariant, so method %s "
                      "runs on torch, where its greedy output is identical to plain decoding (--backend llamacpp "
-                     "runs it on libllama, identical up to that rounding)", self.target.name, spec.method)
+                     "runs it on libllama, identical up to that rounding); loading it there (later starts read "
+                     "the check from the start-up cache and load once)", self.target.name, spec.method)
             t0 = time.perf_counter()
             self.target = load_model(model, device, dtype, "model", quantization, kv_cache_dtype, "torch")
             self.startup.load_s += time.perf_counter() - t0
-            self.backend_reason = (f"llama.cpp's kernels are not batch-invariant for this file's weight types, "
-                                   f"so method {spec.method} runs on torch")
+            self.backend_reason = NOT_INVARIANT.format(method=spec.method)
         self.draft: LoadedModel | None = None
         if spec.method == "draft":
             t0 = time.perf_counter()

@@ -309,9 +309,17 @@ def auto_backend(method: str, weight_type: str | None, kernel_unavailable: str |
                                           f"than on libllama")
 
 
+NOT_INVARIANT = ("llama.cpp's kernels are not batch-invariant for this file's weight types, so method {method} runs "
+                 "on torch")
+
+
 def choose_target_backend(name: str, method: str, backend: str = "auto", device: str = "cpu",
-                          dtype: str = "float32", quantization: str | None = None) -> BackendChoice:
-    """The backend choice for target `name` run with `method` (Engine calls this before loading)."""
+                          dtype: str = "float32", quantization: str | None = None,
+                          kv_cache_dtype: str = "auto") -> BackendChoice:
+    """The backend choice for target `name` run with `method` (Engine calls this before loading). A speculating
+    method goes to libllama only where its kernels are batch-invariant for the file: when the start-up cache holds
+    that check's result (llamacpp.model.known_batch_variance), the choice is made here; otherwise the engine
+    measures it on the loaded model."""
     from .catalog import resolve_model_name
     from .gguf import inspect_gguf, is_gguf
 
@@ -351,6 +359,12 @@ def choose_target_backend(name: str, method: str, backend: str = "auto", device:
 
     if not available():
         return BackendChoice("torch", None, "the llamacpp extra (llama-cpp-python) is not installed")
+    if method != "none":
+        from .llamacpp.model import known_batch_variance
+
+        variance = known_batch_variance(path, kv_cache_dtype)
+        if variance is not None and variance != 0.0:
+            return BackendChoice("torch", None, NOT_INVARIANT.format(method=method) + " (the start-up check, cached)")
     return BackendChoice("llamacpp", None, f"{choice.reason}; GGUF files run on libllama")
 
 

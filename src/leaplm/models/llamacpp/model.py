@@ -113,11 +113,8 @@ class LlamaCppLM:
         return self._variance
 
     def _variance_key(self) -> str:
-        from ... import startup_cache
-
-        return startup_cache.key("batch-variance", startup_cache.file_identity(self.path), self.threads or
-                                 torch.get_num_threads(), self.kv_type, self.repack, self._choose_attention,
-                                 self.flash_attn, getattr(self.lc, "__version__", ""))
+        return variance_key(self.lc, self.path, self.threads, self.kv_type, self.repack, self._choose_attention,
+                            self.flash_attn)
 
     def _variance_from_cache(self) -> None:
         """The start-up check's result when this machine measured it for this file and thread count before
@@ -338,6 +335,30 @@ def _resolve(cache, B: int) -> tuple["LlamaCppCache", list[int], list[int]]:
     return cache, list(range(B)), list(cache.lengths[:B])
 
 
+
+
+def variance_key(lc, path: str, threads: int | None, kv_type: int, repack: bool, choose_attention: bool,
+                 flash_attn: int) -> str:
+    """The start-up cache's key of a file's batch-variance check (LlamaCppLM.batch_variance)."""
+    from ... import startup_cache
+
+    return startup_cache.key("batch-variance", startup_cache.file_identity(path), threads or torch.get_num_threads(),
+                             kv_type, repack, choose_attention, flash_attn, getattr(lc, "__version__", ""))
+
+
+def known_batch_variance(path: str, kv_cache_dtype: str = "auto", threads: int | None = None) -> float | None:
+    """The batch-variance check's result for `path` as load_llamacpp_model would load it (flash attention chosen
+    by the check), read from the start-up cache without loading the model; None when this machine has not
+    measured it for the file and thread count. The engine decides its backend from it before loading, so a file
+    whose check failed before is loaded once, on torch."""
+    from ... import startup_cache
+
+    lc = libllama("backend")
+    if kv_cache_dtype not in KV_TYPES:
+        return None                            # LlamaCppLM names the field
+    hit = startup_cache.read_json("batch-variance", variance_key(
+        lc, path, threads, KV_TYPES[kv_cache_dtype], True, True, lc.LLAMA_FLASH_ATTN_TYPE_ENABLED))
+    return float(hit["variance"]) if hit is not None and isinstance(hit.get("variance"), (int, float)) else None
 
 
 def load_llamacpp_model(name: str, field: str = "model", kv_cache_dtype: str = "auto",
