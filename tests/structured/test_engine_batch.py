@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 
 import pytest
 import torch
@@ -133,3 +134,45 @@ def test_a_dead_end_ends_the_request_with_its_own_finish_reason(letters, monkeyp
         out = Engine(letters["target"], method=method, k=1, adaptive_k=False).generate(PROMPT, greedy(
             StructuredOutput(regex="[a-e]+")))
         assert len(out.token_ids) == 3 and out.finish_reason == "constraint"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_row_whose_masks_are_slow_sits_steps_out_and_the_others_go_on(letters, monkeypatch, method):
+    """Every constrained row's grammar work takes 30 ms more (as a hostile regex's masks would): the rows beside it
+    step on meanwhile (steps with a row sitting out still emit the others' tokens), and every row's output equals
+    its solo run, the constrained ones' proposals used in a later step than they were made in. Alone, a row never
+    sits a step out (there is nobody else to step)."""
+    from leaplm.engine import constrain
+    from leaplm.engine.step import Batch
+
+    eng = Engine(letters["target"], letters["near"] if method == "draft" else None, method=method, k=4,
+                 adaptive_k=False)
+    requests = [(PROMPT, greedy()), (PROMPT, SamplingParams(temperature=0, max_new_tokens=NEW)),
+                ([1, 3, 0], greedy(StructuredOutput(regex="(ab|cd|efg)+"))),
+                ([4, 4, 2], SamplingParams(temperature=0, max_new_tokens=NEW, stop_token_ids=[7]))]
+    alone = [eng.generate(p, sp).token_ids for p, sp in requests]
+    real = constrain.constrain_proposal
+
+    def slow(req, prop, forced=False):
+        time.sleep(0.03)
+        return real(req, prop, forced)
+
+    monkeypatch.setattr(constrain, "constrain_proposal", slow)
+
+    def run(reqs) -> tuple[list[list[int]], list]:
+        batch, outs, reports = Batch(eng, len(reqs)), [[] for _ in reqs], []
+        for i, (p, sp) in enumerate(reqs):
+            batch.join(list(p), sp, tag=i)
+        while batch.rows:
+            outcome = batch.step()
+            reports.append(outcome.report)
+            for o in outcome.outputs:
+                assert o.error is None, o.error
+                outs[o.row.tag] += o.chunk.token_ids if o.chunk is not None else []
+        return outs, [r for r in reports if r is not None]
+
+    outs, reports = run(requests)
+    assert outs == alone
+    assert any(r.deferred and sum(r.emitted) for r in reports)       # others emitted while a row sat out
+    solo, solo_reports = run(requests[:1])
+    assert solo == alone[:1] and not any(r.deferred for r in solo_reports)

@@ -16,11 +16,15 @@ For a row whose request carries a grammar state, the step:
 
 A committed state whose mask is empty is a dead end: the request ends with finish_reason "constraint" (or "stop"
 when the grammar is complete and the tokenizer has no end-of-sequence token to say so).
+
+The cut and the masks are computed in grammar workers beside the step's thread (GrammarWork): a row whose masks
+take longer than about one batched forward sits the step out, so a costly grammar delays only its own request.
 """
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -51,11 +55,15 @@ def forced_proposal(req: Request, limit: int, device) -> Proposal | None:
     return Proposal(torch.tensor(toks, dtype=torch.long, device=device)) if toks else None
 
 
-def forced_proposals(rows: list[Row], fit: int, max_len: int, device) -> dict[int, Proposal]:
+def forced_proposals(rows: list[Row], fit: int, max_len: int, device, skip: frozenset[int] = frozenset()
+                     ) -> dict[int, Proposal]:
     """Constrained rows whose grammar forces the next tokens -> those tokens as the row's proposal (within fit, the
-    cache's room for every row, the row's own room and its remaining tokens)."""
+    cache's room for every row, the row's own room and its remaining tokens). skip: rows whose grammar state a
+    worker holds (GrammarWork)."""
     out = {}
     for i, r in enumerate(rows):
+        if i in skip:
+            continue
         limit = min(fit, max_len - len(r.req.tokens) - 1, r.req.remaining - 1)
         try:
             p = forced_proposal(r.req, limit, device) if r.req.grammar is not None and limit > 0 else None
@@ -66,21 +74,86 @@ def forced_proposals(rows: list[Row], fit: int, max_len: int, device) -> dict[in
     return out
 
 
-def constrain_proposals(rows: list[Row], proposals: list[Proposal | None], forced: dict[int, Proposal],
-                        failed: dict[int, str]) -> tuple[list[Proposal | None], dict[int, RowConstraint]]:
-    """The forced rows' proposals put in; every constrained row's proposal cut to its grammar, with the masks of
-    its verified positions (a row whose grammar fails is put in `failed`, its proposal dropped)."""
-    proposals = [forced.get(i, p) for i, p in enumerate(proposals)]
-    constraints: dict[int, RowConstraint] = {}
-    for i, r in enumerate(rows):
-        if r.req.grammar is not None and i not in failed:
+class GrammarWork:
+    """Constrained rows' grammar work (constrain_proposal: the cut and the masks along the drafts) in worker
+    threads beside the step's thread, one per row at most. llguidance computes masks without the GIL, so rows'
+    masks are computed side by side and beside the step's Python.
+
+    The step waits for the work it starts at most about as long as its batched forward takes (the average of recent
+    forwards, at least MIN_WAIT_S). A row whose work is not done by then sits the step out: nothing is scored or
+    committed for it, and Row.pending keeps the work; the first step after the work is done runs the row with that
+    proposal and its masks (the row's tokens, cache and proposer have not moved meanwhile, so they are the
+    proposal and masks of that state). A grammar whose masks are costly (tens of milliseconds a mask: a hostile
+    regex) then delays the other rows' steps by at most about one forward, once, instead of by all its masks at
+    every step. When no other row could step, the step waits for the first work to finish."""
+
+    MIN_WAIT_S = 0.002
+
+    def __init__(self, max_rows: int):
+        self.max_rows = max_rows
+        self.forward_s = 0.0                     # average seconds of recent batched forwards
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def wait_s(self) -> float:
+        return max(self.MIN_WAIT_S, self.forward_s)
+
+    def observe_forward(self, seconds: float) -> None:
+        self.forward_s = seconds if self.forward_s == 0 else 0.8 * self.forward_s + 0.2 * seconds
+
+    def constrain(self, rows: list[Row], proposals: list[Proposal | None], forced: dict[int, Proposal],
+                  failed: dict[int, str], room: int
+                  ) -> tuple[list[Proposal | None], dict[int, RowConstraint], frozenset[int]]:
+        """The forced rows' proposals put in; every constrained row's work started (unless a worker has it from an
+        earlier step) and waited for as the class docstring says. Returns the proposals, the masks of the rows
+        whose work is done (a proposal from an earlier step cut to `room`, what the cache has slots for now), and
+        the rows that sit this step out (their proposal None). A row whose grammar fails is put in `failed`."""
+        proposals = [forced.get(i, p) for i, p in enumerate(proposals)]
+        fresh = []
+        for i, r in enumerate(rows):
+            if r.req.grammar is not None and i not in failed and r.pending is None:
+                r.pending = self._submit(r.req, proposals[i], i in forced)
+                fresh.append(r.pending)
+        busy = [i for i, r in enumerate(rows) if r.pending is not None]
+        if not busy:
+            return proposals, {}, frozenset()
+        if len(busy) + len(set(failed) - set(busy)) == len(rows):       # no other row could step
+            wait([rows[i].pending for i in busy], return_when=FIRST_COMPLETED)
+        if fresh:
+            wait(fresh, timeout=self.wait_s)
+        constraints: dict[int, RowConstraint] = {}
+        deferred = set()
+        for i in busy:
+            r = rows[i]
+            if not r.pending.done():
+                deferred.add(i)
+                proposals[i] = None
+                continue
+            work, r.pending = r.pending, None
             try:
-                proposals[i], constraints[i] = constrain_proposal(r.req, proposals[i], forced=i in forced)
+                prop, rc = work.result()
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 log.info("a request's grammar failed: %s", e)
                 failed[i] = engine_error(e)
                 proposals[i] = None
-    return proposals, constraints
+                continue
+            proposals[i], constraints[i] = _fit(prop, rc, room)
+        return proposals, constraints, frozenset(deferred)
+
+    def _submit(self, req: Request, prop: Proposal | None, forced: bool) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.max_rows, thread_name_prefix="leaplm-grammar-masks")
+        return self._pool.submit(constrain_proposal, req, prop, forced)
+
+
+def _fit(prop: Proposal | None, rc: RowConstraint, room: int) -> tuple[Proposal | None, RowConstraint]:
+    """A proposal made in an earlier step within the drafts the cache has slots for now (the rows beside it may
+    have grown since): a chain cut to its first `room` tokens, a tree dropped (the root's mask kept)."""
+    if prop is None or prop.k <= room:
+        return prop, rc
+    if prop.parents is None:
+        return _cut(prop, room), RowConstraint(rc.masks[: room + 1], rc.forced)
+    return None, RowConstraint(rc.masks[:1], rc.forced)
 
 
 def constrain_proposal(req: Request, prop: Proposal | None, forced: bool = False

@@ -211,7 +211,8 @@ class Engine:
                 for out in batch.step().outputs:
                     if out.error is not None:
                         raise RuntimeError(out.error)
-                    chunks[out.row.tag].append(out.chunk)
+                    if out.chunk is not None:        # None: the row sat the step out (engine/constrain.py)
+                        chunks[out.row.tag].append(out.chunk)
         finally:
             while batch.rows:
                 batch.remove(len(batch.rows) - 1)
@@ -317,7 +318,7 @@ class Engine:
                 if out.error is not None:
                     raise RuntimeError(out.error)
                 chunk = out.chunk
-                if chunk.text or chunk.token_ids or chunk.finish_reason:
+                if chunk is not None and (chunk.text or chunk.token_ids or chunk.finish_reason):
                     yield chunk
         finally:
             self._release_batch(batch)

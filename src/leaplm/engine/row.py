@@ -1,6 +1,7 @@
 """A running request as the batch step holds it (engine/step.py) and the K policy reads it (engine/kpolicy/policy.py)."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ..propose.base import Proposer
@@ -24,6 +25,8 @@ class Row:
     prefilled: int = 0                               # prompt tokens in the cache (all but the last: prefill done)
     shadow: ShadowState = field(default_factory=ShadowState)   # the K policy's evidence at K = 0
     band: str = "greedy"                             # its temperature band (kpolicy/priors.py temperature_band)
+    pending: Future | None = None                    # its grammar work in a worker: it sits steps out until done
+                                                     # (engine/constrain.py GrammarWork)
 
     @property
     def prefilling(self) -> bool:

@@ -43,16 +43,18 @@ def forward(model, ids: torch.Tensor, cache, feats: bool, **kw):
 
 
 def score_chains(model, cache, rows: list[Row], proposals: list[Proposal | None], failed: dict[int, str],
-                 row_cache) -> ChainScores:
+                 row_cache, skip: frozenset[int] = frozenset()) -> ChainScores:
     """The one batched target forward over [n, T]: row i is [its last token, its chain's drafts, padding]. Rows in
-    `failed` are not scored. When the forward fails (a C++ exception, a failed llama_decode), each row is scored
+    `failed` are not scored, nor those in `skip` (rows sitting the step out: their proposal is None; a model
+    taking ragged rows is given none of their tokens, another writes their last token past their committed length,
+    where a step's padding goes). When the forward fails (a C++ exception, a failed llama_decode), each row is scored
     alone instead (score_alone): the rows that fail alone end with the error, the others go on (their logits do
     not depend on the batch where the backend is batch-invariant, so they commit what the batched forward would
     have given them). row_cache(i): row i's batch-1 cache."""
     t = time.perf_counter()
     chain = [p if p is not None and p.parents is None else None for p in proposals]
     T = 1 + max((p.k for p in chain if p is not None), default=0)
-    if all(i in failed or (p is not None and p.parents is not None) for i, p in enumerate(proposals)):
+    if all(i in failed or i in skip or (p is not None and p.parents is not None) for i, p in enumerate(proposals)):
         return ChainScores(None, None, T, failed)
     block = torch.zeros(len(rows), T, dtype=torch.long)                              # [n, T]
     for i, (r, p) in enumerate(zip(rows, chain)):
@@ -61,28 +63,30 @@ def score_chains(model, cache, rows: list[Row], proposals: list[Proposal | None]
             block[i, 1: 1 + p.k] = p.tokens.to("cpu")
     feats = any(r.reads_hidden for r in rows)
     # a model taking ragged rows (libllama) skips the padding, and a tree row's block (scored apart)
-    ragged = {"row_tokens": [0 if p is not None and p.parents is not None else 1 + (c.k if c is not None else 0)
-                             for p, c in zip(proposals, chain)]} if model.capabilities.ragged_rows else {}
+    ragged = {}
+    if model.capabilities.ragged_rows:
+        ragged["row_tokens"] = [0 if i in skip or (p is not None and p.parents is not None)
+                                else 1 + (c.k if c is not None else 0) for i, (p, c) in enumerate(zip(proposals, chain))]
     try:
         out = forward(model, block.to(model.device), cache, feats, **ragged)
     except Exception as e:  # noqa: BLE001 - the rows that cause it end, not the batch
         log.warning("a batched forward of %d rows failed (%s: %s): scoring each row alone", len(rows),
                     type(e).__name__, e)
-        logits, hidden = score_alone(model, block, proposals, feats, failed, row_cache)
+        logits, hidden = score_alone(model, block, proposals, feats, failed, row_cache, skip)
         return ChainScores(logits, hidden, T, failed, time.perf_counter() - t, alone=True)
     logits, hidden = (out.logits, out.hidden) if feats else (out, None)           # [n, T, V], [n, T, hid]
     return ChainScores(logits, hidden, T, failed, time.perf_counter() - t)
 
 
 def score_alone(model, block: torch.Tensor, proposals: list[Proposal | None], feats: bool, failed: dict[int, str],
-                row_cache) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                row_cache, skip: frozenset[int] = frozenset()) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """block [n, T]: each chain row's real tokens scored by a forward of its own (what a failed batched forward
     falls back to); a row whose forward fails too is put in `failed`. Returns logits [n, T, V] and hidden
     [n, T, hid] (None: no row scored; no features asked for)."""
     n, T = block.shape
     logits = hidden = None
     for i, p in enumerate(proposals):
-        if i in failed or (p is not None and p.parents is not None):
+        if i in failed or i in skip or (p is not None and p.parents is not None):
             continue                                # failed already; a tree row is scored on its own anyway
         real = 1 + (p.k if p is not None else 0)
         try:

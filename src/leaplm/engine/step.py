@@ -33,7 +33,7 @@ from ..propose.base import Proposal, Proposer, ProposerFactory
 from ..propose.prediction import with_prediction
 from ..sampling import LogitsProcessor
 from .commit import finish_chunk, new_request, verify_commit
-from .constrain import constrain_proposals, dead_end, forced_proposals
+from .constrain import GrammarWork, dead_end, forced_proposals
 from .kpolicy.estimates import Estimates
 from .kpolicy.policy import KPolicy
 from .kpolicy.priors import temperature_band
@@ -76,6 +76,7 @@ class StepReport:
     verify_s: float
     commit_s: float
     step_s: float
+    deferred: int = 0               # rows that sat the step out, waiting for their grammar's masks
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Batch:
                         "a full batch prefills new prompts %d tokens per step", budget, max_rows, self.spec.k,
                         full_step, MIN_CHUNK)
         self.groups: dict[str, object] = {}              # method -> ProposerGroup of rows that draft together
+        self.grammar = GrammarWork(max_rows)             # constrained rows' masks, beside the step's thread
         self.current_k = 0
         self.steps = 0
 
@@ -178,23 +180,26 @@ class Batch:
 
         # 1. propose: the plan's K (cheap proposers asked inside it), the others now, the grammar's cuts after
         room = self.table.room(rows)
+        busy = frozenset(i for i, r in enumerate(rows) if r.pending is not None)   # proposed in an earlier step
         forced = {}
         if self.spec.forced_tokens and any(r.req.grammar is not None for r in rows):
-            forced = forced_proposals(rows, room, self.max_len, self.model.device)
+            forced = forced_proposals(rows, room, self.max_len, self.model.device, skip=busy)
         plan = self.policy.plan(rows, lambda i, cap: self._propose(i, rows[i], cap, clock)[0], room,
-                                free=frozenset(forced))
+                                free=frozenset(forced) | busy)
         errors: dict[int, str] = {}                      # rows whose proposer, grammar or forward failed: they end
         proposals, seconds = planned(plan, rows, self.table.row_cache, self.policy, errors)
         clock.propose += seconds
         self.policy.proposed(proposals)
-        proposals, constraints = constrain_proposals(rows, proposals, forced, errors)
+        # rows whose masks are not ready in time sit the step out (deferred)
+        proposals, constraints, deferred = self.grammar.constrain(rows, proposals, forced, errors, room)
 
         # 2. score: one forward over [n, T] for the chains; a tree row's block there is its last token alone
-        scored = score_chains(self.model, self.cache, rows, proposals, errors, self.table.row_cache)
+        scored = score_chains(self.model, self.cache, rows, proposals, errors, self.table.row_cache, deferred)
         if scored.seconds is not None:
             clock.batched_score(scored.seconds)
             if not scored.alone:                         # rows scored one by one: not the cost of [n, T]
                 self.policy.observe_forward(n, scored.T, scored.seconds)
+                self.grammar.observe_forward(scored.seconds)
 
         # 3. verify + 4. commit, row by row (tree rows: scored and verified here, one forward each)
         outputs, done = [], []
@@ -203,6 +208,8 @@ class Batch:
             end = dead_end(r.req, rc) if rc is not None else None       # the grammar admits no token: it ends
             if i in errors:
                 out, d = RowOutput(r, error=errors[i]), None
+            elif i in deferred:
+                out, d = RowOutput(r), None
             elif end is not None:
                 out, d = RowOutput(r, end), None
             else:
@@ -213,7 +220,8 @@ class Batch:
         self.current_k = plan.k
         self.steps += 1
         self.policy.observe(rows, plan, done, clock.policy_seconds(),
-                            catchup_s=sum(p.catchup_s for p in proposals if p is not None), timed=not forced)
+                            catchup_s=sum(p.catchup_s for p in proposals if p is not None),
+                            timed=not (forced or busy or deferred))
         for i in reversed(range(n)):
             out = outputs[i]
             if out.chunk is not None:
@@ -223,7 +231,7 @@ class Batch:
         report = StepReport(n, plan.k, scored.T, [d.drafted if d else 0 for d in done],
                             [d.accepted if d else 0 for d in done],
                             [len(o.chunk.token_ids) if o.chunk is not None else 0 for o in outputs],
-                            clock.propose, clock.score, clock.verify, clock.commit, clock.total)
+                            clock.propose, clock.score, clock.verify, clock.commit, clock.total, len(deferred))
         return StepOutcome(failed + outputs, report, clock.stop)
 
     def catchup_s(self, r: Row) -> float:
