@@ -40,6 +40,19 @@ def test_a_first_request_starts_from_the_card_then_from_what_was_measured():
     assert policy.new_acceptance("draft", False, "mid").rate == pytest.approx(0.3)   # another band: untouched
 
 
+def test_a_row_with_a_prediction_starts_from_the_prior_not_its_methods_card_or_history():
+    from leaplm.engine.kpolicy.acceptance import AcceptanceEstimate
+
+    est = Estimates()
+    est.card = {"greedy": 0.1}
+    policy = KPolicy(est, enabled=True, max_len=512)
+    for _ in range(50):
+        est.observe_acceptance("suffix", 4, 0, 4, band="greedy")
+    assert policy.new_acceptance("suffix", True, "greedy").rate < 0.2
+    predicted = policy.new_acceptance("suffix", True, "greedy", predicted=True)
+    assert predicted.rate == pytest.approx(AcceptanceEstimate().rate) and predicted.bursty
+
+
 def test_engines_of_one_scope_share_what_they_measured():
     """Two engines' estimates with the same (target, proposer) scope see each other's acceptance; another scope
     does not."""

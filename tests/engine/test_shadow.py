@@ -137,6 +137,20 @@ def test_an_ngram_proposal_at_k0_is_compared_with_the_tokens_that_follow():
     assert resolve_cheap(st, [0] * 5 + [7]) == [([0.0, 0.0], None)]       # a wrong first token: known at once
 
 
+def test_long_right_proposals_at_k0_are_counted_not_pushed_out():
+    """Proposals longer than the pending list (a prediction drafts 32 tokens) made at K = 0 step after step, all
+    right: each is resolved as right before later ones push it out, so the evidence is not misses only."""
+    from leaplm.engine.kpolicy.shadow import MAX_PENDING
+
+    text = list(range(100, 300))
+    st, out = ShadowState(), []
+    for t in range(3 * MAX_PENDING):                    # K = 0: one token committed per step
+        keep_cheap(st, t, text[t:t + 2 * MAX_PENDING], match=None)
+        out += resolve_cheap(st, text[:t + 1])
+    assert out and all(passed == [1.0] * len(passed) for passed, _ in out)
+    assert len(out) >= 3 * MAX_PENDING - MAX_PENDING - 1 and len(st.pending) <= MAX_PENDING
+
+
 def test_a_cheap_proposer_that_missed_returns_to_speculation_once_it_hits():
     """An n-gram-like proposer (cheap, bursty) that proposes at every step: wrong for the first 40 tokens, then
     right. At K = 0 its proposals are still compared with what is committed, so it drafts again within a few

@@ -157,7 +157,8 @@ class Batch:
         req.stats.prefill_s = time.perf_counter() - t0
         band = temperature_band(params.temperature)
         row = Row(req, LogitsProcessor(params), proposer, cap, adaptive_k is False,
-                  self.policy.new_acceptance(method, proposer is not None and proposer.bursty, band), tag=tag,
+                  self.policy.new_acceptance(method, proposer is not None and proposer.bursty, band,
+                                             predicted=params.prediction is not None), tag=tag,
                   prefilled=len(ids) - 1 if whole else 0, band=band)
         self.table.add(row)
         return row, prompt_lps

@@ -67,10 +67,15 @@ class KPolicy:
     def enabled(self) -> bool:
         return self.choice.enabled
 
-    def new_acceptance(self, method: str, bursty: bool, band: str = "greedy") -> AcceptanceEstimate:
+    def new_acceptance(self, method: str, bursty: bool, band: str = "greedy",
+                       predicted: bool = False) -> AcceptanceEstimate:
         """A joining row's estimate: what its method measured on earlier requests in its temperature band (this
         engine's or another of the process with the same target and proposer: priors.py), else its proposer's
-        card, else the prior."""
+        card, else the prior. A row with a prediction (propose/prediction.py) starts from the prior: what its
+        method measured without one says nothing of a text the output is expected to repeat (suffix's card on
+        SmolLM2's chats kept an edit's prediction at K = 0 for most of a first request)."""
+        if predicted:
+            return AcceptanceEstimate(bursty=True)
         seen = self.estimates.method_acceptance.get((method, band))
         if seen is not None:
             return AcceptanceEstimate.seeded(seen)

@@ -54,7 +54,11 @@ class ShadowState:
 
 
 def keep_cheap(state: ShadowState, start: int, tokens: list[int], match: int | None) -> None:
-    state.pending.append(Pending(start, tokens, match))
+    """Keep a proposal made at K = 0, cut to MAX_PENDING tokens: at K = 0 a token is committed per step, so a
+    proposal that long is resolved before MAX_PENDING later ones push it out. A longer one that is right
+    throughout (a prediction's 32 tokens) would be pushed out unresolved while the ones that miss early are
+    counted, and the evidence would say only misses."""
+    state.pending.append(Pending(start, tokens[:MAX_PENDING], match))
     del state.pending[:-MAX_PENDING]
 
 
