@@ -1,7 +1,7 @@
 """The shape of the code that keeps the step readable and the model contract explicit, read from the source:
 engine/step.py stays under 300 lines, nothing in engine/ or propose/ probes an object with getattr/hasattr (models
-declare what they can do in ModelCapabilities, models/base.py), and each model class's declared capabilities match
-the methods it has."""
+declare what they can do in ModelCapabilities, models/base.py), each model class's declared capabilities match
+the methods it has, and the trainers share one loop (training/loop.py)."""
 from __future__ import annotations
 
 import ast
@@ -59,3 +59,42 @@ def test_model_classes_declare_what_they_have():
         caps = cls.capabilities
         assert isinstance(caps, ModelCapabilities), cls.__name__
         assert caps.hidden_states == hasattr(cls, "forward_hidden"), cls.__name__
+
+
+# the trainers: draft pretraining, draft distillation, chat-draft distillation, EAGLE and Medusa heads (eagle.py,
+# kind "medusa")
+TRAINERS = ("training/pretrain.py", "training/distill.py", "training/chat_distill.py", "training/eagle.py")
+# what only the loop does: the optimizer's steps, gradients, clipping, the learning-rate schedule
+LOOP_ONLY = {"backward", "zero_grad", "clip_grad_norm_", "clip_grad_value_", "param_groups", "LambdaLR",
+             "CosineAnnealingLR", "AdamW", "Adam", "SGD", "lr_at", "_lr"}
+
+
+def loop_work(source: str) -> list[tuple[int, str]]:
+    """(line, name) of every use of LOOP_ONLY names: calls, attributes and function definitions."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        name = (node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name)
+                else node.name if isinstance(node, ast.FunctionDef) else None)
+        if name in LOOP_ONLY:
+            out.append((node.lineno, name))
+    return out
+
+
+def test_the_loop_finder_sees_a_hand_written_loop():
+    """The negative control: a trainer's own optimizer step and schedule are found."""
+    src = ("def lr_at(i):\n    return 1\n"
+           "def train(m, opt):\n    opt.zero_grad()\n    m.loss().backward()\n    torch.optim.AdamW(m.parameters())\n")
+    assert sorted(loop_work(src)) == [(1, "lr_at"), (4, "zero_grad"), (5, "backward"), (6, "AdamW")]
+
+
+def test_the_trainers_share_one_loop():
+    calls_trainer = lambda src: any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "Trainer"
+                                    for n in ast.walk(ast.parse(src)))
+    for rel in TRAINERS:
+        assert calls_trainer((SRC / rel).read_text()), f"{rel} does not run training/loop.py's Trainer"
+    found = []
+    for path in sorted((SRC / "training").glob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel != "training/loop.py":
+            found += [f"{rel}:{line}: {name}" for line, name in loop_work(path.read_text())]
+    assert not found, "optimizer steps and schedules belong to training/loop.py:\n" + "\n".join(found)
