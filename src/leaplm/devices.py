@@ -1,5 +1,6 @@
 """Device names at the boundary: a device that is misspelt or absent on this machine is refused, naming the
-field (--device, --draft-device), before any weights are loaded."""
+field (--device, --draft-device), before any weights are loaded. And the memory this machine has available, which
+the backend choice (models/loading.py) and the server's admission (server/admission.py) both read."""
 from __future__ import annotations
 
 import re
@@ -28,3 +29,15 @@ def check_device(name: str, field: str = "device") -> str:
     if index is not None and kind != "mps" and int(index) >= backend.device_count():
         raise ConfigError(field, f"device {name!r}: this machine has {backend.device_count()} {kind} device(s)")
     return name
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux's MemAvailable), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

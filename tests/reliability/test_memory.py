@@ -63,7 +63,7 @@ def test_request_that_would_grow_the_cache_past_available_memory_is_503(tiny_pai
         srv.wait_ready()
         cache = srv.state.scheduler.cache
         now = admission.cache_bytes(cache)
-        monkeypatch.setattr(admission, "mem_available", lambda: now)       # room for this much more, no further
+        monkeypatch.setattr(admission, "available_memory", lambda: now)       # room for this much more, no further
         body = {"model": MODEL, "prompt": "the quick brown fox", "temperature": 0}
         r = httpx.post(srv.url + "/v1/completions", headers=HEADERS, timeout=60,
                        json={**body, "max_tokens": cache.max_len - 16})

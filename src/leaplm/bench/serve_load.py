@@ -248,6 +248,15 @@ class ServerProcess:
         self.log.close()
 
 
+async def sse_messages(response):
+    """The JSON message of each `data:` event of a streamed response, up to `data: [DONE]` (every streaming
+    benchmark reads its responses through this)."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        yield json.loads(line[6:])
+
+
 async def send_one(client, body: dict, timeout: float, on_first=None) -> RequestResult:
     """One streamed completion request, timed (first token, inter-token gaps, end to end)."""
     t0 = time.perf_counter()
@@ -259,10 +268,7 @@ async def send_one(client, body: dict, timeout: float, on_first=None) -> Request
                     res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                     return res
                 last_t, last_n = None, 0
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    msg = json.loads(line[6:])
+                async for msg in sse_messages(r):
                     if "error" in msg:
                         res.error = msg["error"]["message"]
                         return res

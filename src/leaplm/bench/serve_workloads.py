@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .serve_load import LoadBenchConfig, ServerProcess, machine
+from .serve_load import LoadBenchConfig, ServerProcess, machine, sse_messages
 
 
 @dataclass
@@ -58,10 +58,7 @@ async def stream_request(client, path: str, body: dict, timeout: float) -> Strea
                 if r.status_code != 200:
                     res.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
                     return res
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    msg = json.loads(line[6:])
+                async for msg in sse_messages(r):
                     if "error" in msg:
                         res.error = msg["error"]["message"]
                         return res

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from ..devices import available_memory
 from ..quant.formats import GGUF_TYPES
 from .base import LoadedModel
 from .draft_vocab import VocabMappedDraft, has_draft_vocab, read_d2t
@@ -263,18 +264,6 @@ def kernel_weight_type(tensor_types: dict[str, str]) -> str | None:
     if not mats or any(t not in KERNEL_TYPES for t in mats) or mixed_fusions(tensor_types):
         return None
     return Counter(mats).most_common(1)[0][0]
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available to a new allocation (Linux's MemAvailable), None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def auto_backend(method: str, weight_type: str | None, kernel_unavailable: str | None,

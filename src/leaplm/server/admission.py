@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import ConfigError
+from ..devices import available_memory
 from .protocol import APIError
 
 RETRY_MIN_S, RETRY_MAX_S = 1, 60
@@ -158,7 +159,7 @@ class Admission:
         # storage while it copies: the new storage must fit in what is available
         per_row_token = cache_bytes(c) / max(1, c.capacity_tokens)
         new_bytes = per_row_token * c.batch_size * min(c.max_len, max(longest, 2 * c.capacity))
-        avail = mem_available()
+        avail = available_memory()
         if avail is not None and new_bytes > self.MEMORY_SHARE * avail:
             raise APIError(503, f"{max_field}: a sequence of {longest} tokens would grow the KV cache to "
                                 f"{new_bytes / 2**20:.0f} MiB, more than the {avail / 2**20:.0f} MiB of memory "
@@ -179,15 +180,3 @@ class Admission:
         with self._lock:
             self.reserved_tokens -= tokens
         self.drain.record(tokens)
-
-
-def mem_available() -> int | None:
-    """Bytes of memory the system can still hand out (MemAvailable of /proc/meminfo), None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
