@@ -132,10 +132,11 @@ def test_bad_quantization_is_refused_by_name(dirs):
     assert e.value.field == "quantization"
 
 
-@pytest.mark.parametrize("qtype,tied", [("Q8_0", False), ("Q4_0", True), ("Q4_1", False)])
+@pytest.mark.parametrize("qtype,tied", [("Q8_0", False), ("Q4_0", True), ("Q4_1", False), ("Q4_K_M", True)])
 def test_gguf_blocks_are_used_as_stored(tmp_path, qtype, tied):
     """--quantization gguf computes on the file's own integers and scales (every linear, the tied head too), and
-    int8 / int4 take the file's blocks when they are already in that format."""
+    int8 / int4 take the file's blocks when they are already in that format. Greedy chains (ngram) and trees
+    (lookahead) equal plain decoding on them."""
     pytest.importorskip("gguf")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
     from gguf_writer import write_tiny_gguf
@@ -148,13 +149,18 @@ def test_gguf_blocks_are_used_as_stored(tmp_path, qtype, tied):
         have = fp.model.get_parameter(name).detach()
         assert torch.allclose(dequantize(lin.weight), have, rtol=0,
                               atol=4 * torch.finfo(torch.float32).eps * have.abs().max().item()), name
-    same = load_model(path, quantization="int8" if qtype == "Q8_0" else "int4")
+    fmt = "int8" if qtype == "Q8_0" else "int4"
+    same = load_model(path, quantization=fmt)
     for name, lin in same.model.quantized.items():
-        assert torch.equal(lin.weight.q, lm.model.quantized[name].weight.q), name
+        if lm.model.quantized[name].weight.fmt == fmt:       # a Q4_K_M file holds int8, int4 and int6 matrices
+            assert torch.equal(lin.weight.q, lm.model.quantized[name].weight.q), name
     plain = Engine(lm, method="none")
-    eng = Engine(lm, method="ngram", k=4, adaptive_k=False)
+    engines = [Engine(lm, method="ngram", k=4, adaptive_k=False),
+               Engine(lm, method="lookahead", k=6, window=3, ngram_size=3, guess_set=3, adaptive_k=False)]
     for prompt in ["the quick brown fox the quick brown fox the", "def add(a, b):"]:
-        assert eng.generate(prompt, greedy(20)).token_ids == plain.generate(prompt, greedy(20)).token_ids
+        want = plain.generate(prompt, greedy(20)).token_ids
+        for eng in engines:
+            assert eng.generate(prompt, greedy(20)).token_ids == want, eng.spec.method
 
 
 def test_gguf_type_without_a_kernel_runs_dequantized_and_is_named(tmp_path, caplog):

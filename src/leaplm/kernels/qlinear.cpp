@@ -336,21 +336,42 @@ inline void block_dot2_avx2(const __m256i* u, const int8_t* qa, int32_t, int32_t
   }                                                                                                             \
   for (int t = 0; t < TT; ++t) _mm256_store_ps(accp + 8 * t, acc[t]);
 
-// y[t, 8 grp + r] = acc[t][r] + mt[t][r] for every token, the min term's chains run here (after the dot products)
+// y[t, 8 grp + r] = acc[t][r] + mt[t][r] for tokens t0 .. t0 + TN - 1: the min term's chains run here, after the
+// dot products, TN tokens' chains side by side (each is a chain of dependent FMAs: one at a time would wait on the
+// FMA latency at every block)
+template <int TN>
 __attribute__((target("avx2,fma")))
-void store_group(const W& w, const Act& act, int64_t grp, const float* accs, float* y) {
+void store_tokens(const W& w, const Act& act, int64_t grp, int t0, const float* accs, float* y) {
   const int G = w.G;
-  for (int t = 0; t < act.T; ++t) {
-    __m256 mt = _mm256_setzero_ps();
-    if (w.m)
-      for (int g = 0; g < G; ++g)
-        mt = _mm256_fmadd_ps(_mm256_loadu_ps(w.m + (grp * G + g) * RG), _mm256_set1_ps(act.sa[t * G + g]), mt);
+  __m256 mt[TN];
+  for (int t = 0; t < TN; ++t) mt[t] = _mm256_setzero_ps();
+  if (w.m)
+    for (int g = 0; g < G; ++g) {
+      const __m256 mv = _mm256_loadu_ps(w.m + (grp * G + g) * RG);
+      for (int t = 0; t < TN; ++t) mt[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(act.sa[(t0 + t) * G + g]), mt[t]);
+    }
+  const int64_t n0 = grp * RG;
+  const int rows = int(std::min<int64_t>(RG, w.N - n0));
+  for (int t = 0; t < TN; ++t) {
     alignas(32) float out[8];
-    _mm256_store_ps(out, _mm256_add_ps(_mm256_load_ps(accs + 8 * t), mt));
-    const int64_t n0 = grp * RG;
-    const int rows = int(std::min<int64_t>(RG, w.N - n0));
-    std::memcpy(y + t * w.N + n0, out, sizeof(float) * rows);
+    _mm256_store_ps(out, _mm256_add_ps(_mm256_load_ps(accs + 8 * (t0 + t)), mt[t]));
+    std::memcpy(y + (t0 + t) * w.N + n0, out, sizeof(float) * rows);
   }
+}
+
+template <int TN>
+inline void store_tail(int rem, const W& w, const Act& act, int64_t grp, int t0, const float* accs, float* y) {
+  if constexpr (TN >= 1) {
+    if (rem == TN) store_tokens<TN>(w, act, grp, t0, accs, y);
+    else store_tail<TN - 1>(rem, w, act, grp, t0, accs, y);
+  }
+}
+
+// y[t, 8 grp + r] = acc[t][r] + mt[t][r] for every token
+void store_group(const W& w, const Act& act, int64_t grp, const float* accs, float* y) {
+  int t = 0;
+  for (; t + 8 <= act.T; t += 8) store_tokens<8>(w, act, grp, t, accs, y);
+  if (t < act.T) store_tail<7>(act.T - t, w, act, grp, t, accs, y);
 }
 
 // Tokens t0 .. t0 + TT - 1 of one row group over blocks ga .. gb - 1, continuing the fp32 sums in accp [TT, 8].
