@@ -57,6 +57,8 @@ def test_roofline_cli_report_is_consistent(checkpoint, tmp_path):
     assert whole["tokens"] == list(range(1, 33)) and whole["weight_bytes"] == r["weight_bytes"]
     a = load_model(checkpoint("llama3_rope")).model.args
     macs = sum(n * k for n, k in linear_shapes(a))
+    # the whole forward's arithmetic floor: its linears' multiply-adds x T at the int8 rate of the same run
+    assert whole["compute_floor_ms"][31] == pytest.approx(32 * macs / (r["int8_GMACs"] * 1e9) * 1e3, rel=1e-2, abs=1e-3)
     for c in r["curves"]:
         assert c["tokens"] == list(range(1, 17)) and c["vs_one"][0] == 1 and all(ms > 0 for ms in c["ms"])
         assert c["weight_bytes"] == macs * KERNEL_BLOCK_BYTES[c["weight_type"]] // 32
@@ -93,7 +95,7 @@ def test_roofline_on_libllama_has_both_engines_curves_per_type_and_the_break_eve
     r = json.loads(out.read_text())
     assert r["weight_type"] == "F32" and png.stat().st_size > 0
     whole = {(c["kernel"], c["weight_type"]): c for c in r["curves"] if "forward" in c["kernel"]}
-    for wt in ("F32", "Q4_0", "Q4_1", "Q8_0"):          # the file's own type, then libllama's requantizations
+    for wt in ("F32", "Q4_0", "Q4_1", "Q8_0", "Q4_K_M"):   # the file's own type, then libllama's requantizations
         mine = "leaplm forward (fp32)" if wt == "F32" else "leaplm forward (int8 kernel)"
         from leaplm.kernels.build import load
 

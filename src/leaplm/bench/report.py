@@ -105,6 +105,10 @@ def plot_block_costs(rep, path: Path) -> None:
     for ax, wt in zip(axes[0], types):
         for c in (c for c in whole if c.weight_type == wt):
             ax.plot(c.tokens, c.vs_one, marker=".", label=c.kernel)
+            if c.compute_floor_ms and c.ms:       # the machine's floor for this forward, in its one-token units
+                floor = [max(c.bandwidth_floor_ms, f) / c.ms[0] for f in c.compute_floor_ms]
+                ax.plot(c.tokens, floor, linestyle="--", linewidth=0.8, color="gray",
+                        label=f"floor of {c.kernel}: max(bytes / bandwidth, MACs x T / int8 rate)")
         if wt == rep.weight_type or len(types) == 1:
             for i, m in enumerate(m for m in rep.methods if m.k > 0):
                 ax.scatter([m.k + 1], [m.mean_accepted_length], marker="*", s=90, zorder=3, color=f"C{5 + i}",
