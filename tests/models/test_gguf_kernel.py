@@ -153,3 +153,14 @@ def test_shipped_tokenizers_read_without_transformers_encode_as_transformers_doe
                     ref(t, add_special_tokens=special)["input_ids"], (name, t, special)
         assert (fast.bos_token_id, fast.eos_token_id, fast.chat_template) == \
             (ref.bos_token_id, ref.eos_token_id, ref.chat_template), name
+
+
+def test_the_ggml_type_table_is_the_gguf_package_s():
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for type_id, (name, block, size) in gguf_mod.GGML_TYPES.items():
+        qt = GGMLQuantizationType(type_id)
+        assert (qt.name, *GGML_QUANT_SIZES[qt]) == (name, block, size)
+    assert gguf_mod.ggml_type(20, "t") == ("IQ4_NL", 32, 18)          # not in the table: the package answers
+    with pytest.raises(ValueError, match="'t' has unknown type id 9999"):
+        gguf_mod.ggml_type(9999, "t")

@@ -266,3 +266,67 @@ def test_pack_keeps_every_integer_and_scale():
         assert torch.equal(q, qw.q.view(torch.uint8))
         assert torch.equal(p.scale.transpose(1, 2).reshape(24, 2 * scales)[:19], qw.scale)
         assert (p.q.reshape(3, 2, chunks, 8, 4)[2, :, :, 3:] == 0).all()      # padding rows are zero
+
+
+# ---- the kernel's layout straight from a GGUF file's blocks ---------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_unpack_inverts_pack(fmt):
+    from leaplm.quant.linear import unpack
+
+    w = quantize(torch.randn(21, 96, generator=torch.Generator().manual_seed(3)), fmt)   # 21: a partial group
+    back = unpack(pack(w))
+    assert back.fmt == w.fmt and torch.equal(back.q, w.q) and torch.equal(back.scale, w.scale)
+    assert (back.minv is None) == (w.minv is None) and (w.minv is None or torch.equal(back.minv, w.minv))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_pack_gguf_equals_packing_the_blocks_read_as_weights(qtype):
+    """Fused tensors (16 + 8 + 24 rows), one of them reordered: the same bytes as from_gguf_blocks, cat_rows and
+    pack; rows that do not split into groups of 8 are left to that path (None)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    from leaplm.quant.formats import cat_rows, from_gguf_blocks
+    from leaplm.quant.linear import pack_gguf
+
+    rng = np.random.default_rng(0)
+    K = 96
+    raws = [gguf_quantize(rng.standard_normal((n, K)).astype(np.float32), GGMLQuantizationType[qtype])
+            for n in (16, 8, 24)]
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(1))
+    have = pack_gguf(raws, qtype, [perm, None, None])
+    parts = [from_gguf_blocks(r, qtype, (r.shape[0], K)) for r in raws]
+    want = pack(cat_rows([parts[0].rows(perm)] + parts[1:]))
+    assert have.rows == want.rows == 48
+    for a, b in ((have.q, want.q), (have.scale, want.scale), (have.minv, want.minv)):
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+    assert pack_gguf([raws[0][:12], raws[1]], qtype) is None
+
+
+@needs_ext
+def test_a_linear_from_packed_weights_computes_as_one_from_the_weight():
+    from leaplm.quant.linear import unpack
+
+    w = quantize(torch.randn(40, 96, generator=torch.Generator().manual_seed(4)), "int4")
+    a, b = QuantizedLinear(w, "extension"), QuantizedLinear.from_packed(pack(w))
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a(x), b(x))
+    assert b.nbytes == w.nbytes and torch.equal(b.weight.q, unpack(pack(w)).q)
+
+
+def test_the_build_directory_is_torch_s(monkeypatch):
+    """built_library() finds the directory torch.utils.cpp_extension builds in without importing it, so a built
+    library is reused by name (with and without TORCH_EXTENSIONS_DIR)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from leaplm.kernels.build import built_library
+
+    for env in (None, "/tmp/leaplm-ext-dir"):
+        if env is None:
+            monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCH_EXTENSIONS_DIR", env)
+        b = built_library()
+        assert str(b.build_dir) == _get_build_directory(b.name, verbose=False)

@@ -85,7 +85,7 @@ def bytes_per_forward(model) -> int:
     q = getattr(model, "quantized", {})
     for name, p in model.named_parameters(remove_duplicate=False):   # a tied head is listed under both names
         if name in q:
-            total += q[name].weight.nbytes
+            total += q[name].nbytes
         elif name == "embed_tokens.weight":
             eq = getattr(model, "embed_quantized", None)   # a GGUF embedding looked up row by row from its blocks
             total += eq.nbytes // eq.out_features if eq is not None else p.shape[1] * p.element_size()

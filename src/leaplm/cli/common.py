@@ -14,8 +14,6 @@ from typing import Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
 
 from ..config import ConfigError, EngineConfig
 
@@ -93,8 +91,11 @@ def user_errors(fields: list[str]) -> Iterator[None]:
         raise typer.Exit(2) from None
 
 
-def counter(label: str) -> Progress:
-    """A bar for work counted in items (sequences, answers): done/total, elapsed, remaining."""
+def counter(label: str):
+    """A bar for work counted in items (sequences, answers): done/total, elapsed, remaining (a rich Progress)."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
     return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), console=err)
 
@@ -103,6 +104,9 @@ class StepProgress:
     """An on_step callback drawing a progress bar with loss and tokens/s; logs each held-out evaluation."""
 
     def __init__(self, title: str):
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
         self.title = title
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),

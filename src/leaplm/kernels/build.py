@@ -44,9 +44,12 @@ _state: dict[str, Extension | None | str] = {}
 
 
 def unavailable_reason() -> str | None:
-    """Why the extension cannot be built here, or None when it can be tried."""
+    """Why the extension cannot be had here, or None when it can be tried. A library built before needs neither
+    the compiler nor ninja (nor torch's build tools, whose import costs a tenth of a second)."""
     if os.environ.get("LEAPLM_NO_EXTENSION") == "1":
         return "LEAPLM_NO_EXTENSION=1"
+    if built_library().done.exists():
+        return None
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler found (set CXX or install g++)"
     from torch.utils.cpp_extension import is_ninja_available
@@ -54,6 +57,40 @@ def unavailable_reason() -> str | None:
     if not is_ninja_available():
         return "ninja not found (pip install 'leaplm[kernels]')"
     return None
+
+
+@dataclass(frozen=True)
+class BuiltLibrary:
+    """Where this source's build lives (one per source, torch version and flags)."""
+    tag: str                # hash of the source, torch's version and the flags
+    name: str               # the module's name, leaplm_qlinear_<tag>
+    build_dir: Path
+    lib: Path               # the compiled module
+    done: Path              # written after a build completed: the library is whole
+
+
+def built_library() -> BuiltLibrary:
+    import hashlib
+    import sys
+    import sysconfig
+
+    import torch
+    from torch._appdirs import user_cache_dir
+
+    src = SOURCE.read_bytes()
+    tag = hashlib.sha1(src + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:10]
+    name = f"leaplm_qlinear_{tag}"
+    # torch.utils.cpp_extension's build directory (its _get_build_directory), without importing the build tools
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        acc = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None else
+               f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
+        py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(user_cache_dir(appname="torch_extensions")),
+                            f"{py}_{acc}")
+    build_dir = Path(root) / name
+    return BuiltLibrary(tag, name, build_dir, build_dir / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}",
+                        build_dir / "leaplm-built")
 
 
 def load() -> Extension | None:
@@ -81,20 +118,10 @@ def _build() -> Extension:
     """The compiled module: imported directly when this source was built before (by any process, from any
     checkout), else built by torch.utils.cpp_extension from a copy of the source kept beside the build, so the
     build's inputs do not depend on where the package lives."""
-    import hashlib
     import importlib.util
-    import sysconfig
 
-    import torch
-    from torch.utils.cpp_extension import _get_build_directory
-    from torch.utils.cpp_extension import load as cpp_load
-
-    src = SOURCE.read_bytes()
-    tag = hashlib.sha1(src + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:10]
-    name = f"leaplm_qlinear_{tag}"
-    build_dir = Path(_get_build_directory(name, verbose=False))
-    lib = build_dir / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
-    done = build_dir / "leaplm-built"            # written after a build completed: the library is whole
+    b = built_library()
+    src, tag, name, build_dir, lib, done = SOURCE.read_bytes(), b.tag, b.name, b.build_dir, b.lib, b.done
     module = None
     if done.exists() and lib.exists():
         try:
@@ -105,6 +132,9 @@ def _build() -> Extension:
             log.info("quantized linear: the built library %s does not load (%s); building it again", lib, e)
             module = None
     if module is None:
+        from torch.utils.cpp_extension import load as cpp_load
+
+        build_dir.mkdir(parents=True, exist_ok=True)
         copy = build_dir / SOURCE.name
         if not copy.exists() or copy.read_bytes() != src:
             tmp = build_dir / f".{SOURCE.name}.{os.getpid()}"

@@ -42,6 +42,13 @@ ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3"
 TENSOR_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 DEFAULT_ALIGNMENT = 32
+# GGML tensor types: id -> (name, weights per block, bytes per block), as the gguf package's constants say
+# (GGML_QUANT_SIZES; tests/models/test_gguf_kernel.py compares them). Held here because importing the gguf package
+# costs a tenth of a second at every start; an id missing here is looked up in the package.
+GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+              7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84),
+              11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+              15: ("Q8_K", 256, 292), 30: ("BF16", 1, 2)}
 
 # GGUF metadata value types: id -> struct format of a scalar (8: string, 9: array)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -186,8 +193,6 @@ def _parse(p: Path, mm: mmap.mmap) -> GGUFFile:
         key, off = string(off)
         (vt,) = unpack("<I", mm, off)
         fields[key], off = value(vt, off + 4)
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
     entries = []
     for _ in range(n_tensors):
         name, off = string(off)
@@ -197,17 +202,13 @@ def _parse(p: Path, mm: mmap.mmap) -> GGUFFile:
         dims = unpack(f"<{nd}Q", mm, off + 4)
         tt, t_off = unpack("<IQ", mm, off + 4 + 8 * nd)
         off += 4 + 8 * nd + 12
-        try:
-            qt = GGMLQuantizationType(tt)
-        except ValueError:
-            raise ValueError(f"tensor {name!r} has unknown type id {tt}") from None
-        block, type_size = GGML_QUANT_SIZES[qt]
+        type_name, block, type_size = ggml_type(tt, name)
         n = 1
         for d in dims:
             n *= d
         if dims and dims[0] % block:
             raise ValueError(f"tensor {name!r}: rows of {dims[0]} are not whole blocks of {block}")
-        entries.append((name, qt.name, tuple(int(d) for d in dims), t_off, n // block * type_size))
+        entries.append((name, type_name, tuple(int(d) for d in dims), t_off, n // block * type_size))
     align = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
     if align <= 0 or align & (align - 1):
         raise ValueError(f"general.alignment {align} is not a power of two")
@@ -218,6 +219,19 @@ def _parse(p: Path, mm: mmap.mmap) -> GGUFFile:
             raise ValueError(f"tensor {name!r} runs past the end of the file (truncated)")
         tensors[name] = GGUFTensor(name, tn, dims, start + t_off, nb)
     return GGUFFile(p, fields, tensors, mm)
+
+
+def ggml_type(type_id: int, tensor: str) -> tuple[str, int, int]:
+    """(name, weights per block, bytes per block) of a GGML tensor type id; ValueError naming the tensor."""
+    if type_id in GGML_TYPES:
+        return GGML_TYPES[type_id]
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        qt = GGMLQuantizationType(type_id)
+    except ValueError:
+        raise ValueError(f"tensor {tensor!r} has unknown type id {type_id}") from None
+    return (qt.name, *GGML_QUANT_SIZES[qt])
 
 
 def dequantize_tensor(g: GGUFFile, name: str) -> torch.Tensor:
@@ -266,10 +280,6 @@ def inspect_gguf(name: str, field: str = "model", check_types: bool = True) -> G
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ConfigError(field, f"{name}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
-    try:
-        import gguf  # noqa: F401  (its type table sizes the tensors)
-    except ImportError:
-        raise ConfigError(field, f"{name}: reading GGUF files needs the 'gguf' package (pip install gguf)") from None
     g = parse_gguf(p, field)
     arch = g.fields.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -403,8 +413,8 @@ def _token_text(t) -> str | None:
 class CachedTokenizer:
     """A GGUF file's tokenizer as transformers converted and saved it (tokenizer.json, tokenizer_config.json,
     chat_template.jinja), read with the `tokenizers` library alone: encoding, the special tokens' ids and the chat
-    template without importing transformers (about a second of start-up). Encoding is the Rust tokenizer's own, as
-    in transformers' fast tokenizers; anything else (apply_chat_template, get_vocab, convert_ids_to_tokens, ...)
+    template without importing transformers (about a second of start-up). Encoding, the vocabulary and its size are
+    the Rust tokenizer's own, as in transformers' fast tokenizers; anything else (apply_chat_template, get_vocab, convert_ids_to_tokens, ...)
     loads the transformers tokenizer from the same files on first use and is answered by it."""
 
     def __init__(self, d: Path):
@@ -439,8 +449,12 @@ class CachedTokenizer:
             self._full = AutoTokenizer.from_pretrained(str(self._dir))
         return self._full
 
+    def get_vocab(self) -> dict[str, int]:
+        """Token -> id, added tokens included (what transformers' fast tokenizers answer, from the same object)."""
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
+
     def __len__(self) -> int:
-        return len(self.transformers_tokenizer())
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name in ("_full", "_dir", "backend_tokenizer"):

@@ -1,9 +1,9 @@
 """A GGUF file's Q8_0 / Q5_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks straight into leaplm's int8 kernel (`--quantization gguf`, the default
 for such files): no full-precision copy of any matrix is made.
 
-Each decoder matrix and the output projection is read as the file stores it (a view of the mapped file), handed
-to the kernel's packing (quant/formats.from_gguf_blocks, then QuantizedLinear), and the file's pages are dropped
-from the process's resident memory once packed. Norms and biases are the file's own F32 vectors. The token
+Each decoder matrix and the output projection is read as the file stores it (a view of the mapped file) and moved
+into the kernel's layout in one copy (quant/linear.pack_gguf; without the extension, quant/formats.from_gguf_blocks
+for the PyTorch path), and the file's pages are dropped from the process's resident memory once packed. Norms and biases are the file's own F32 vectors. The token
 embedding stays in its blocks too: a forward dequantizes the T rows it looks up (exactly the values a
 dequantized copy would hold: a block's integer times its fp16 scale, plus its fp16 minimum, rounds once in fp32
 either way).
@@ -87,8 +87,9 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
                      cache_dtype: torch.dtype = torch.float32) -> LoadedModel | None:
     """The file on the int8 kernel from its own blocks, or None (logged) when kernel_blockers says it cannot."""
+    from ..kernels.build import load as load_kernel
     from ..quant.formats import cat_rows, from_gguf_blocks
-    from ..quant.linear import QuantizedLinear
+    from ..quant.linear import QuantizedLinear, pack_gguf
     from .gguf import load_gguf_tokenizer
     from .llama import interleave_rope_rows
     from .tokens import bos_to_add
@@ -113,6 +114,21 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
         g.release(name)
         return qw if rows is None else qw.rows(rows)
 
+    ext = load_kernel()
+
+    def linear(names: list[str], rows: list | None = None) -> QuantizedLinear | None:
+        """The linear over these tensors' rows stacked (fused q/k/v, gate/up); None when their formats mix. On
+        the extension, the blocks go from the file straight into its layout (quant/linear.pack_gguf)."""
+        types = {g.tensors[n].type_name for n in names}
+        packed = pack_gguf([g.raw(n) for n in names], types.pop(), rows) \
+            if ext is not None and len(types) == 1 else None
+        if packed is not None:
+            for n in names:
+                g.release(n)
+            return QuantizedLinear.from_packed(packed)
+        parts = [blocks(n, r) for n, r in zip(names, rows or [None] * len(names))]
+        return QuantizedLinear(cat_rows(parts)) if len({p.fmt for p in parts}) == 1 else None
+
     model = meta_model(a)
     empty = lambda: _param(torch.empty(0, dtype=torch.float32))   # noqa: E731  (a weight the kernel holds)
     q = model.quantized
@@ -121,17 +137,17 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
         blk.input_layernorm.weight = _param(_vector(g, b + "attn_norm.weight"))
         blk.post_attention_layernorm.weight = _param(_vector(g, b + "ffn_norm.weight"))
         at = blk.self_attn
-        parts = [blocks(b + "attn_q.weight", perm(H) if reorder else None),
-                 blocks(b + "attn_k.weight", perm(Hkv) if reorder else None), blocks(b + "attn_v.weight")]
-        if len({p.fmt for p in parts}) != 1:
+        lin = linear([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
+                     [perm(H), perm(Hkv), None] if reorder else None)
+        if lin is None:
             return _refuse(info, f"{b}attn_q/k/v mix block types")
-        q[f"layers.{i}.self_attn.qkv.weight"] = QuantizedLinear(cat_rows(parts))
-        q[f"layers.{i}.self_attn.o_proj.weight"] = QuantizedLinear(blocks(b + "attn_output.weight"))
-        parts = [blocks(b + "ffn_gate.weight"), blocks(b + "ffn_up.weight")]
-        if parts[0].fmt != parts[1].fmt:
+        q[f"layers.{i}.self_attn.qkv.weight"] = lin
+        q[f"layers.{i}.self_attn.o_proj.weight"] = linear([b + "attn_output.weight"])
+        lin = linear([b + "ffn_gate.weight", b + "ffn_up.weight"])
+        if lin is None:
             return _refuse(info, f"{b}ffn_gate/up mix block types")
-        q[f"layers.{i}.mlp.gate_up.weight"] = QuantizedLinear(cat_rows(parts))
-        q[f"layers.{i}.mlp.down_proj.weight"] = QuantizedLinear(blocks(b + "ffn_down.weight"))
+        q[f"layers.{i}.mlp.gate_up.weight"] = lin
+        q[f"layers.{i}.mlp.down_proj.weight"] = linear([b + "ffn_down.weight"])
         for mod in (at.qkv, at.o_proj, blk.mlp.gate_up, blk.mlp.down_proj):
             mod.weight = empty()
         if a.attention_bias:
@@ -150,14 +166,13 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
             at.k_norm.weight = _param(interleave_rope_rows(kn, 1, D) if reorder else kn)
     model.norm.weight = _param(_vector(g, "output_norm.weight"))
     head_name = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
-    head = blocks(head_name)
-    q["lm_head.weight"] = QuantizedLinear(head)
     et = g.tensors["token_embd.weight"]
     if et.type_name in KERNEL_TYPES:                 # looked up row by row from its blocks (LlamaForCausalLM.embed)
-        model.embed_quantized = head if head_name == "token_embd.weight" else blocks("token_embd.weight")
+        model.embed_quantized = blocks("token_embd.weight")
         model.embed_tokens.weight = empty()
     else:
         model.embed_tokens.weight = _param(dequantize_tensor(g, "token_embd.weight"))
+    q["lm_head.weight"] = linear([head_name])
     model.lm_head.weight = model.embed_tokens.weight if a.tie_word_embeddings else empty()
     model.rope_cis = LlamaForCausalLM.rope_table(a, "cpu")
     model.positions = torch.arange(a.max_position_embeddings)

@@ -54,19 +54,108 @@ def pack(w: QuantizedWeight) -> PackedWeight:
     return PackedWeight(q, lay(w.scale.float()), None if w.minv is None else lay(w.minv.float()), N)
 
 
+def unpack(p: PackedWeight) -> QuantizedWeight:
+    """pack's inverse: the QuantizedWeight [rows, K] whose packing is p (the padding rows dropped)."""
+    NG, G, width = p.q.shape
+    chunks = width // (GROUP * 4)
+    q = (p.q.view(torch.int32).reshape(NG, G, chunks, GROUP).permute(0, 3, 1, 2).contiguous()
+         .view(torch.uint8).reshape(NG * GROUP, G * chunks * 4)[:p.rows])            # [N, K | K / 2]
+    lay = lambda t: t.transpose(1, 2).reshape(NG * GROUP, G)[:p.rows].contiguous()   # noqa: E731  [N, G]
+    if p.minv is None:
+        return QuantizedWeight("int8", q.view(torch.int8), lay(p.scale), None)
+    return QuantizedWeight("int4", q.contiguous(), lay(p.scale), lay(p.minv))
+
+
+# a GGUF block as numpy reads it from the file: the scale (and minimum) in fp16, then the integers as 4-byte words
+# (8 words of int8 for Q8_0; 4 words of nibble pairs for Q4_x), the bytes pack() moves in 4-byte words too
+GGUF_BLOCKS = {"Q8_0": [("d", "<f2"), ("q", "<u4", (8,))],
+               "Q4_0": [("d", "<f2"), ("q", "<u4", (4,))],
+               "Q4_1": [("d", "<f2"), ("m", "<f2"), ("q", "<u4", (4,))]}
+
+
+def pack_gguf(raws: list, ggml_type: str, rows: list | None = None) -> PackedWeight | None:
+    """The PackedWeight of GGUF Q8_0 / Q4_0 / Q4_1 tensors stacked along their output rows (fused q/k/v, gate/up),
+    moved from the file's blocks (raw uint8 views [N_i, bytes per row]) straight into the kernel's layout: one
+    copy of the integers, none of them widened; the scales widened from fp16 (exact). The same numbers as
+    pack(cat_rows([from_gguf_blocks(...)])). `rows`: per tensor, None or an index [N_i] reordering its rows.
+
+    None when the rows do not split into whole groups of 8 per tensor (the caller packs through QuantizedWeight)."""
+    import numpy as np
+
+    blk = np.dtype(GGUF_BLOCKS[ggml_type])
+    blocks = [np.asarray(r, dtype=np.uint8).view(blk) for r in raws]          # [N_i, G] blocks, no copy
+    if rows is not None:
+        blocks = [b if r is None else b[np.asarray(r)] for b, r in zip(blocks, rows)]
+    N = sum(b.shape[0] for b in blocks)
+    if any(b.shape[0] % GROUP for b in blocks[:-1]) or N % GROUP:
+        return None
+    G = blocks[0].shape[1]
+    NG, words = N // GROUP, blk["q"].shape[0]
+    q = np.empty((NG, G, words, GROUP), np.uint32)                           # [NG, G, chunks, 8 rows]
+    scale = np.empty((NG, G, GROUP), np.float32)
+    minv = None if ggml_type == "Q8_0" else np.empty((NG, G, GROUP), np.float32)
+    at = 0
+    for b in blocks:
+        n = b.shape[0] // GROUP
+        g = b.reshape(n, GROUP, G)                                             # [n, 8 rows, G]
+        q[at:at + n] = g["q"].transpose(0, 2, 3, 1)                            # [n, G, chunks, 8 rows]
+        scale[at:at + n] = g["d"].transpose(0, 2, 1)                           # [n, G, 8]
+        if ggml_type == "Q4_1":
+            minv[at:at + n] = g["m"].transpose(0, 2, 1)
+        at += n
+    if ggml_type == "Q4_0":
+        minv = -8 * scale                      # w = (q - 8) d: the minimum from_gguf_blocks computes, in fp32
+    return PackedWeight(torch.from_numpy(q.view(np.uint8).reshape(NG, G, words * GROUP * 4)),
+                        torch.from_numpy(scale), None if minv is None else torch.from_numpy(minv), N)
+
+
 class QuantizedLinear:
-    """y = x @ W.T (+ bias) for a QuantizedWeight W [N, K]; x [..., K] fp32 or bf16 -> y [..., N] in x's dtype."""
+    """y = x @ W.T (+ bias) for a QuantizedWeight W [N, K]; x [..., K] fp32 or bf16 -> y [..., N] in x's dtype.
+
+    Built from a QuantizedWeight, or (from_packed) from the kernel's layout alone, whose `weight` is then
+    unpacked when asked for."""
 
     def __init__(self, weight: QuantizedWeight, backend: str = "auto"):
         from ..kernels.build import load
 
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.weight = weight
+        self._weight: QuantizedWeight | None = weight
         self.ext = load() if backend in ("auto", "extension") else None
         if backend == "extension" and self.ext is None:
             raise RuntimeError("the quantized-linear C++ extension is unavailable here (see the log for why)")
         self.packed = pack(weight) if self.ext is not None else None
+
+    @classmethod
+    def from_packed(cls, packed: PackedWeight) -> "QuantizedLinear":
+        """A linear on the extension over weights already in its layout (pack_gguf); the extension must load."""
+        from ..kernels.build import load
+
+        self = cls.__new__(cls)
+        self._weight, self.ext, self.packed = None, load(), packed
+        if self.ext is None:
+            raise RuntimeError("the quantized-linear C++ extension is unavailable here (see the log for why)")
+        return self
+
+    @property
+    def weight(self) -> QuantizedWeight | None:
+        """The weight [N, K] in its block format (unpacked from the kernel's layout when built from it)."""
+        if self._weight is None and self.packed is not None:
+            return unpack(self.packed)
+        return self._weight
+
+    @weight.setter
+    def weight(self, w: QuantizedWeight | None) -> None:
+        self._weight = w
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one forward reads for this weight (its integers, scales and minimums; no padding rows)."""
+        if self._weight is not None:
+            return self._weight.nbytes
+        p = self.packed
+        per_row = sum(t[0].numel() * t.element_size() for t in (p.q, p.scale, p.minv) if t is not None) // GROUP
+        return per_row * p.rows
 
     @property
     def backend(self) -> str:
