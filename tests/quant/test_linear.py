@@ -270,7 +270,7 @@ def test_pack_keeps_every_integer_and_scale():
 
 # ---- the kernel's layout straight from a GGUF file's blocks ---------------------------------------------------
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int6"])
 def test_unpack_inverts_pack(fmt):
     from leaplm.quant.linear import unpack
 

@@ -60,10 +60,11 @@ def unpack(p: PackedWeight) -> QuantizedWeight:
     chunks = width // (GROUP * 4)
     q = (p.q.view(torch.int32).reshape(NG, G, chunks, GROUP).permute(0, 3, 1, 2).contiguous()
          .view(torch.uint8).reshape(NG * GROUP, G * chunks * 4)[:p.rows])            # [N, K | K / 2]
-    lay = lambda t: t.transpose(1, 2).reshape(NG * GROUP, G)[:p.rows].contiguous()   # noqa: E731  [N, G]
-    if p.minv is None:
-        return QuantizedWeight("int8", q.view(torch.int8), lay(p.scale), None)
-    return QuantizedWeight("int4", q.contiguous(), lay(p.scale), lay(p.minv))
+    lay = lambda t: t.transpose(1, 2).reshape(NG * GROUP, -1)[:p.rows].contiguous()  # noqa: E731  [N, G']
+    if p.minv is not None:
+        return QuantizedWeight("int4", q.contiguous(), lay(p.scale), lay(p.minv))
+    fmt = "int6" if p.scale.shape[1] == 2 * G else "int8"                             # int6: a scale per 16
+    return QuantizedWeight(fmt, q.view(torch.int8), lay(p.scale), None)
 
 
 # a GGUF block as numpy reads it from the file: the scale (and minimum) in fp16, then the integers as 4-byte words
@@ -79,9 +80,12 @@ def pack_gguf(raws: list, ggml_type: str, rows: list | None = None) -> PackedWei
     copy of the integers, none of them widened; the scales widened from fp16 (exact). The same numbers as
     pack(cat_rows([from_gguf_blocks(...)])). `rows`: per tensor, None or an index [N_i] reordering its rows.
 
-    None when the rows do not split into whole groups of 8 per tensor (the caller packs through QuantizedWeight)."""
+    None for other types (Q5_0, the K-quants) and when the rows do not split into whole groups of 8 per tensor:
+    the caller packs those through QuantizedWeight."""
     import numpy as np
 
+    if ggml_type not in GGUF_BLOCKS:
+        return None
     blk = np.dtype(GGUF_BLOCKS[ggml_type])
     blocks = [np.asarray(r, dtype=np.uint8).view(blk) for r in raws]          # [N_i, G] blocks, no copy
     if rows is not None:
