@@ -2,6 +2,7 @@
 deterministic (seeded), no model, no timing."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -211,6 +212,7 @@ def test_probes_measured_dearer_than_predicted_wait_for_their_budget_even_near_b
     drafting is priced at the measured overrun."""
     costs = BatchCostModel()
     costs.calibrated(1, [{1: 1.0, 2: 1.5, 3: 1.5, 4: 1.5, 5: 1.5}])
+    costs.observe(1, 1, 1.0)           # a live forward sets the level (steps are compared with predictions from it)
     ctl = BatchAdaptiveK(costs, probe_every=4)
     near = [RowSpec(4, 0.5, 0.0, tokens_by_k=[1.0, 1.3, 1.45, 1.5, 1.52])]
     assert ctl.choose(near) == 0 and ctl.rate(near, 3) >= ctl.rate(near, 0) * (1 - ctl.near)
@@ -297,6 +299,64 @@ def test_a_live_one_token_forward_moves_the_level_of_every_block_length():
         c.observe(1, 1, 1.0)
     assert c.cost(1, 1) == pytest.approx(1.0, rel=0.01)
     assert c.cost(1, 5) == pytest.approx(1.2, rel=0.02)
+
+
+def test_the_first_live_forward_replaces_the_start_up_level():
+    """A start-up level from another load (or another process's start-up cache) is replaced by the first live
+    forward at that batch size, not averaged with it; later forwards move it by an average."""
+    c = costs_from(lambda n, T: 2.0 * (1 + 0.1 * (T - 1)))
+    assert not c.live(1)
+    c.observe(1, 6, 1.5)                                  # a block of 6: 1.5x the shape's level
+    assert c.live(1) and c.cost(1, 1) == pytest.approx(1.0) and c.cost(1, 6) == pytest.approx(1.5)
+    c.observe(1, 1, 2.0)
+    assert 1.0 < c.cost(1, 1) < 1.5
+
+
+def one_step(ctl: BatchAdaptiveK, spec: RowSpec, T_seconds) -> int:
+    """One step of one row through the controller: its choice K, the forward at T_seconds(1 + K)."""
+    K = ctl.choose([spec])
+    ctl.probed(K > 0)
+    s = T_seconds(1 + K)
+    ctl.costs.observe(1, 1 + K, s)
+    ctl.observe_step(1, K, s, 1 + K)
+    return K
+
+
+@pytest.mark.parametrize("floor", [0.5, 1.0])
+def test_blocks_cheaper_than_calibrated_are_priced_at_what_steps_measure(floor):
+    """A start-up calibration that met a busy machine prices a block of 6 at 2.3x a one-token forward where live
+    forwards take 1.8x: after a request's plain first step and its drafting steps, the next request's plain step
+    measures the level's drift, and the overrun brings the price of drafting to what it costs (within its slack).
+    Negative control: an overrun held at 1 or more (floor 1) keeps the calibration's price."""
+    costs = BatchCostModel()
+    costs.calibrated(1, [{T: 0.010 * (1.0 if T == 1 else 2.3) for T in range(1, 7)}])
+    ctl = BatchAdaptiveK(costs)
+    ctl.over.floor = floor
+    true = lambda T: 0.010 * (1.0 if T == 1 else 1.8)                      # noqa: E731
+    spec = RowSpec(5, 0.7, 0.0)
+    for _ in range(3):                                    # requests: a plain first step, then drafting steps
+        one_step(ctl, dataclasses.replace(spec, cap=0), true)
+        assert all(one_step(ctl, spec, true) == 5 for _ in range(10))
+    predicted = ctl._step_seconds([spec], 5) / ctl._step_seconds([spec], 0)
+    if floor < 1:
+        assert 1.8 <= predicted <= 1.8 + 2.3 * ctl.over.slack + 0.05, ctl.overrun   # the slack is not charged
+    else:
+        assert predicted > 2.1                        # the shape refines slowly (forwards near a one-token one)
+
+
+def test_a_stale_start_up_level_does_not_price_drafting_up():
+    """Calibrated at twice today's level (a start-up cache from a loaded moment) with today's shape: a request's
+    plain first step, predicted from that level, is not compared (it would stand in the plain steps at half its
+    cost and price drafting up 2x), so drafting stays priced at its shape."""
+    costs = BatchCostModel()
+    costs.calibrated(1, [{T: 0.020 * (1.0 if T == 1 else 1.8) for T in range(1, 7)}])
+    ctl = BatchAdaptiveK(costs)
+    true = lambda T: 0.010 * (1.0 if T == 1 else 1.8)                      # noqa: E731
+    spec = RowSpec(5, 0.7, 0.0)
+    one_step(ctl, dataclasses.replace(spec, cap=0), true)
+    assert all(one_step(ctl, spec, true) == 5 for _ in range(10))
+    assert ctl.overrun == 1.0
+    assert ctl._step_seconds([spec], 5) / ctl._step_seconds([spec], 0) == pytest.approx(1.8, rel=0.01)
 
 
 def test_alternating_block_lengths_refine_the_shape():

@@ -70,18 +70,24 @@ def with_proposal(spec: RowSpec, acceptance: AcceptanceEstimate, length: int, ma
 
 @dataclass
 class Overrun:
-    """How much more than predicted a step that drafts costs, relative to a plain step: the fastest measured /
-    predicted seconds of each over their last `window` steps; their ratio (at least 1, once 3 drafting steps are
+    """How much more (or less) than predicted a step that drafts costs, relative to a plain step: the fastest
+    measured / predicted seconds of each over their last `window` steps; their ratio (once 3 drafting steps are
     measured) scales the predicted seconds of drafting. The prediction prices chain forwards and a proposal per
     drafted token; a tree proposal (several head levels whatever K, the race over the vocabulary at each node),
-    its tree-masked forward, or a head catching up on the context it skipped at K = 0 cost more (unpriced, those costs
-    held the head methods at 0.87-0.97x plain decoding with K ~ 0 on the embedded target).
+    its tree-masked forward, or a head catching up on the context it skipped at K = 0 cost more (unpriced, those
+    costs held the head methods at 0.87-0.97x plain decoding with K ~ 0 on the embedded target). A start-up
+    calibration that met a busy machine prices a block dearer than it is (the embedded target: blocks of 3-6
+    tokens at 2.3x a one-token forward where a quiet machine measures 1.7-1.8x, kept in the start-up cache for
+    every later process), which the ratio corrects too, down to `floor`: while a request drafts, the cost
+    model's level follows its blocks' times divided by that shape, so its next plain step measures dearer than
+    predicted by the same factor.
 
     Why the fastest, as the start-up calibration keeps (costs.BatchCostModel.calibrated): other processes only add
     to a step's time, and a few drafting steps that met them (one of 224 ms and one of 460 ms where a plain step
     took 20-60 ms, on a machine running other jobs) would otherwise price drafting out of a request that pays."""
     slack: float = 0.05            # what the ratio shows of noise alone: not charged
     window: int = 8
+    floor: float = 0.5
     drafting: list[float] = field(default_factory=list)    # [<= window] measured / predicted of drafting steps
     plain: list[float] = field(default_factory=list)       # [<= window] ... of plain steps
     value: float = 1.0
@@ -91,7 +97,9 @@ class Overrun:
         kept.append(measured_over_predicted)
         del kept[:-self.window]
         if len(self.drafting) >= 3:
-            self.value = max(1.0, min(self.drafting) / (min(self.plain) if self.plain else 1.0) - self.slack)
+            r = min(self.drafting) / (min(self.plain) if self.plain else 1.0)
+            self.value = (r - self.slack if r > 1 + self.slack else
+                          max(self.floor, r + self.slack) if r < 1 - self.slack and self.plain else 1.0)
 
 
 class BatchAdaptiveK:
@@ -113,6 +121,7 @@ class BatchAdaptiveK:
         self.plain_s: dict[int, float] = {}      # n -> EMA of a K = 0 step's seconds over n rows
         self._predicted = 0.0    # the predicted seconds of the step now running (its chosen K, proposals made)
         self._chosen = 0         # ... and its K
+        self._live = False       # ... predicted from a level that live forwards set (costs.BatchCostModel.live)
 
     @property
     def overrun(self) -> float:
@@ -165,6 +174,7 @@ class BatchAdaptiveK:
         # the catching up that the prediction spreads over the request and the step pays at once (measured apart)
         sure = [dataclasses.replace(r, match=1.0) for r in rows] if K else rows
         self._predicted = self._step_seconds(sure, K, measured=False, catchup=False) if rows else 0.0
+        self._live = bool(rows) and self.costs.live(len(rows))
         self._chosen = K
         return K
 
@@ -177,6 +187,7 @@ class BatchAdaptiveK:
         self.probes.due(n)
         self.probes.probing = False
         self._predicted = self.costs.cost(n, 1)
+        self._live = self.costs.live(n)
         return True
 
     def _choose(self, rows: list[RowSpec]) -> int:
@@ -231,8 +242,10 @@ class BatchAdaptiveK:
         model catching up) and yielded `tokens`: a plain step is the reference; a probe's loss against it sets the
         shortest wait before the next one. chosen: the step ran the K this policy chose (not one forced by fixed-K
         rows), so its prediction is comparable."""
-        if chosen and self._predicted > 0 and (drafted > 0) == (self._chosen > 0):   # a K > 0 without proposals:
-            self.over.observe(drafted > 0, max(0.0, seconds - catchup_s) / self._predicted)   # neither
+        # not compared: a K > 0 without proposals (neither kind of step), a prediction from the start-up level
+        # (measured at another load, or read from another process's start-up cache)
+        if chosen and self._live and self._predicted > 0 and (drafted > 0) == (self._chosen > 0):
+            self.over.observe(drafted > 0, max(0.0, seconds - catchup_s) / self._predicted)
         if not drafted:
             old = self.plain_s.get(n)
             self.plain_s[n] = seconds if old is None else 0.9 * old + 0.1 * seconds

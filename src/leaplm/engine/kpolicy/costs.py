@@ -26,6 +26,10 @@ class BatchCostModel:
     # stretch of forwards at one T cannot tell a change of load from a change of shape, and the level takes it.
     ref_window: int = 8
     _since_ref: dict[int, int] = field(default_factory=dict)
+    # n's whose level a live forward has set: the first live forward replaces the start-up level (measured at
+    # another time, or read from the start-up cache of another process, at another load: off by up to 2x on a
+    # shared machine, which a request's first steps then measured against)
+    _live: set[int] = field(default_factory=set)
     _mono: dict[int, dict[int, float]] = field(default_factory=dict)   # n -> _monotone(n), until n changes
 
     def observe(self, n: int, T: int, seconds: float) -> None:
@@ -38,7 +42,8 @@ class BatchCostModel:
         if (n, T) not in self.shape:
             self.shape[(n, T)] = seconds / self.level[n]
             return
-        d = self.decay
+        d = self.decay if n in self._live else 0.0
+        self._live.add(n)
         self.level[n] = d * self.level[n] + (1 - d) * seconds / self.shape[(n, T)]
         since = 0 if T == self.ref[n] else self._since_ref.get(n, self.ref_window) + 1
         self._since_ref[n] = since
@@ -46,6 +51,10 @@ class BatchCostModel:
             s = self.shape_decay
             self.shape[(n, T)] = s * self.shape[(n, T)] + (1 - s) * seconds / self.level[n]
             self.weight[(n, T)] = min(100.0, self.weight.get((n, T), 1.0) + 1.0)
+
+    def live(self, n: int) -> bool:
+        """A live forward at n has set its level (until then, cost(n, .) is the start-up's figure)."""
+        return n in self._live
 
     def calibrated(self, n: int, rounds: list[dict[int, float]]) -> None:
         """Start-up measurements at n rows: rounds of {T: seconds}, each round's T's measured back to back. The
