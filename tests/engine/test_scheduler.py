@@ -323,3 +323,40 @@ def test_without_positions_past_the_context_a_row_near_its_end_caps_the_step(tar
     batch.join(list(range(1, 254)), SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
     batch.join([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
     assert batch.step().report.drafted == [2, 3]
+
+
+def test_calibration_between_requests_serves_at_once_and_ends_calibrated(target, loaded, reference, monkeypatch,
+                                                                         tmp_path):
+    """calibrate='idle' with an empty start-up cache: the scheduler answers before any batch size is measured,
+    outputs stay identical, the loop thread measures every size while idle, and the next scheduler reads them from
+    the cache without measuring."""
+    import threading
+
+    from leaplm import startup_cache
+    from leaplm.engine import scheduler as sched_mod
+
+    monkeypatch.setenv("LEAPLM_CACHE", str(tmp_path))
+    monkeypatch.delenv("LEAPLM_NO_STARTUP_CACHE", raising=False)
+    eng = engine_for(target, loaded, "draft-self", k=3, adaptive=True)
+    sched = BatchScheduler(eng, max_batch=4, calibrate="idle")
+    assert sched.pending_calibration == [n for n in (1, 2, 4) if n not in eng.estimates.calibrated_rows]
+    measured = []
+    real = sched_mod.cached_calibrate
+    monkeypatch.setattr(sched_mod, "cached_calibrate", lambda e, n, *a: (measured.append(n), real(e, n, *a))[1])
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    got, done = [], threading.Event()
+    seq = SeqRequest(eng.encode(PROMPTS[0], params), params,
+                     on_output=lambda o: (got.append(o), o.finished and done.set()))
+    sched.submit([seq])                               # waiting before the loop starts: served before calibrating
+    sched.start()
+    assert done.wait(60)
+    assert [t for o in got if o.chunk for t in o.chunk.token_ids] == reference.generate(PROMPTS[0], params).token_ids
+    for _ in range(600):
+        if not sched.pending_calibration:
+            break
+        threading.Event().wait(0.1)
+    sched.stop()
+    assert sched.pending_calibration == [] and measured and {1, 2, 4} <= eng.estimates.calibrated_rows
+    again = engine_for(target, loaded, "draft-self", k=3, adaptive=True)
+    assert BatchScheduler(again, max_batch=4, calibrate="idle").pending_calibration == []
+    assert startup_cache.cache_root().exists()

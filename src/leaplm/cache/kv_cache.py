@@ -43,6 +43,12 @@ class KVCache:
         self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
 
     def _fill(self, shape, old_k, old_v, keep: int) -> None:
+        if not old_k:
+            # the first storage: one zeroed block, every layer's K and V a view of it (one allocation and one
+            # fill instead of 2 x n_layers small ones, each of which wakes torch's threads)
+            whole = torch.zeros((2 * self.n_layers, *shape), dtype=self.dtype, device=self.device)
+            self.k, self.v = list(whole[0::2].unbind(0)), list(whole[1::2].unbind(0))
+            return
         for i in range(self.n_layers):
             for old, new in ((old_k, self.k), (old_v, self.v)):
                 # zeros, not empty: a short row's slots up to the batch's longest row are read (masked), and

@@ -22,7 +22,7 @@ from typing import Callable
 
 from ..config import ConfigError, SamplingParams
 from .prepare import PreparedRequest
-from .startup_checks import cached_calibrate
+from .startup_checks import cached_calibrate, calibration_from_cache
 from .request import StreamChunk, TokenLogprob
 from .row import engine_error
 from .step import Batch, Row, StepReport, prompt_token_logprobs  # noqa: F401  (StepReport: re-exported)
@@ -84,7 +84,8 @@ class BatchScheduler:
     its own batch of one is not). observer: optional object with on_step(StepReport), called per step.
     """
 
-    def __init__(self, engine, max_batch: int = 8, max_queue: int = 64, observer=None, calibrate: bool = True):
+    def __init__(self, engine, max_batch: int = 8, max_queue: int = 64, observer=None,
+                 calibrate: bool | str = True):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError("max_batch", f"must be an integer >= 1, got {max_batch!r}")
         if not isinstance(max_queue, int) or max_queue < 0:
@@ -108,7 +109,11 @@ class BatchScheduler:
         # for the llama.cpp caches), counted in the loop thread whenever rows join or leave: libllama's memory may
         # not be read while a decode runs, so /metrics reads this
         self.held: dict[str, tuple[int, int]] = {"target": (0, 0), "draft": (0, 0)}
-        if calibrate:                                    # also without a default method: requests may ask for one
+        # row counts the loop thread still has to calibrate, smallest first, while nothing waits or runs
+        self.pending_calibration: list[int] = []
+        if calibrate == "idle":
+            self.calibrate_when_idle()
+        elif calibrate:                                  # also without a default method: requests may ask for one
             self.calibrate()
 
     # --- any thread ----------------------------------------------------------------------------------------
@@ -198,10 +203,15 @@ class BatchScheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self.batch.rows and not self._closed:
+                while not self._waiting and not self.batch.rows and not self._closed and \
+                        not self.pending_calibration:
                     self._cond.wait()
                 if self._closed and not self._waiting and not self.batch.rows:
                     return
+                calibrating = not self._waiting and not self.batch.rows and self.pending_calibration
+            if calibrating:
+                self._calibrate_next()
+                continue
             try:
                 self.step()
             except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
@@ -307,3 +317,26 @@ class BatchScheduler:
         if self.batch.rows:
             raise RuntimeError("calibrate() before serving requests")
         cached_calibrate(self.engine, self.max_batch, ctx, repeats)
+
+    def calibrate_when_idle(self) -> None:
+        """calibrate() from the start-up cache now if it holds it; else the loop thread measures one batch size at a
+        time (1, 2, 4, ... max_batch rows, each a second or two) whenever no request waits or runs, so a server
+        answers from its first second. Until a size is measured, a step of that many rows is priced from the sizes
+        measured so far (kpolicy/costs.py: interpolated; none yet: a block of T tokens costs T one-token
+        forwards, so nothing is drafted)."""
+        if calibration_from_cache(self.engine, self.max_batch):
+            return
+        sizes = sorted({min(self.max_batch, 1 << i) for i in range(self.max_batch.bit_length() + 1)})
+        self.pending_calibration = [n for n in sizes if n not in self.engine.estimates.calibrated_rows] or \
+            [self.max_batch]                             # the last size also writes the start-up cache entry
+
+    def _calibrate_next(self) -> None:
+        """Measure the next pending batch size (loop thread, nothing waiting or running)."""
+        n = self.pending_calibration[0]
+        try:
+            cached_calibrate(self.engine, n)
+        except Exception:  # noqa: BLE001 - a failed measurement leaves the live steps to price the costs
+            log.exception("calibrating %d rows failed; live steps price the costs", n)
+        self.pending_calibration.pop(0)
+        if not self.pending_calibration:
+            log.info("cost calibration done (1 to %d rows)", self.max_batch)

@@ -33,18 +33,29 @@ def _identity(engine) -> list:
 
 def cached_calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> bool:
     """calibrate(), or its result from the cache; True when it came from the cache."""
-    est = engine.estimates
-    k = startup_cache.key("calibration", *_identity(engine), max_rows, ctx, repeats)
-    hit = startup_cache.read_json("calibration", k)
-    if hit is not None:
-        try:
-            _restore(est, hit)
-            return True
-        except (KeyError, TypeError, ValueError) as e:
-            log.info("start-up cache: calibration entry unreadable (%s); measuring", e)
+    if calibration_from_cache(engine, max_rows, ctx, repeats):
+        return True
     calibrate(engine, max_rows, ctx, repeats)
-    startup_cache.write_json("calibration", k, _snapshot(est))
+    startup_cache.write_json("calibration", _calibration_key(engine, max_rows, ctx, repeats),
+                             _snapshot(engine.estimates))
     return False
+
+
+def calibration_from_cache(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> bool:
+    """Restore calibrate()'s result from the start-up cache, measuring nothing; False when it holds none."""
+    hit = startup_cache.read_json("calibration", _calibration_key(engine, max_rows, ctx, repeats))
+    if hit is None:
+        return False
+    try:
+        _restore(engine.estimates, hit)
+        return True
+    except (KeyError, TypeError, ValueError) as e:
+        log.info("start-up cache: calibration entry unreadable (%s); measuring", e)
+        return False
+
+
+def _calibration_key(engine, max_rows: int, ctx: int, repeats: int) -> str:
+    return startup_cache.key("calibration", *_identity(engine), max_rows, ctx, repeats)
 
 
 def _snapshot(est) -> dict:

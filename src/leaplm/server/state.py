@@ -71,13 +71,15 @@ def lowest_cpu_priority() -> None:
 
 
 def build_scheduler(engine, config: ServerConfig) -> BatchScheduler:
-    """The scheduler over engine, calibrated and warmed up (one short request through every stage)."""
+    """The scheduler over engine, warmed up (one short request through every stage) and calibrated from the
+    start-up cache, or calibrating between requests once it serves (BatchScheduler.calibrate_when_idle)."""
     rows = config.max_batch
     if rows > 1 and not engine.model.capabilities.batch:   # the transformers fallback
         log.warning("%s runs one sequence per forward: serving with one batch row (requests beyond it queue)",
                     type(engine.model).__name__)
         rows = 1
-    sched = BatchScheduler(engine, max_batch=rows, max_queue=max(config.max_queue, 1))
+    # the cost calibration from the start-up cache, else measured by the scheduler between requests once serving
+    sched = BatchScheduler(engine, max_batch=rows, max_queue=max(config.max_queue, 1), calibrate="idle")
     ids = engine.tokenizer("warm up", add_special_tokens=False)["input_ids"] or [0]
     sched.submit([SeqRequest(ids[: max(1, engine.max_model_len // 2)], SamplingParams(max_new_tokens=4, temperature=0),
                              on_output=lambda out: None)])
@@ -88,8 +90,9 @@ def build_scheduler(engine, config: ServerConfig) -> BatchScheduler:
 
 def longest_token_chars(tok) -> int:
     """Characters of the vocabulary's longest token string (byte-level and sentencepiece token strings are at
-    least as long as the text they stand for), so len(text) > this x n means more than n tokens."""
-    return max(1, max((len(t) for t in tok.convert_ids_to_tokens(list(range(len(tok)))) if t), default=1))
+    least as long as the text they stand for), so len(text) > this x n means more than n tokens. Read from the
+    vocabulary (token -> id, every token once), which a cached tokenizer answers without transformers."""
+    return max(1, max((len(t) for t in tok.get_vocab() if t), default=1))
 
 
 def max_prompt_chars(state: ServerState) -> int:
