@@ -9,7 +9,7 @@ import pytest
 import leaplm
 from leaplm.engine.kpolicy.estimates import Estimates
 from leaplm.engine.kpolicy.policy import KPolicy
-from leaplm.engine.kpolicy.priors import card_acceptance, rate_from_tau, shared, temperature_band
+from leaplm.engine.kpolicy.priors import acceptance_band, card_acceptance, rate_from_tau, shared, temperature_band
 
 DRAFT_1M = Path(leaplm.__file__).parent / "embedded" / "draft-1m"
 
@@ -69,3 +69,19 @@ def test_engines_of_one_scope_share_what_they_measured():
 @pytest.mark.parametrize("t,band", [(0.0, "greedy"), (0.3, "low"), (0.8, "mid"), (1.0, "mid"), (1.5, "high")])
 def test_temperature_bands(t, band):
     assert temperature_band(t) == band
+
+
+def test_structured_output_keeps_its_own_acceptance():
+    """A constrained request starts from what constrained requests measured, not from the method's free text (nor
+    its card, which measured free text); free text is not moved by constrained requests either."""
+    est = Estimates()
+    est.card = {"greedy": 0.9}
+    policy = KPolicy(est, enabled=True, max_len=512)
+    constrained = acceptance_band(0.0, constrained=True)
+    assert constrained != "greedy" and acceptance_band(0.0) == "greedy"
+    fresh = policy.new_acceptance("draft", False, constrained).rate
+    assert fresh < 0.9
+    for _ in range(50):
+        est.observe_acceptance("draft", 4, 0, 4, band=constrained)
+    assert policy.new_acceptance("draft", False, constrained).rate < 0.2
+    assert policy.new_acceptance("draft", False, "greedy").rate == pytest.approx(0.9)

@@ -24,7 +24,7 @@ class Row:
     tag: object = None                               # the caller's handle (the scheduler's SeqRequest)
     prefilled: int = 0                               # prompt tokens in the cache (all but the last: prefill done)
     shadow: ShadowState = field(default_factory=ShadowState)   # the K policy's evidence at K = 0
-    band: str = "greedy"                             # its temperature band (kpolicy/priors.py temperature_band)
+    band: str = "greedy"                             # its acceptance band (kpolicy/priors.py acceptance_band)
     pending: Future | None = None                    # its grammar work in a worker: it sits steps out until done
                                                      # (engine/constrain.py GrammarWork)
 

@@ -36,7 +36,7 @@ from .commit import finish_chunk, new_request, verify_commit
 from .constrain import GrammarWork, dead_end, forced_proposals
 from .kpolicy.estimates import Estimates
 from .kpolicy.policy import KPolicy
-from .kpolicy.priors import temperature_band
+from .kpolicy.priors import acceptance_band
 from .proposing import planned, propose_row, propose_rows
 from .request import TokenLogprob
 from .row import Row, RowOutput
@@ -155,7 +155,7 @@ class Batch:
             prompt_lps = [None] + (prompt_token_logprobs(logits, ids[1:], prompt_logprobs) if logits is not None
                                    else [])
         req.stats.prefill_s = time.perf_counter() - t0
-        band = temperature_band(params.temperature)
+        band = acceptance_band(params.temperature, params.structured is not None)
         row = Row(req, LogitsProcessor(params), proposer, cap, adaptive_k is False,
                   self.policy.new_acceptance(method, proposer is not None and proposer.bursty, band,
                                              predicted=params.prediction is not None), tag=tag,

@@ -25,6 +25,16 @@ def temperature_band(temperature: float) -> str:
     return "low" if temperature <= 0.5 else "mid" if temperature <= 1.0 else "high"
 
 
+def acceptance_band(temperature: float, constrained: bool = False) -> str:
+    """The band a request's acceptance is kept in: its temperature band, apart for structured output (a grammar's
+    output is not the text a draft learnt: the embedded code draft accepts 0.44-0.56 of its tokens under a JSON
+    schema where it accepts about 0.8 on code, so an estimate carried over from code kept drafting short
+    constrained requests that plain constrained decoding served faster). A constrained band has no card: its
+    first request starts from the prior."""
+    band = temperature_band(temperature)
+    return band + "+schema" if constrained else band
+
+
 def shared(scope: tuple) -> dict[tuple[str, str], AcceptanceEstimate]:
     """The process's estimates of one (target, proposer) scope, keyed by (method, band)."""
     return PROCESS_PRIORS.setdefault(scope, {})
