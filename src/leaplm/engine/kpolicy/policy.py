@@ -114,8 +114,9 @@ class KPolicy:
 
     def _hold_key(self, rows: list[Row], free: frozenset[int]) -> tuple | None:
         """What a K = 0 choice over these rows read that can change between steps: drafting's measured overrun
-        (plain steps move it), each row, its acceptance evidence, whether it is on its first step. None: rows whose plan cannot be held (a cheap proposer proposes
-        anew at every step, a fixed-K row drafts, a grammar's forced tokens are free)."""
+        (plain steps move it), each row, its acceptance evidence, whether it is on its first step. None: rows whose
+        plan cannot be held (a cheap proposer proposes anew at every step, a fixed-K row drafts, a grammar's forced
+        tokens are free)."""
         if not self.enabled or free or any(r.fixed_k or (r.proposer is not None and r.proposer.cheap) for r in rows):
             return None
         return (self.choice.overrun,) + tuple((id(r), r.acceptance.version, r.req.stats.target_forwards == 0)
