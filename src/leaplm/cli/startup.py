@@ -3,9 +3,9 @@
   import       from the process's start (the interpreter, torch, leaplm, the command line) to the command
   load         the target's weights, config and tokenizer (Engine.startup.load_s)
   draft        the draft model, method draft only
-  checks       batch invariance (libllama), the thread check, the cost calibration: read from the start-up cache
-               after the first start on a machine (docs/startup.md)
-  engine       the rest of the engine's set-up (the proposer, the backend choice)
+  checks       --backend auto's timing of both engines, batch invariance (libllama), the thread check, the cost
+               calibration: read from the start-up cache after the first start on a machine (docs/startup.md)
+  engine       the rest of the engine's set-up (the proposer, the K policy)
   prepare      the prompt to token ids (and the command's own work up to the request's start)
   cache        the first batch's KV cache
   prefill      the prompt's forward

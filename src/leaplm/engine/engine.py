@@ -103,8 +103,10 @@ class Engine:
             self.target = model
         else:
             first = spec.method if spec is not None else method or ("draft" if draft is not None else "none")
+            t0 = time.perf_counter()          # --backend auto may time both engines on the file (once: cached)
             choice = choose_target_backend(model, first if first in METHODS else "none", backend, device, dtype,
                                            quantization, kv_cache_dtype)
+            self.startup.checks_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             self.target = load_model(model, device, dtype, "model", choice.quantization or quantization,
                                      kv_cache_dtype, choice.backend)
@@ -150,7 +152,7 @@ class Engine:
         # one-token kernels (LlamaCppLM.batch_invariant) keeps greedy identity only up to that rounding
         t_checks = time.perf_counter()
         self.exactness = exactness_of(self.target)
-        self.startup.checks_s = time.perf_counter() - t_checks
+        self.startup.checks_s += time.perf_counter() - t_checks
         self.tokenizer = self.target.tokenizer
         self.model = self.target.model
         log.info("backend: %s for %s%s (speculation: %s; why: %s)", self.backend, self.target.name,

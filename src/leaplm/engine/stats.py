@@ -87,8 +87,9 @@ class StartupTimes:
     """Seconds an engine spent before its first token, by part (`leaplm generate --startup` prints them)."""
     load_s: float = 0.0          # the target: weights (and the kernel's library), config, tokenizer
     draft_s: float = 0.0         # the draft model (method draft) and the check that it shares the tokenizer
-    checks_s: float = 0.0        # llama.cpp's batch-invariance check, the thread check, the cost calibration (read
-                                 # from the start-up cache after the first start: startup_cache.py)
+    checks_s: float = 0.0        # --backend auto's timing of both engines, llama.cpp's batch-invariance check,
+                                 # the thread check, the cost calibration (read from the start-up cache after the
+                                 # first start: startup_cache.py)
     cache_s: float = 0.0         # the first batch's KV cache
 
 

@@ -144,7 +144,7 @@ def build_native(cfg: dict, hf_state_dict: dict[str, torch.Tensor], device: str,
     args = args_from_hf_config(cfg)
     model = meta_model(args)
     sd = fuse_hf_state_dict(hf_state_dict, args)
-    model = model.to_empty(device=device)
+    # assign: the meta parameters become the state dict's tensors (no empty model allocated first, to be replaced)
     model.load_state_dict({k: v.to(device=device, dtype=td) for k, v in sd.items()}, strict=True, assign=True)
     # non-persistent buffers: rebuild them on the real device
     model.rope_cis = LlamaForCausalLM.rope_table(args, device)
