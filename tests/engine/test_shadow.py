@@ -50,8 +50,11 @@ class ScriptedDraft:
     def lag(self, n: int) -> int:
         return max(0, n - self.cached)
 
-    def guesses(self, tokens: list[int]) -> Guesses | None:
+    def guesses(self, tokens: list[int], first: int = 0) -> Guesses | None:
         start, end = min(self.cached, len(tokens) - 1), len(tokens) - 1
+        self.fed += max(0, min(first - 1, end) - start)   # fed without guesses
+        start = min(max(start, first - 1), end)
+        self.cached = start
         if end <= start:
             return None
         logits = torch.full((end - start, V), -1e9)

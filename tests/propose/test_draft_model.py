@@ -99,3 +99,24 @@ def test_slots_stay_dense_when_a_row_leaves(loaded):
     assert after.tokens.tolist() == fresh.tokens.tolist()
     d = factory(64, group)
     assert d.slot == 2 and d.cached == 0
+
+
+def test_guesses_past_a_prompt_feed_the_prompt_without_its_logits_and_match_the_full_guesses(loaded):
+    """Teacher-forced guesses asked from index `first` on (a request's output after its prompt): the prompt is fed
+    in a forward that keeps no logits, the guesses are the same as the full forward's rows from first - 1 on, and
+    the draft's next proposal is the same either way."""
+    draft = loaded("llama_draft").model
+    tokens, first = list(range(3, 3 + 30)), 20
+    full = DraftModelFactory(draft)(128)
+    g_full = full.guesses(tokens)
+    counting = CountingModel(draft)
+    part = DraftModelFactory(counting)(128)
+    g_part = part.guesses(tokens, first)
+    assert g_full.start == 0 and g_part.start == first - 1
+    assert g_part.logits.shape[0] == len(tokens) - first
+    assert counting.calls == [(1, first - 1), (1, len(tokens) - first)]
+    assert torch.allclose(g_part.logits, g_full.logits[first - 1:], atol=tolerance(draft, draft.vocab_size), rtol=0)
+    assert full.cached == part.cached == len(tokens) - 1
+    params = SamplingParams(temperature=0)
+    a, b = (p.propose(contexts([tokens], 4, params)[0]) for p in (full, part))
+    assert a.tokens.tolist() == b.tokens.tolist()

@@ -103,9 +103,10 @@ class Proposer(Protocol):
         (the K policy prices that catching up apart from drafting)."""
         ...
 
-    def guesses(self, tokens: list[int]) -> "Guesses | None":
+    def guesses(self, tokens: list[int], first: int = 0) -> "Guesses | None":
         """Feed the committed tokens not seen yet (all but the last of `tokens`) teacher-forced, and return the
-        proposer's next-token logits after each: what it would have drafted first there (only when shadows)."""
+        proposer's next-token logits after each: what it would have drafted first there (only when shadows).
+        Guesses of the tokens before index `first` (a prompt's) are not asked for: those tokens are only fed."""
         ...
 
     def close(self) -> None:
@@ -130,7 +131,7 @@ class ProposerBase:
     bursty = False
     shadows = False
 
-    def guesses(self, tokens: list[int]) -> Guesses | None:
+    def guesses(self, tokens: list[int], first: int = 0) -> Guesses | None:
         return None
 
     def observe(self, proposal: Proposal, result: VerifyResult, extra_logits: torch.Tensor | None = None) -> None:

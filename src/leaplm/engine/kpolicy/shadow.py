@@ -88,8 +88,8 @@ def keep_probs(state: ShadowState, t: int, p: torch.Tensor) -> None:
 def score_guesses(state: ShadowState, proposer, req, proc, verifier: str) -> None:
     """A draft model catches up on the committed tokens it has not seen, scoring each guess (module docstring)."""
     t0 = time.perf_counter()
-    g = proposer.guesses(req.tokens)
     first = len(req.prompt_ids)            # guesses of the prompt's own tokens say little about the output's
+    g = proposer.guesses(req.tokens, first)
     if g is not None:
         targets = req.tokens[g.start + 1: g.start + 1 + g.logits.shape[0]]
         if verifier == "greedy":
