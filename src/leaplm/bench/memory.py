@@ -91,12 +91,13 @@ def _vm_hwm(pid: int) -> int:
     return 0
 
 
-def measure_generate(model: Path, dtype: str, prompt_tokens: int, new_tokens: int) -> tuple[int, int, str]:
+def measure_generate(model: Path, dtype: str | None, prompt_tokens: int, new_tokens: int) -> tuple[int, int, str]:
     """(peak RSS, kv_cache_peak_bytes, command) of one `leaplm generate --json` in a child of a fresh wrapper
-    process, so RUSAGE_CHILDREN's maximum is this command's alone."""
+    process, so RUSAGE_CHILDREN's maximum is this command's alone. dtype None: the command's default."""
     prompt = " ".join(f"t{i % 1000 + 1}" for i in range(prompt_tokens))
-    cmd = _leaplm() + ["generate", prompt, "--model", str(model), "--dtype", dtype, "--method", "none",
-                       "--max-new-tokens", str(new_tokens), "--ignore-eos", "--json", "--threads", "1"]
+    cmd = _leaplm() + ["generate", prompt, "--model", str(model), *(["--dtype", dtype] if dtype else []),
+                       "--method", "none", "--max-new-tokens", str(new_tokens), "--ignore-eos", "--json",
+                       "--threads", "1"]
     wrapper = ("import json, resource, subprocess, sys; r = subprocess.run(sys.argv[1:], capture_output=True, "
                "text=True); print(json.dumps({'rc': r.returncode, 'out': r.stdout, 'err': r.stderr[-2000:], "
                "'maxrss_kb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))")
@@ -175,6 +176,15 @@ def run_memory_bench(model_dir: Path, shape: str, dtype: str, prompt_tokens: int
     rss, cache, cmd = measure_serve(model, dtype, prompt_tokens, new_tokens, port, requests)
     out.append(MemoryFigure("leaplm " + cmd, rss, cache, preallocated_bytes(cfg, 8, elem), weights))
     return out
+
+
+def run_model_memory_bench(model: str, prompt_tokens: int, new_tokens: int) -> list[MemoryFigure]:
+    """Peak RSS of `leaplm generate` on a model of the user's (a GGUF file or a checkpoint directory), as the
+    command runs it by default (its dtype and backend)."""
+    path = Path(model).expanduser()
+    weights = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    rss, cache, cmd = measure_generate(path, None, prompt_tokens, new_tokens)
+    return [MemoryFigure("leaplm " + cmd, rss, cache, 0, weights)]
 
 
 def figures_dict(figs: list[MemoryFigure], settings: dict) -> dict:

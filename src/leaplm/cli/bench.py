@@ -346,11 +346,36 @@ def bench_memory(
     requests: int = typer.Option(8, help="serve: completions sent, 4 at a time."),
     port: int = typer.Option(0, help="serve's port (0: a free one)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures here."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Measure `leaplm generate` on this model (a "
+                                        "GGUF file, a checkpoint directory or a catalog name such as smollm2) as "
+                                        "it runs by default, instead of the random long-context shape."),
 ) -> None:
     """Peak RSS of `leaplm generate` and `leaplm serve` on a long-context shape (Llama-3.2-1B's 131072 positions
-    by default, random weights), next to the KV cache preallocating every position would take."""
-    from ..bench.memory import SHAPES, figures_dict, run_memory_bench
+    by default, random weights), next to the KV cache preallocating every position would take; with --model, of
+    `leaplm generate` on that model."""
+    from ..bench.memory import SHAPES, figures_dict, run_memory_bench, run_model_memory_bench
 
+    if model is not None:
+        from ..models.catalog import resolve_model_name
+
+        try:
+            path = resolve_model_name(model)
+        except ConfigError as e:
+            fail(f"--model: {e.message}")
+        if not Path(path).expanduser().exists():
+            fail(f"--model: {model!r} is not a local file or directory")
+        figs = run_model_memory_bench(path, prompt_tokens, new_tokens)
+        t = Table(title=f"peak RSS, {prompt_tokens} prompt + {new_tokens} new tokens")
+        for col in ("command", "peak RSS MB", "KV cache peak MB", "model file(s) MB"):
+            t.add_column(col, justify="left" if col == "command" else "right")
+        for f in figs:
+            t.add_row(f.command, f"{f.peak_rss_bytes / 1e6:.0f}", f"{(f.kv_cache_peak_bytes or 0) / 1e6:.1f}",
+                      f"{f.weights_bytes / 1e6:.0f}")
+        console.print(t)
+        if json_out:
+            json_out.write_text(json.dumps(figures_dict(figs, dict(model=model, prompt_tokens=prompt_tokens,
+                                                                   new_tokens=new_tokens)), indent=1))
+        return
     if shape not in SHAPES:
         fail(f"--shape: one of {', '.join(SHAPES)}, got {shape!r}")
     figs = run_memory_bench(model_dir, shape, dtype, prompt_tokens, new_tokens, port, requests)
