@@ -90,15 +90,16 @@ K_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
 
 
 def q4_k_m_type(name: str) -> str:
-    """The type of tensor `name` in the tiny Q4_K_M file: layer 0 in K-quants, layer 1 as on a model whose rows are
-    not multiples of 256 (Q5_0, a Q8_0 attn_v), ffn_down Q6_K then Q4_K, the embedding and output Q6_K."""
+    """The type of tensor `name` in the tiny Q4_K_M file: layer 0 in K-quants (a Q6_K attn_v beside Q4_K q and k,
+    as llama.cpp writes half of a large model's layers), layer 1 as on a model whose rows are not multiples of 256
+    (Q5_0, a Q8_0 attn_v), ffn_down Q6_K then Q4_K, the embedding and output Q6_K."""
     if name in ("token_embd.weight", "output.weight"):
         return "Q6_K"
     layer, kind = int(name.split(".")[1]), name.split(".")[2]
     if kind == "ffn_down":
         return "Q6_K" if layer == 0 else "Q4_K"
     if layer == 0:
-        return "Q4_K"
+        return "Q6_K" if kind == "attn_v" else "Q4_K"
     return "Q8_0" if kind == "attn_v" else "Q5_0"
 
 

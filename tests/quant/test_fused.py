@@ -45,7 +45,8 @@ def model(request, tmp_path_factory):
 
         path = write_tiny_gguf(tmp_path_factory.mktemp("fused_k"), "Q4_K_M", seed=5)[0]
         m = load_model(path, quantization="gguf").model
-        assert {lin.weight.fmt for lin in m.quantized.values()} == {"int8", "int4", "int6"}
+        assert {p.weight.fmt for lin in m.quantized.values() for p in lin.parts} == {"int8", "int4", "int6"}
+        assert len(m.quantized["layers.0.self_attn.qkv.weight"].parts) == 2      # Q4_K q, k beside a Q6_K v
         assert why_not_fused(m) is None and m.fused_layers() is not None
         return m
     path = write_tiny_llama(tmp_path_factory.mktemp("fused"), vocab=40, layers=3, hidden=64, heads=4, kv_heads=2,
@@ -151,7 +152,7 @@ def test_every_path_gives_the_same_bits(model):
     """The layer loop on the scalar path (baseline-built element-wise code, scalar kernel) equals the chosen path."""
     from leaplm.quant.fused import build_fused
 
-    ext = next(iter(model.quantized.values())).ext
+    ext = next(iter(model.quantized.values())).parts[0].ext
     ids = IDS * 3                                                     # 36 tokens: linears of 32 and 4 rows
     fast = logits(model, ids)
     chosen = ext.path

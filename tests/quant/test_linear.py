@@ -330,3 +330,20 @@ def test_the_build_directory_is_torch_s(monkeypatch):
             monkeypatch.setenv("TORCH_EXTENSIONS_DIR", env)
         b = built_library()
         assert str(b.build_dir) == _get_build_directory(b.name, verbose=False)
+
+
+@needs_ext
+def test_a_split_linear_is_its_row_blocks_side_by_side():
+    """q/k/v held as int4 (Q4_K q, k) and int6 (a Q6_K v): one linear of two row blocks, each row the same bits as
+    its block alone; blocks of one format stay one matrix."""
+    from leaplm.quant.linear import SplitLinear, fused_linear
+
+    a, x, bias = case("int4", 7, N=20, K=256, seed=8)
+    b, _, _ = case("int6", 7, N=13, K=256, seed=9)
+    lin = fused_linear([a, b], "extension")
+    assert isinstance(lin, SplitLinear) and lin.formats == "int4/int6" and lin.out_features == 33
+    assert lin.nbytes == a.nbytes + b.nbytes
+    y = lin(x, torch.cat([bias[:20], bias[:13]]))
+    want = torch.cat([QuantizedLinear(a, "extension")(x, bias[:20]), QuantizedLinear(b, "extension")(x, bias[:13])], -1)
+    assert torch.equal(y, want)
+    assert isinstance(fused_linear([a, a], "extension"), QuantizedLinear)

@@ -165,6 +165,7 @@ struct W {
   int G;
   bool int4;
   bool half;             // int6: int8 integers with a scale per half block (16 weights)
+  int64_t ldy;           // floats between output rows of y (N, or more when this matrix is a part of a wider y)
   int64_t block_bytes() const { return int4 ? 128 : 256; }   // one block of 8 rows
 };
 
@@ -200,7 +201,7 @@ void group_scalar(const W& w, const Act& act, int64_t grp, float* y) {
         acc = std::fma(float(p), w.s[sg] * act.a[t * G + g], acc);
         if (w.m) mt = std::fma(w.m[sg], act.sa[t * G + g], mt);
       }
-      y[t * w.N + n] = acc + mt;
+      y[t * w.ldy + n] = acc + mt;
     }
   }
 }
@@ -355,7 +356,7 @@ void store_tokens(const W& w, const Act& act, int64_t grp, int t0, const float* 
   for (int t = 0; t < TN; ++t) {
     alignas(32) float out[8];
     _mm256_store_ps(out, _mm256_add_ps(_mm256_load_ps(accs + 8 * (t0 + t)), mt[t]));
-    std::memcpy(y + (t0 + t) * w.N + n0, out, sizeof(float) * rows);
+    std::memcpy(y + (t0 + t) * w.ldy + n0, out, sizeof(float) * rows);
   }
 }
 
@@ -456,19 +457,26 @@ void run_groups(const W& w, const Act& act, int path, int64_t g0, int64_t g1, fl
   }
 }
 
-// y [M, N] = x [M, K] through the packed weight w, any M (32 tokens per kernel call); bias (N floats) or null.
-void linear_raw(const float* x, int64_t M, int64_t K, const W& w, const float* bias, int path, float* y) {
+// y [M, N] = x [M, K] through the packed weights ws, their rows side by side (a linear whose row blocks are held in
+// different formats: q/k/v of a Q4_K_M file), any M (32 tokens per kernel call); bias (N floats) or null. Each
+// row's result is its part's alone: the parts share only the quantized activations.
+void linear_raw(const float* x, int64_t M, int64_t K, const std::vector<W>& ws, const float* bias, int path,
+                float* y) {
   Act act;
-  const int64_t NG = (w.N + RG - 1) / RG;
+  const int64_t N = ws[0].ldy;
   for (int64_t m0 = 0; m0 < M; m0 += MAX_T) {
     const int T = int(std::min<int64_t>(MAX_T, M - m0));
     quantize_act(x + m0 * K, T, K, act, path);
-    float* yc = y + m0 * w.N;
-    at::parallel_for(0, NG, 4, [&](int64_t g0, int64_t g1) { run_groups(w, act, path, g0, g1, yc); });
+    int64_t col = 0;
+    for (const W& w : ws) {
+      float* yc = y + m0 * N + col;
+      at::parallel_for(0, (w.N + RG - 1) / RG, 4, [&](int64_t g0, int64_t g1) { run_groups(w, act, path, g0, g1, yc); });
+      col += w.N;
+    }
   }
   if (bias)
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < w.N; ++n) y[m * w.N + n] += bias[n];
+      for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
 }
 
 // x [T, K] fp32 contiguous (T <= 32); qp, sp, mp packed as above; returns y [T, N].
@@ -495,7 +503,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::
   Act act;
   quantize_act(x.data_ptr<float>(), int(T), K, act, int(path));
   const W w{qp.data_ptr<uint8_t>(), sp.data_ptr<float>(), int4 ? mp->data_ptr<float>() : nullptr, N, int(G), int4,
-            half};
+            half, N};
   auto y = torch::empty({T, N}, x.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, NG, 4, [&](int64_t g0, int64_t g1) { run_groups(w, act, int(path), g0, g1, yp); });
@@ -692,13 +700,25 @@ void attend_avx2(const float* q, const float* kb, const float* vb, const int64_t
 }
 #endif
 
-struct PackedLinear {
-  torch::Tensor q, s, m, bias;   // m, bias: empty when absent
+struct PackedPart {
+  torch::Tensor q, s, m;         // m: empty when absent
   int64_t rows;
-  W view(int64_t K) const {
+  W view(int64_t K, int64_t ldy) const {
     const bool int4 = m.numel() > 0;
     return W{q.data_ptr<uint8_t>(), s.data_ptr<float>(), int4 ? m.data_ptr<float>() : nullptr, rows, int(K / QK),
-             int4, !int4 && s.numel() == 2 * ((rows + RG - 1) / RG) * (K / QK) * RG};
+             int4, !int4 && s.numel() == 2 * ((rows + RG - 1) / RG) * (K / QK) * RG, ldy};
+  }
+};
+
+// one linear: its row blocks (one, or several in different formats), output rows side by side
+struct PackedLinear {
+  std::vector<PackedPart> parts;
+  torch::Tensor bias;            // empty when absent
+  int64_t rows;
+  std::vector<W> view(int64_t K) const {
+    std::vector<W> out;
+    for (const auto& p : parts) out.push_back(p.view(K, rows));
+    return out;
   }
   const float* b() const { return bias.numel() ? bias.data_ptr<float>() : nullptr; }
 };
@@ -716,17 +736,26 @@ class Decoder {
                 "decoder: head_dim a multiple of 8, hidden and intermediate sizes multiples of 32");
   }
 
-  // linears in the order q/k/v, o, gate/up, down: (qp, sp, mp or empty, bias or empty, rows) each
-  void add_layer(torch::Tensor ln1, torch::Tensor ln2, std::vector<torch::Tensor> qp, std::vector<torch::Tensor> sp,
-                 std::vector<torch::Tensor> mp, std::vector<torch::Tensor> bias, std::vector<int64_t> rows) {
+  // linears in the order q/k/v, o, gate/up, down: each a list of row blocks (qp, sp, mp or empty, rows), and a
+  // bias or empty
+  void add_layer(torch::Tensor ln1, torch::Tensor ln2, std::vector<std::vector<torch::Tensor>> qp,
+                 std::vector<std::vector<torch::Tensor>> sp, std::vector<std::vector<torch::Tensor>> mp,
+                 std::vector<torch::Tensor> bias, std::vector<std::vector<int64_t>> rows) {
     TORCH_CHECK(qp.size() == 4 && sp.size() == 4 && mp.size() == 4 && bias.size() == 4 && rows.size() == 4,
                 "add_layer: four linears");
     const int64_t want[4] = {(H + 2 * Hkv) * D, hid, 2 * inter, hid};
     PackedLinear p[4];
     for (int i = 0; i < 4; ++i) {
-      TORCH_CHECK(rows[i] == want[i], "add_layer: linear ", i, " has ", rows[i], " rows, expected ", want[i]);
-      p[i] = PackedLinear{qp[i].contiguous(), sp[i].contiguous(), mp[i].contiguous(), bias[i].contiguous().to(torch::kFloat),
-                          rows[i]};
+      TORCH_CHECK(!qp[i].empty() && sp[i].size() == qp[i].size() && mp[i].size() == qp[i].size() &&
+                  rows[i].size() == qp[i].size(), "add_layer: linear ", i, ": one (q, s, m, rows) per part");
+      int64_t total = 0;
+      for (size_t j = 0; j < qp[i].size(); ++j) {
+        p[i].parts.push_back(PackedPart{qp[i][j].contiguous(), sp[i][j].contiguous(), mp[i][j].contiguous(), rows[i][j]});
+        total += rows[i][j];
+      }
+      TORCH_CHECK(total == want[i], "add_layer: linear ", i, " has ", total, " rows, expected ", want[i]);
+      p[i].bias = bias[i].contiguous().to(torch::kFloat);
+      p[i].rows = total;
     }
     layers.push_back(Layer{ln1.contiguous().to(torch::kFloat), ln2.contiguous().to(torch::kFloat), p[0], p[1], p[2], p[3]});
   }

@@ -32,23 +32,6 @@ KERNEL_TYPES = tuple(GGUF_TYPES)              # the block types the int8 kernel 
 PAIRED_ROPE = ("llama", "mistral")           # architectures whose files store q/k rows in the native layout
 
 
-FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))   # matrices one kernel call computes together
-
-
-def mixed_fusions(tensor_types: dict[str, str]) -> list[str]:
-    """The fused matrices (q/k/v, gate/up) whose parts the kernel holds in different formats (a Q4_K attn_q beside
-    a Q6_K attn_v: int4 and int6), which it cannot run as one call; e.g. ['blk.3.attn_q/k/v: Q4_K/Q6_K']."""
-    out = []
-    layers = sorted({int(n.split(".")[1]) for n in tensor_types if n.startswith("blk.")})
-    for i in layers:
-        for group in FUSED:
-            types = [tensor_types.get(f"blk.{i}.{m}.weight") for m in group]
-            if all(t in GGUF_TYPES for t in types) and len({GGUF_TYPES[t] for t in types}) > 1:
-                out.append(f"blk.{i}.{group[0]}/{'/'.join(m.split('_')[1] for m in group[1:])}: "
-                           f"{'/'.join(types)}")
-    return out
-
-
 def kernel_blockers(g: GGUFFile, cfg: dict) -> list[str]:
     """Why this file cannot load straight into the kernel (empty: it can): a matrix of another type, a missing
     tensor, or a config field the native model does not implement."""
@@ -67,8 +50,6 @@ def kernel_blockers(g: GGUFFile, cfg: dict) -> list[str]:
             break
     if "token_embd.weight" not in g.tensors:
         out.append("tensor token_embd.weight is missing")
-    if not out:
-        out += [f"{m} mix the kernel's formats" for m in mixed_fusions({n: t.type_name for n, t in g.tensors.items()})]
     return out
 
 
@@ -88,8 +69,8 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
                      cache_dtype: torch.dtype = torch.float32) -> LoadedModel | None:
     """The file on the int8 kernel from its own blocks, or None (logged) when kernel_blockers says it cannot."""
     from ..kernels.build import load as load_kernel
-    from ..quant.formats import cat_rows, from_gguf_blocks
-    from ..quant.linear import QuantizedLinear, pack_gguf
+    from ..quant.formats import from_gguf_blocks
+    from ..quant.linear import QuantizedLinear, SplitLinear, fused_linear, pack_gguf
     from .gguf import load_gguf_tokenizer
     from .llama import interleave_rope_rows
     from .tokens import bos_to_add
@@ -116,9 +97,9 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
 
     ext = load_kernel()
 
-    def linear(names: list[str], rows: list | None = None) -> QuantizedLinear | None:
-        """The linear over these tensors' rows stacked (fused q/k/v, gate/up); None when their formats mix. On
-        the extension, the blocks go from the file straight into its layout (quant/linear.pack_gguf)."""
+    def linear(names: list[str], rows: list | None = None) -> QuantizedLinear | SplitLinear:
+        """The linear over these tensors' rows stacked (fused q/k/v, gate/up; formats that mix make a split
+        linear). On the extension, the blocks go from the file straight into its layout (quant/linear.pack_gguf)."""
         types = {g.tensors[n].type_name for n in names}
         packed = pack_gguf([g.raw(n) for n in names], types.pop(), rows) \
             if ext is not None and len(types) == 1 else None
@@ -127,7 +108,7 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
                 g.release(n)
             return QuantizedLinear.from_packed(packed)
         parts = [blocks(n, r) for n, r in zip(names, rows or [None] * len(names))]
-        return QuantizedLinear(cat_rows(parts)) if len({p.fmt for p in parts}) == 1 else None
+        return fused_linear(parts)           # parts in two formats (Q4_K q, k beside a Q6_K v): two row blocks
 
     model = meta_model(a)
     empty = lambda: _param(torch.empty(0, dtype=torch.float32))   # noqa: E731  (a weight the kernel holds)
@@ -137,16 +118,10 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
         blk.input_layernorm.weight = _param(_vector(g, b + "attn_norm.weight"))
         blk.post_attention_layernorm.weight = _param(_vector(g, b + "ffn_norm.weight"))
         at = blk.self_attn
-        lin = linear([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
-                     [perm(H), perm(Hkv), None] if reorder else None)
-        if lin is None:
-            return _refuse(info, f"{b}attn_q/k/v mix block types")
-        q[f"layers.{i}.self_attn.qkv.weight"] = lin
+        q[f"layers.{i}.self_attn.qkv.weight"] = linear([b + "attn_q.weight", b + "attn_k.weight",
+                                                         b + "attn_v.weight"], [perm(H), perm(Hkv), None] if reorder else None)
         q[f"layers.{i}.self_attn.o_proj.weight"] = linear([b + "attn_output.weight"])
-        lin = linear([b + "ffn_gate.weight", b + "ffn_up.weight"])
-        if lin is None:
-            return _refuse(info, f"{b}ffn_gate/up mix block types")
-        q[f"layers.{i}.mlp.gate_up.weight"] = lin
+        q[f"layers.{i}.mlp.gate_up.weight"] = linear([b + "ffn_gate.weight", b + "ffn_up.weight"])
         q[f"layers.{i}.mlp.down_proj.weight"] = linear([b + "ffn_down.weight"])
         for mod in (at.qkv, at.o_proj, blk.mlp.gate_up, blk.mlp.down_proj):
             mod.weight = empty()

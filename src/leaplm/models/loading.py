@@ -256,12 +256,9 @@ class BackendChoice:
 def kernel_weight_type(tensor_types: dict[str, str]) -> str | None:
     """The block type of a GGUF file's decoder matrices when every one of them is a type leaplm's int8 kernel
     takes as stored (the most common, e.g. 'Q4_1'); None when some other type (F32, F16, Q5_1, Q3_K) is among
-    them or a fused pair mixes the kernel's formats (gguf_kernel.mixed_fusions). 1-D tensors (norms) are F32 in
-    every file and do not count."""
-    from .gguf_kernel import mixed_fusions
-
+    them. 1-D tensors (norms) are F32 in every file and do not count."""
     mats = [t for n, t in tensor_types.items() if n.startswith("blk.") and t != "F32"]
-    if not mats or any(t not in KERNEL_TYPES for t in mats) or mixed_fusions(tensor_types):
+    if not mats or any(t not in KERNEL_TYPES for t in mats):
         return None
     return Counter(mats).most_common(1)[0][0]
 
@@ -278,7 +275,7 @@ def auto_backend(method: str, weight_type: str | None, kernel_unavailable: str |
     models/gguf_kernel.py); free_bytes: memory available (None: unknown)."""
     if weight_type is None:
         return BackendChoice("auto", None, f"the file's matrices are not all {'/'.join(KERNEL_TYPES)}, the types "
-                                           "leaplm's int8 kernel takes (with q/k/v and gate/up in one format)")
+                                           "leaplm's int8 kernel takes")
     if kernel_unavailable is not None:
         return BackendChoice("auto", None, f"leaplm's int8 kernel cannot be built here ({kernel_unavailable})")
     if free_bytes is not None and 2 * file_bytes > free_bytes:

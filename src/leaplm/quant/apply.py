@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from .formats import BLOCK, GGUF_TYPES, QuantizedWeight, cat_rows, dequantize, from_gguf_blocks, quantize
-from .linear import QuantizedLinear
+from .formats import BLOCK, GGUF_TYPES, QuantizedWeight, dequantize, from_gguf_blocks, quantize
+from .linear import QuantizedLinear, fused_linear
 
 log = logging.getLogger(__name__)
 
@@ -64,20 +64,25 @@ def quantize_model(model, quantization: str, gguf_path: str | None = None, backe
     rep = QuantReport(quantization, "torch", {}, [], {}, 0)
     for name in linear_names(model):
         w = params[name]
-        qw = from_file.get(name)
-        if qw is not None and quantization in ("gguf", qw.fmt):
+        parts = from_file.get(name)
+        if parts is not None and (quantization == "gguf" or {p.fmt for p in parts} == {quantization}):
             rep.from_file.append(name)
-        elif quantization == "gguf":
+            lin = fused_linear(parts, backend)
+            model.quantized[name] = lin
+            rep.backend = lin.backend
+            rep.quantized[name] = "/".join(dict.fromkeys(p.fmt for p in parts))
+            rep.weight_bytes += lin.nbytes
+            continue
+        if quantization == "gguf":
             ft = file_types.get(name, "unknown")
             rep.kept[name] = (f"GGUF type {ft}: the int8 kernel takes {', '.join(GGUF_TYPES)}; it runs dequantized"
                               if any(t not in GGUF_TYPES for t in ft.split("/")) else
                               "its blocks did not match the loaded weight")
             continue
-        elif w.shape[1] % BLOCK:
+        if w.shape[1] % BLOCK:
             rep.kept[name] = f"input dimension {w.shape[1]} is not a multiple of {BLOCK}"
             continue
-        else:
-            qw = quantize(w.detach(), quantization)
+        qw = quantize(w.detach(), quantization)
         lin = QuantizedLinear(qw, backend)
         rep.backend = lin.backend
         model.quantized[name] = lin
@@ -108,8 +113,9 @@ def _free_fp_weights(model, names) -> None:
                                   requires_grad=False)
 
 
-def _gguf_weights(model, path: str, types: dict[str, str] | None = None) -> dict[str, QuantizedWeight]:
-    """The GGUF file's Q8_0/Q4_x tensors as QuantizedWeights under the native model's (fused) names, checked
+def _gguf_weights(model, path: str, types: dict[str, str] | None = None) -> dict[str, list[QuantizedWeight]]:
+    """The GGUF file's tensors of the kernel's types as QuantizedWeights under the native model's (fused) names
+    (the parts of a fused matrix in order: q, k, v share a matrix only when they share a format), checked
     against the weights the model already holds (dequantized by the loader): a layout we do not expect is
     requantized with a warning instead of silently computing on permuted rows."""
     from gguf import GGUFReader
@@ -129,17 +135,16 @@ def _gguf_weights(model, path: str, types: dict[str, str] | None = None) -> dict
     def put(name: str, parts: list[QuantizedWeight | None], srcs: list[str]) -> None:
         if types is not None:
             types[name] = "/".join(dict.fromkeys(raw[n].tensor_type.name for n in srcs if n in raw))
-        if any(p is None for p in parts) or len({p.fmt for p in parts}) != 1:
+        if any(p is None for p in parts):
             return
-        qw = cat_rows(parts) if len(parts) > 1 else parts[0]
         have = model.get_parameter(name).detach().float()
-        deq = dequantize(qw)
+        deq = torch.cat([dequantize(p) for p in parts])
         # the loader dequantized the same fp16 scales: they differ by at most a rounding of the scaled value
         tol = 4 * torch.finfo(torch.float32).eps * have.abs().amax().item()
         if deq.shape != have.shape or not torch.allclose(deq, have, rtol=0, atol=tol):
             log.warning("GGUF %s: the file's blocks do not match the loaded weight; requantizing it instead", name)
             return
-        out[name] = qw
+        out[name] = parts
 
     for i in range(a.num_hidden_layers):
         b = f"blk.{i}."

@@ -69,7 +69,7 @@ def build_fused(model) -> FusedLayers | None:
         return None
     a = model.args
     q = model.quantized
-    ext = next(iter(q.values())).ext
+    ext = next(iter(q.values())).parts[0].ext
     dec = ext.module.Decoder(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.hidden_size,
                              a.intermediate_size, a.rms_norm_eps, ext.path)
     empty = torch.empty(0)
@@ -77,10 +77,11 @@ def build_fused(model) -> FusedLayers | None:
         lins = [q[f"layers.{i}.{n}.weight"] for n in ("self_attn.qkv", "self_attn.o_proj", "mlp.gate_up",
                                                       "mlp.down_proj")]
         biases = [blk.self_attn.qkv.bias, blk.self_attn.o_proj.bias, blk.mlp.gate_up.bias, blk.mlp.down_proj.bias]
+        parts = [[p.packed for p in lin.parts] for lin in lins]          # a split linear's row blocks in order
         dec.add_layer(blk.input_layernorm.weight.detach(), blk.post_attention_layernorm.weight.detach(),
-                      [lin.packed.q for lin in lins], [lin.packed.scale for lin in lins],
-                      [empty if lin.packed.minv is None else lin.packed.minv for lin in lins],
-                      [empty if b is None else b.detach() for b in biases], [lin.packed.rows for lin in lins])
+                      [[p.q for p in ps] for ps in parts], [[p.scale for p in ps] for ps in parts],
+                      [[empty if p.minv is None else p.minv for p in ps] for ps in parts],
+                      [empty if b is None else b.detach() for b in biases], [[p.rows for p in ps] for ps in parts])
     cis = torch.view_as_real(model.rope_cis).contiguous()                      # [P, D/2, 2]
     log.info("decoder layers: C++ layer loop (%d layers, %s path)", a.num_hidden_layers, ext.path_name)
     return FusedLayers(dec, cis)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .formats import BLOCK, QuantizedWeight, dequantize
+from .formats import BLOCK, QuantizedWeight, cat_rows, dequantize
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,11 @@ class QuantizedLinear:
     def backend(self) -> str:
         return "extension" if self.ext is not None else "torch"
 
+    @property
+    def parts(self) -> list["QuantizedLinear"]:
+        """The row blocks the C++ layer loop runs (quant/fused.py): this linear alone."""
+        return [self]
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.ext is None:
             w = dequantize(self.weight).to(x.dtype)
@@ -182,3 +187,44 @@ class QuantizedLinear:
             y = torch.cat([run(x2[i:i + KERNEL_ROWS], p.q, p.scale, p.minv, b, p.rows, path)
                            for i in range(0, M, KERNEL_ROWS)])
         return y.view(*shape[:-1], p.rows).to(x.dtype)
+
+
+class SplitLinear:
+    """One linear whose row blocks are held in different formats (q/k/v of a Q4_K_M file: Q4_K q and k beside a
+    Q6_K v, int4 and int6): each block is a QuantizedLinear, the outputs side by side. Every row is computed by its
+    own block, so its result is the same bits as in a matrix of one format."""
+
+    def __init__(self, parts: list[QuantizedLinear]):
+        if len({p.backend for p in parts}) != 1:
+            raise ValueError("the row blocks of a split linear must run on one backend")
+        self.parts = parts
+        self.formats = "/".join(p.weight.fmt for p in parts)      # e.g. "int4/int6"
+
+    @property
+    def backend(self) -> str:
+        return self.parts[0].backend
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.weight.out_features for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)            # [..., N]
+        return y if bias is None else y + bias.to(y.dtype)
+
+
+def fused_linear(parts: list[QuantizedWeight], backend: str = "auto") -> "QuantizedLinear | SplitLinear":
+    """The linear of `parts` stacked along the output dimension (q/k/v, gate/up): one QuantizedLinear when they
+    share a format, else a SplitLinear of each run of one format."""
+    runs: list[list[QuantizedWeight]] = []
+    for p in parts:
+        if runs and runs[-1][0].fmt == p.fmt:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    lins = [QuantizedLinear(cat_rows(r) if len(r) > 1 else r[0], backend) for r in runs]
+    return lins[0] if len(lins) == 1 else SplitLinear(lins)
