@@ -514,30 +514,45 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::
 #if defined(__x86_64__)
 // The int8 multiply-add rate one thread reaches with a path's dot-product instruction (16 independent chains, no
 // memory traffic): the compute ceiling `leaplm bench --roofline` draws under the kernel's block-cost curve.
-#define LEAPLM_PEAK_BODY(STEP)                                                                   \
-  __m256i acc[16];                                                                                 \
-  for (int i = 0; i < 16; ++i) acc[i] = _mm256_set1_epi32(i);                                      \
-  const __m256i w = _mm256_set1_epi8(3), a = _mm256_set1_epi8(-2), ones = _mm256_set1_epi16(1);    \
-  (void)ones;                                                                                      \
-  for (int64_t it = 0; it < iters; ++it)                                                           \
-    for (int i = 0; i < 16; ++i) {                                                                 \
-      acc[i] = STEP;                                                                               \
-      asm volatile("" : "+x"(acc[i]));                                                             \
-    }                                                                                              \
-  alignas(32) int32_t out[8];                                                                      \
-  int64_t sum = 0;                                                                                 \
-  for (int i = 0; i < 16; ++i) {                                                                   \
-    _mm256_store_si256(reinterpret_cast<__m256i*>(out), acc[i]);                                   \
-    sum += out[0];                                                                                 \
-  }                                                                                                \
-  return sum;
+// 16 independent accumulators in registers (named, not an array: an array indexed in a loop stays on the stack,
+// and the loop then measures a load and a store per instruction instead of the instruction)
+#define LEAPLM_PEAK_BODY(STEP)                                                                     \
+  const __m256i w = _mm256_set1_epi8(3), a = _mm256_set1_epi8(-2), ones = _mm256_set1_epi16(1);      \
+  (void)a, (void)ones;                                                                               \
+  __m256i c0 = _mm256_set1_epi32(0), c1 = _mm256_set1_epi32(1);                                      \
+  __m256i c2 = _mm256_set1_epi32(2), c3 = _mm256_set1_epi32(3);                                      \
+  __m256i c4 = _mm256_set1_epi32(4), c5 = _mm256_set1_epi32(5);                                      \
+  __m256i c6 = _mm256_set1_epi32(6), c7 = _mm256_set1_epi32(7);                                      \
+  __m256i c8 = _mm256_set1_epi32(8), c9 = _mm256_set1_epi32(9);                                      \
+  __m256i c10 = _mm256_set1_epi32(10), c11 = _mm256_set1_epi32(11);                                  \
+  __m256i c12 = _mm256_set1_epi32(12), c13 = _mm256_set1_epi32(13);                                  \
+  __m256i c14 = _mm256_set1_epi32(14), c15 = _mm256_set1_epi32(15);                                  \
+  for (int64_t it = 0; it < iters; ++it) {                                                           \
+    c0 = STEP(c0); c1 = STEP(c1); c2 = STEP(c2); c3 = STEP(c3);                                      \
+    c4 = STEP(c4); c5 = STEP(c5); c6 = STEP(c6); c7 = STEP(c7);                                      \
+    c8 = STEP(c8); c9 = STEP(c9); c10 = STEP(c10); c11 = STEP(c11);                                  \
+    c12 = STEP(c12); c13 = STEP(c13); c14 = STEP(c14); c15 = STEP(c15);                              \
+    asm volatile("" : "+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3), "+x"(c4), "+x"(c5), "+x"(c6), "+x"(c7)); \
+    asm volatile("" : "+x"(c8), "+x"(c9), "+x"(c10), "+x"(c11), "+x"(c12), "+x"(c13), "+x"(c14),       \
+                 "+x"(c15));                                                                         \
+  }                                                                                                  \
+  return int64_t(_mm256_extract_epi32(c0, 0)) + _mm256_extract_epi32(c1, 0) + _mm256_extract_epi32(c2, 0) + \
+         _mm256_extract_epi32(c3, 0) + _mm256_extract_epi32(c4, 0) + _mm256_extract_epi32(c5, 0) +    \
+         _mm256_extract_epi32(c6, 0) + _mm256_extract_epi32(c7, 0) + _mm256_extract_epi32(c8, 0) +    \
+         _mm256_extract_epi32(c9, 0) + _mm256_extract_epi32(c10, 0) + _mm256_extract_epi32(c11, 0) +  \
+         _mm256_extract_epi32(c12, 0) + _mm256_extract_epi32(c13, 0) + _mm256_extract_epi32(c14, 0) + \
+         _mm256_extract_epi32(c15, 0);
+
+// AVX2: the accumulator is also the activation operand, so the multiply cannot be hoisted out of the loop
+#define LEAPLM_STEP_AVX2(c) _mm256_add_epi32(c, _mm256_madd_epi16(_mm256_maddubs_epi16(w, c), ones))
+#define LEAPLM_STEP_VNNI(c) _mm256_dpbusd_epi32(c, w, a)
 
 __attribute__((target("avx2,fma"))) int64_t peak_avx2(int64_t iters) {
-  LEAPLM_PEAK_BODY(_mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones)))
+  LEAPLM_PEAK_BODY(LEAPLM_STEP_AVX2)
 }
 
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) int64_t peak_vnni(int64_t iters) {
-  LEAPLM_PEAK_BODY(_mm256_dpbusd_epi32(acc[i], w, a))
+  LEAPLM_PEAK_BODY(LEAPLM_STEP_VNNI)
 }
 #endif
 
