@@ -148,16 +148,17 @@ class DraftRows:
         start, end = min(p.cached, len(tokens) - 1), len(tokens) - 1
         if end <= start:
             return None
-        view, dev = self._view(p.slot), self.model.device
+        dev = self.model.device
         self.cache.lengths[p.slot] = start
         skip = min(max(start, first - 1), end)
         if skip > start:                                  # fed only: no guess of these is asked for
-            self.model(torch.tensor([tokens[start:skip]], device=dev), view, last_only=True)
+            self.model(torch.tensor([tokens[start:skip]], device=dev), self._view(p.slot), last_only=True)
             self.cache.lengths[p.slot] = skip
         p.cached = skip
         if end <= skip:
             return None
-        logits = self.model(torch.tensor([tokens[skip:end]], device=dev), view)                    # [1, m, V]
+        # a row view is taken after the lengths are set: some caches' views read the row's length when made
+        logits = self.model(torch.tensor([tokens[skip:end]], device=dev), self._view(p.slot))      # [1, m, V]
         self.cache.lengths[p.slot] = end
         p.cached = end
         return Guesses(skip, self.fit_vocab(logits[0]).to(self.out_device))
