@@ -127,5 +127,9 @@ def test_the_deadline_bounds_a_slow_stream(server):
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
-    r = asyncio.run(ex.stream_completion(client, MODEL, "the quick brown", max_tokens=900, deadline_s=0.3))
+    # the stream is made slow by its reader (10 ms a chunk): the tiny model alone can send 900 tokens in well
+    # under the deadline, and the deadline bounds the whole request whichever side is slow
+    r = asyncio.run(ex.stream_completion(client, MODEL, "the quick brown", max_tokens=900, deadline_s=0.3,
+                                         on_text=lambda prompt, piece: time.sleep(0.01)))
     assert r.error == "deadline of 0.3 s exceeded" and r.total_s < 3
+    assert r.text and r.finish_reason is None          # cut mid-stream, not finished
