@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+from ..models.backend_costs import forward_ms
 
 log = logging.getLogger(__name__)
 
@@ -33,21 +33,8 @@ def block_costs(model, tokens=tuple(range(1, 17)), rows: int = 1, ctx: int = 64,
     """Median ms of one libllama forward over `rows` rows of T tokens each after `ctx` cached tokens per row, for
     each T in tokens; the T values interleaved per repeat (order reversed every other one), rolled back after
     each forward."""
-    cache = model.new_cache(rows, ctx + max(tokens) + 1)
-    g = torch.Generator().manual_seed(0)
-    model(torch.randint(0, model.vocab_size, (rows, ctx), generator=g), cache, last_only=True)
-    for b in range(rows):
-        cache.advance(ctx, b)
-    blocks = {T: torch.randint(0, model.vocab_size, (rows, T), generator=g) for T in tokens}
-    for T in tokens:                                             # warm-up
-        model(blocks[T], cache)
-    times: dict[int, list[float]] = {T: [] for T in tokens}
-    for r in range(reps):
-        for T in (tokens if r % 2 == 0 else tokens[::-1]):
-            t = time.perf_counter()
-            model(blocks[T], cache)
-            times[T].append(time.perf_counter() - t)
-    return [statistics.median(times[T]) * 1e3 for T in tokens]
+    ms = forward_ms(model, tuple(tokens), ctx, reps, rows)
+    return [ms[T] for T in tokens]
 
 
 def main_weight_type(path: str) -> str:

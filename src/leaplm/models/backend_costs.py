@@ -60,13 +60,15 @@ def choose_by_costs(method: str, c: BackendCosts) -> CostChoice:
     return CostChoice("torch" if kernel else "llamacpp", f"method {method} verifies blocks: {block} ({measured})")
 
 
-def forward_ms(model, tokens=(1, BLOCK), ctx: int = CTX, repeats: int = REPEATS) -> dict[int, float]:
-    """Median ms of one forward of T tokens after `ctx` cached tokens, for each T (rolled back after each)."""
+def forward_ms(model, tokens=(1, BLOCK), ctx: int = CTX, repeats: int = REPEATS, rows: int = 1) -> dict[int, float]:
+    """Median ms of one forward over `rows` rows of T tokens each after `ctx` cached tokens per row, for each T;
+    the T values interleaved per repeat (order reversed every other one), rolled back after each forward."""
+    cache = model.new_cache(rows, ctx + max(tokens) + 1)
     g = torch.Generator().manual_seed(0)
-    cache = model.new_cache(1, ctx + max(tokens) + 1)
-    model(torch.randint(0, model.vocab_size, (1, ctx), generator=g), cache, last_only=True)
-    cache.advance(ctx)
-    blocks = {T: torch.randint(0, model.vocab_size, (1, T), generator=g) for T in tokens}
+    model(torch.randint(0, model.vocab_size, (rows, ctx), generator=g), cache, last_only=True)
+    for b in range(rows):
+        cache.advance(ctx, b)
+    blocks = {T: torch.randint(0, model.vocab_size, (rows, T), generator=g) for T in tokens}
     for T in tokens:                                             # warm-up
         model(blocks[T], cache)
     times: dict[int, list[float]] = {T: [] for T in tokens}
