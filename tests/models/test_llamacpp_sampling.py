@@ -1,4 +1,5 @@
-"""Lossless sampling on the libllama backend, by Monte Carlo through the server's path (BatchScheduler over the one
+"""Lossless sampling on the libllama backend (and, for a draft model and n-gram lookup, on leaplm's int8 kernel
+over the same GGUF file), by Monte Carlo through the server's path (BatchScheduler over the one
 step), for a draft model, n-gram lookup and two tree proposers (lookahead's fixed candidates, EAGLE's sampled
 ones), under both sampled verifiers: the race (seeded requests) and rejection sampling (asked for by
 SamplingParams.verifier, with a seed so the run is reproducible).
@@ -79,7 +80,14 @@ def q8(tmp_path_factory):
              for name, src in (("target", target), ("draft", draft))}
     lm = load_model(files["target"], backend="llamacpp")
     assert lm.backend == "llamacpp" and lm.model.batch_invariant
-    return {"target": lm, "draft": files["draft"], "heads": write_heads(lm, d / "heads")}
+    return {"target": lm, "draft": files["draft"], "heads": write_heads(lm, d / "heads"), "file": files["target"]}
+
+
+@pytest.fixture(scope="module")
+def q8_kernel(q8):
+    """The same Q8_0 target file on leaplm's int8 kernel (the default backend for a GGUF file), same draft."""
+    lm = load_model(q8["file"], backend="torch", quantization="gguf")
+    return dict(q8, target=lm, backend="torch")
 
 
 def exact_positions_2_3(lm, params: SamplingParams, reference_probs) -> torch.Tensor:
@@ -116,7 +124,7 @@ def run(q8, method: str, verifier: str, ref_probs, params: dict = PROCESSED) -> 
     """N seeded rows of `method` under `verifier`, K fixed, against the exact distribution."""
     options, k = METHODS[method]
     eng = Engine(q8["target"], k=k, adaptive_k=False, **options(q8))
-    assert eng.backend == "llamacpp" and eng.exactness == "identical"
+    assert eng.backend == q8.get("backend", "llamacpp") and eng.exactness == "identical"
     exact = exact_positions_2_3(q8["target"], SamplingParams(**params), ref_probs)
     tally: dict[str, int] = {}
     got = sample_in_batches(eng, dict(params, verifier=verifier), n=N, kinds=[(method, k)], prompt=PROMPT,
@@ -132,6 +140,23 @@ def test_positions_2_and_3_follow_the_target_on_libllama(method, verifier, q8, r
     # recovered and bonus tokens all reach the statistic
     assert mc.accepted >= 50 and mc.drafted - mc.accepted >= 50, mc
     assert mc.tv < mc.bound, f"TV {mc.tv:.4f} >= bound {mc.bound:.4f} ({method}, {verifier})"
+
+
+@pytest.mark.parametrize("verifier", ["race", "rejection"])
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_positions_2_and_3_follow_the_target_on_the_int8_kernel(method, verifier, q8_kernel, ref_probs):
+    mc = run(q8_kernel, method, verifier, ref_probs)
+    assert mc.accepted >= 50 and mc.drafted - mc.accepted >= 50, mc
+    assert mc.tv < mc.bound, f"TV {mc.tv:.4f} >= bound {mc.bound:.4f} ({method}, {verifier}, int8 kernel)"
+
+
+def test_negative_control_on_the_int8_kernel_the_race_keeping_every_draft_fails(q8_kernel, ref_probs,
+                                                                               monkeypatch):
+    patch_everywhere(monkeypatch, "verify_coupled", always_accept)
+    always_accept.calls = 0
+    mc = run(q8_kernel, "draft", "race", ref_probs)
+    assert always_accept.calls >= N
+    assert mc.tv > mc.bound, f"the wrong verifier passed: TV {mc.tv:.4f} < bound {mc.bound:.4f}"
 
 
 def patch_everywhere(monkeypatch, name: str, fake) -> None:
