@@ -161,6 +161,45 @@ def test_steps_without_a_proposal_change_only_the_match_rate():
     assert BatchAdaptiveK(costs).best([RowSpec(4, est.rate, 0.0, tokens_by_k=by_k)]) == 1
 
 
+def demo_step(n: int, T: int) -> float:
+    """The embedded target's block at one thread on a quiet machine (a one-token forward 8.5 ms; blocks of 2-9
+    tokens 1.45-2.0x it, with a dip at T = 4), docs/adaptive-k.md."""
+    return 8.5e-3 * {1: 1.0, 2: 1.45, 3: 1.73, 4: 1.46, 5: 1.69, 6: 1.72, 7: 1.8, 8: 1.9, 9: 2.01}[T]
+
+
+@pytest.mark.parametrize("carry", [True, False])
+def test_positions_a_short_k_never_reaches_are_priced_at_the_measured_conditional_rate(carry):
+    """A draft whose first token is right half the time and, once right, keeps 0.95 of each next one (all or
+    nothing, as a draft often is; its per-token rate, first-position misses included, about 0.70), measured at K = 3
+    only (what a request seeded from earlier requests at K = 3 knows). Positions 4-8 are priced at the conditional
+    rate measured at position 3, so the chosen K reaches within 2% of the best rate by the true acceptance (K = 8
+    on the embedded target's block costs, a drafted token 7.4% of a one-token forward). Negative control (carry
+    off: the per-token rate past position 3): the choice stays short, more than 5% behind."""
+    rng = random.Random(5)
+    first, cont, draft_s = 0.5, 0.95, 0.074 * 8.5e-3
+    est = AcceptanceEstimate(decay=0.999, bursty=False, carry=carry)     # a long memory: the pricing, not the noise
+    for _ in range(3000):
+        right = 0
+        if rng.random() < first:
+            right = 1
+            while right < 3 and rng.random() < cont:
+                right += 1
+        est.observe(3, right)
+    truth = [1.0 + sum(first * cont ** i for i in range(k)) for k in range(9)]
+
+    def true_rate(k: int) -> float:
+        return truth[k] / (demo_step(1, k + 1) + k * draft_s)
+
+    ctl = BatchAdaptiveK(costs_from(demo_step, ns=(1,)))
+    chosen = ctl.best([RowSpec(8, est.rate, draft_s, tokens_by_k=est.tokens_by_k(8))])
+    best = max(true_rate(k) for k in range(1, 9))
+    assert 0.66 < est.rate < 0.74
+    if carry:
+        assert true_rate(chosen) >= 0.98 * best, (chosen, true_rate(chosen) / best)
+    else:
+        assert true_rate(chosen) < 0.95 * best, (chosen, true_rate(chosen) / best)
+
+
 @pytest.mark.parametrize("match", [0.02, 0.1, 0.5, 1.0])
 @pytest.mark.parametrize("shape", [flat, cpu_step])
 def test_never_k0_when_acceptance_given_a_match_is_high(match, shape):
