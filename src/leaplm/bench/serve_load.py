@@ -40,6 +40,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import sse_client
+
 log = logging.getLogger(__name__)
 
 PROMPTS = [
@@ -248,32 +250,18 @@ class ServerProcess:
         self.log.close()
 
 
-async def sse_messages(response):
-    """The JSON message of each `data:` event of a streamed response, up to `data: [DONE]` (every streaming
-    benchmark reads its responses through this). The events are split from the raw bytes (the server writes
-    `data: {json}` and a blank line per event): the client shares the machine with the server, and decoding the
-    stream to text and splitting it into lines cost it about as much CPU again as the JSON."""
-    buf = b""
-    async for piece in response.aiter_raw():
-        buf += piece
-        *events, buf = buf.split(b"\n\n")
-        for ev in events:
-            if ev.startswith(b"data: ") and ev != b"data: [DONE]":
-                yield json.loads(ev[6:])
-
-
-async def send_one(client, body: dict, timeout: float, on_first=None) -> RequestResult:
+async def send_one(url: str, body: dict, timeout: float, on_first=None) -> RequestResult:
     """One streamed completion request, timed (first token, inter-token gaps, end to end)."""
     t0 = time.perf_counter()
     res = RequestResult(ok=False)
     try:
         async with asyncio.timeout(timeout):
-            async with client.stream("POST", "/v1/completions", json=body) as r:
-                if r.status_code != 200:
-                    res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+            async with sse_client.post(url, "/v1/completions", body) as r:
+                if r.status != 200:
+                    res.error = f"HTTP {r.status}: {(await r.body())[:200]!r}"
                     return res
                 last_t, last_n = None, 0
-                async for msg in sse_messages(r):
+                async for msg in r.messages():
                     if "error" in msg:
                         res.error = msg["error"]["message"]
                         return res
@@ -303,8 +291,6 @@ async def send_one(client, body: dict, timeout: float, on_first=None) -> Request
 
 async def _run_level(url: str, concurrency: int, n_requests: int, speculative: bool, cfg: LoadBenchConfig,
                      offset: int) -> tuple[float, list[RequestResult]]:
-    import httpx
-
     bodies = []
     for i in range(n_requests):
         b = {"model": "bench", "prompt": PROMPTS[(offset + i) % len(PROMPTS)], "max_tokens": cfg.max_tokens,
@@ -317,20 +303,18 @@ async def _run_level(url: str, concurrency: int, n_requests: int, speculative: b
     for b in bodies:
         queue.put_nowait(b)
     results: list[RequestResult] = []
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=cfg.timeout_s) as client:
-        async def worker():
-            while True:
-                try:
-                    body = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                results.append(await send_one(client, body, cfg.timeout_s))
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*[worker() for _ in range(concurrency)])
-        wall = time.perf_counter() - t0
-    return wall, results
+    async def worker():
+        while True:
+            try:
+                body = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            results.append(await send_one(url, body, cfg.timeout_s))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    return time.perf_counter() - t0, results
 
 
 class EngineAlone:
@@ -421,8 +405,6 @@ async def _run_long_prompt(url: str, cfg: LoadBenchConfig, long_ids: list[int] |
                            offset: int) -> tuple[list[RequestResult], RequestResult | None]:
     """cfg.long_prompt_among streams of cfg.max_tokens; with long_ids, once every stream has its first token, one
     request with that prompt (2 tokens out) arrives among them. Returns the streams' results and the long one's."""
-    import httpx
-
     n = cfg.long_prompt_among
     started = asyncio.Event()
     firsts = 0
@@ -433,23 +415,21 @@ async def _run_long_prompt(url: str, cfg: LoadBenchConfig, long_ids: list[int] |
         if firsts == n:
             started.set()
 
-    async def stream(client, i):
+    async def stream(i):
         body = {"model": "bench", "prompt": PROMPTS[(offset + i) % len(PROMPTS)], "max_tokens": cfg.max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-        return await send_one(client, body, cfg.timeout_s, on_first=first_token)
+        return await send_one(url, body, cfg.timeout_s, on_first=first_token)
 
-    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=n + 4),
-                                 timeout=cfg.timeout_s) as client:
-        tasks = [asyncio.ensure_future(stream(client, i)) for i in range(n)]
-        long_res = None
-        if long_ids is not None:
-            await started.wait()
-            await asyncio.sleep(0.05)                  # a few decoding steps of every stream before it arrives
-            body = {"model": "bench", "prompt": long_ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-            long_res = await send_one(client, body, cfg.timeout_s)
-        return list(await asyncio.gather(*tasks)), long_res
+    tasks = [asyncio.ensure_future(stream(i)) for i in range(n)]
+    long_res = None
+    if long_ids is not None:
+        await started.wait()
+        await asyncio.sleep(0.05)                  # a few decoding steps of every stream before it arrives
+        body = {"model": "bench", "prompt": long_ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        long_res = await send_one(url, body, cfg.timeout_s)
+    return list(await asyncio.gather(*tasks)), long_res
 
 
 def _k_gauge(url: str) -> float | None:

@@ -65,8 +65,6 @@ def profile_prompt(p: Profile, i: int) -> str:
 
 async def _run_profile(url: str, p: Profile, speculative: bool, timeout_s: float,
                        offset: int) -> tuple[float, list[RequestResult]]:
-    import httpx
-
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(p.requests):
         body = {"model": "bench", "prompt": profile_prompt(p, offset + i), "max_tokens": p.max_tokens,
@@ -76,15 +74,14 @@ async def _run_profile(url: str, p: Profile, speculative: bool, timeout_s: float
             body["speculative"] = {"method": "none"}
         queue.put_nowait(body)
     results: list[RequestResult] = []
-    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=p.concurrency + 4),
-                                 timeout=timeout_s) as client:
-        async def worker():
-            while not queue.empty():
-                results.append(await send_one(client, queue.get_nowait(), timeout_s))
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*[worker() for _ in range(p.concurrency)])
-        return time.perf_counter() - t0, results
+    async def worker():
+        while not queue.empty():
+            results.append(await send_one(url, queue.get_nowait(), timeout_s))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[worker() for _ in range(p.concurrency)])
+    return time.perf_counter() - t0, results
 
 
 def summarize_profiles(profiles: list[Profile], runs: dict[str, list[RunResult]]) -> list[dict]:

@@ -20,7 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .serve_load import LoadBenchConfig, ServerProcess, machine, sse_messages
+from . import sse_client
+from .serve_load import LoadBenchConfig, ServerProcess, machine
 
 
 @dataclass
@@ -47,18 +48,18 @@ class WorkloadSample:
     result: StreamResult = field(default_factory=StreamResult)
 
 
-async def stream_request(client, path: str, body: dict, timeout: float) -> StreamResult:
+async def stream_request(url: str, path: str, body: dict, timeout: float) -> StreamResult:
     """One streamed request; token counts from the usage on every chunk (continuous_usage_stats)."""
     res = StreamResult()
     t0 = time.perf_counter()
     first = last = None
     try:
         async with asyncio.timeout(timeout):
-            async with client.stream("POST", path, json=body) as r:
-                if r.status_code != 200:
-                    res.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+            async with sse_client.post(url, path, body) as r:
+                if r.status != 200:
+                    res.error = f"HTTP {r.status}: {(await r.body())[:300]!r}"
                     return res
-                async for msg in sse_messages(r):
+                async for msg in r.messages():
                     if "error" in msg:
                         res.error = msg["error"]["message"]
                         return res
@@ -134,8 +135,6 @@ def summarize(samples: list[WorkloadSample]) -> list[dict]:
 
 def run_workloads_bench(cfg: LoadBenchConfig, workloads: list[str], prompts: int) -> dict:
     """One server (cfg's method), every workload's prompts in every configuration, cfg.rounds rounds."""
-    import httpx
-
     from .workloads import as_chat, get_workload
 
     wls = [get_workload(name, prompts) for name in workloads]
@@ -150,18 +149,17 @@ def run_workloads_bench(cfg: LoadBenchConfig, workloads: list[str], prompts: int
             info = server.backend_info()
 
             async def go():
-                async with httpx.AsyncClient(base_url=server.url, timeout=cfg.timeout_s) as client:
-                    for w in wls:                          # warm-up: each configuration once, untimed
-                        for c in configs:
-                            await stream_request(client, *_body(w, 0, c, 16), cfg.timeout_s)
-                    for rnd in range(cfg.rounds):
-                        for w in wls:
-                            for i in range(len(w.prompts)):
-                                shift = (rnd + i) % len(configs)
-                                for c in configs[shift:] + configs[:shift]:
-                                    res = await stream_request(client, *_body(w, i, c, cfg.max_tokens),
-                                                               cfg.timeout_s)
-                                    samples.append(WorkloadSample(w.name, label(c), i, rnd, res))
+                for w in wls:                          # warm-up: each configuration once, untimed
+                    for c in configs:
+                        await stream_request(server.url, *_body(w, 0, c, 16), cfg.timeout_s)
+                for rnd in range(cfg.rounds):
+                    for w in wls:
+                        for i in range(len(w.prompts)):
+                            shift = (rnd + i) % len(configs)
+                            for c in configs[shift:] + configs[:shift]:
+                                res = await stream_request(server.url, *_body(w, i, c, cfg.max_tokens),
+                                                           cfg.timeout_s)
+                                samples.append(WorkloadSample(w.name, label(c), i, rnd, res))
 
             asyncio.run(go())
         finally:
