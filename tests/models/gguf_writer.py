@@ -104,7 +104,7 @@ def q4_k_m_type(name: str) -> str:
 
 
 def write_tiny_gguf(dir_path, qtype: str = "F32", seed: int = 0, tied: bool = False, add_bos: bool | None = False,
-                    arch: str = "llama") -> tuple[str, str]:
+                    arch: str = "llama", name: str = "tiny random llama") -> tuple[str, str]:
     """(gguf file path, Hugging Face directory of the same random model). Dimensions are multiples of 32 so every
     block quantization applies to every matrix (qtype "Q4_K_M": of 256, for the K-quants)."""
     import gguf
@@ -133,7 +133,7 @@ def write_tiny_gguf(dir_path, qtype: str = "F32", seed: int = 0, tied: bool = Fa
 
     path = str(dir_path / f"tiny-{qtype}.gguf")
     w = gguf.GGUFWriter(path, arch)
-    w.add_name("tiny random llama")
+    w.add_name(name)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)

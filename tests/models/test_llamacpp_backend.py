@@ -79,7 +79,7 @@ def _injected_costs(monkeypatch):
     is noise: which engine wins would change from run to run)."""
     calls = []
 
-    def fake(path, load_kernel):
+    def fake(path, load_kernel, check_invariance=True):
         calls.append(path)
         return KERNEL_FASTER
     monkeypatch.setattr(backend_costs, "measure", fake)
@@ -205,7 +205,7 @@ def test_the_measurement_is_taken_once_per_file_and_machine(files, tmp_path, mon
     monkeypatch.setenv("LEAPLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("LEAPLM_NO_STARTUP_CACHE", raising=False)
     slow_one = BackendCosts(**{**KERNEL_FASTER.__dict__, "kernel_one_ms": 12.0})
-    monkeypatch.setattr(backend_costs, "measure", lambda path, load: _injected_costs.append(path) or slow_one)
+    monkeypatch.setattr(backend_costs, "measure", lambda path, load, check=True: _injected_costs.append(path) or slow_one)
     assert choose_target_backend(files["q8_0"], "none").backend == "llamacpp"      # follows the measurement
     assert choose_target_backend(files["q8_0"], "ngram").backend == "torch"
     assert len(_injected_costs) == 1                                             # the second start read the cache
@@ -223,9 +223,45 @@ def test_both_engines_are_timed_for_real(files, monkeypatch):
     from leaplm.models import load_model
 
     monkeypatch.undo()                                   # the real measure()
-    c = backend_costs.measure(files["q8_0"], lambda p: load_model(p, quantization="gguf", backend="torch").model)
+    load = lambda p: load_model(p, quantization="gguf", backend="torch").model      # noqa: E731
+    c = backend_costs.measure(files["q8_0"], load)
     assert min(c.kernel_one_ms, c.kernel_block_ms, c.llamacpp_one_ms, c.llamacpp_block_ms) > 0
     assert isinstance(c.llamacpp_invariant, bool) and c.threads >= 1
+    plain = backend_costs.measure(files["q8_0"], load, check_invariance=False)
+    assert plain.llamacpp_invariant is None and min(plain.llamacpp_one_ms, plain.llamacpp_block_ms) > 0
+
+
+@needs_libllama
+def test_plain_decoding_leaves_the_invariance_check_to_the_first_speculating_start(files, tmp_path, monkeypatch,
+                                                                                  _injected_costs):
+    from leaplm.kernels.build import unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(f"leaplm's int8 kernel cannot be built here ({unavailable_reason()})")
+    monkeypatch.setenv("LEAPLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LEAPLM_NO_STARTUP_CACHE", raising=False)
+    asked, checks = [], []
+    block_on_libllama = {**KERNEL_FASTER.__dict__, "kernel_block_ms": 50.0}   # one token: kernel; blocks: libllama
+
+    def measure(path, load, check=True):
+        asked.append(check)
+        return BackendCosts(**{**block_on_libllama, "llamacpp_invariant": True if check else None})
+
+    monkeypatch.setattr(backend_costs, "measure", measure)
+    monkeypatch.setattr(backend_costs, "llamacpp_invariant", lambda path: checks.append(path) or invariant)
+    invariant = False
+    assert choose_target_backend(files["q8_0"], "none").backend == "torch"
+    assert asked == [False] and checks == []
+    assert choose_target_backend(files["q8_0"], "ngram").backend == "torch"      # not invariant: the kernel
+    assert asked == [False] and checks == [files["q8_0"]]                         # the check added, timings kept
+    invariant = True
+    assert choose_target_backend(files["q8_0"], "ngram").backend == "torch"      # the entry's answer, not asked again
+    assert choose_target_backend(files["q8_0"], "none").backend == "torch"
+    assert asked == [False] and len(checks) == 1
+    monkeypatch.setenv("LEAPLM_CACHE", str(tmp_path / "other"))                 # a machine where it is invariant
+    assert choose_target_backend(files["q8_0"], "none").backend == "torch"
+    assert choose_target_backend(files["q8_0"], "ngram").backend == "llamacpp"
+    assert asked == [False, False] and len(checks) == 2
 
 
 def count_loads(monkeypatch) -> list[str]:

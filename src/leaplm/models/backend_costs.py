@@ -5,6 +5,9 @@ kernel scores one token and a block of 8 faster than libllama, on other exports 
 So both are loaded once, a forward of one token and one of a block (BLOCK tokens, what a verify step scores) is
 timed on each after a short context, interleaved, medians kept; the result is stored in the start-up cache
 (startup_cache.py, kind "backend-costs": per file, machine, thread count and version), so later starts read it.
+libllama's batch-invariance check (LlamaCppLM.batch_variance: about a second per attention kind tried) matters only
+to a speculating method, so a start for plain decoding leaves it out and the first speculating start adds it to
+the entry (its own cache entry, kind "batch-variance", answers it when libllama has run the file before).
 
 The choice (choose_by_costs) is a pure function of the measurement: plain decoding takes the engine with the
 faster one-token forward, a speculating method the faster block, except that a speculating method stays on the
@@ -16,7 +19,7 @@ import gc
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -34,7 +37,8 @@ class BackendCosts:
     kernel_block_ms: float        # leaplm's int8 kernel, BLOCK tokens
     llamacpp_one_ms: float        # libllama, 1 token
     llamacpp_block_ms: float      # libllama, BLOCK tokens
-    llamacpp_invariant: bool      # libllama's block and one-token kernels give the same bits for this file
+    llamacpp_invariant: bool | None   # libllama's block and one-token kernels give the same bits for this file;
+                                      # None: not checked (plain decoding does not ask)
     threads: int
 
 
@@ -53,6 +57,8 @@ def choose_by_costs(method: str, c: BackendCosts) -> CostChoice:
     if method == "none":
         kernel = c.kernel_one_ms <= c.llamacpp_one_ms
         return CostChoice("torch" if kernel else "llamacpp", f"plain decoding: {one} ({measured})")
+    if c.llamacpp_invariant is None:
+        raise ValueError("choose_by_costs: a speculating method needs libllama's batch-invariance check")
     if not c.llamacpp_invariant:
         return CostChoice("torch", f"method {method} verifies blocks: libllama is not batch-invariant for this "
                                    f"file, the kernel is; {block} ({measured})")
@@ -60,10 +66,12 @@ def choose_by_costs(method: str, c: BackendCosts) -> CostChoice:
     return CostChoice("torch" if kernel else "llamacpp", f"method {method} verifies blocks: {block} ({measured})")
 
 
-def forward_ms(model, tokens=(1, BLOCK), ctx: int = CTX, repeats: int = REPEATS, rows: int = 1) -> dict[int, float]:
+def forward_ms(model, tokens=(1, BLOCK), ctx: int = CTX, repeats: int = REPEATS, rows: int = 1,
+               new_cache=None) -> dict[int, float]:
     """Median ms of one forward over `rows` rows of T tokens each after `ctx` cached tokens per row, for each T;
-    the T values interleaved per repeat (order reversed every other one), rolled back after each forward."""
-    cache = model.new_cache(rows, ctx + max(tokens) + 1)
+    the T values interleaved per repeat (order reversed every other one), rolled back after each forward.
+    new_cache(rows, max_len): the cache to time in (default model.new_cache)."""
+    cache = (new_cache or model.new_cache)(rows, ctx + max(tokens) + 1)
     g = torch.Generator().manual_seed(0)
     model(torch.randint(0, model.vocab_size, (rows, ctx), generator=g), cache, last_only=True)
     for b in range(rows):
@@ -80,9 +88,11 @@ def forward_ms(model, tokens=(1, BLOCK), ctx: int = CTX, repeats: int = REPEATS,
     return {T: statistics.median(v) * 1e3 for T, v in times.items()}
 
 
-def measure(path: str, load_kernel) -> BackendCosts:
+def measure(path: str, load_kernel, check_invariance: bool = True) -> BackendCosts:
     """Load the file on each engine in turn and time it (about a second on a small model). load_kernel(path): the
-    file's model on the int8 kernel (loading.py passes its loader)."""
+    file's model on the int8 kernel (loading.py passes its loader). libllama is timed in a context of its own
+    default attention (flash attention) before any check; check_invariance: run its batch-invariance check too."""
+    from .llamacpp.caches import LlamaCppCache
     from .llamacpp.model import LlamaCppLM
 
     kernel = load_kernel(path)
@@ -90,25 +100,42 @@ def measure(path: str, load_kernel) -> BackendCosts:
     del kernel
     gc.collect()
     lm = LlamaCppLM(path)
-    invariant = lm.batch_invariant
-    ll = forward_ms(lm)
+    ll = forward_ms(lm, new_cache=lambda rows, n: LlamaCppCache(lm, rows, n))
+    invariant = lm.batch_invariant if check_invariance else None
     del lm
     gc.collect()
     return BackendCosts(k[1], k[BLOCK], ll[1], ll[BLOCK], invariant, torch.get_num_threads())
 
 
-def cached_costs(path: str, load_kernel) -> BackendCosts:
-    """measure(path, load_kernel), or its result from the start-up cache (--recalibrate measures again)."""
+def llamacpp_invariant(path: str) -> bool:
+    """libllama's batch-invariance check for the file: from the start-up cache when libllama ran it here before,
+    else measured on a load of the file (and kept there)."""
+    from .llamacpp.model import LlamaCppLM, known_batch_variance
+
+    variance = known_batch_variance(path)
+    return variance == 0.0 if variance is not None else LlamaCppLM(path).batch_invariant
+
+
+def cached_costs(path: str, load_kernel, check_invariance: bool = True) -> BackendCosts:
+    """measure(path, load_kernel), or its result from the start-up cache (--recalibrate measures again).
+    check_invariance: the entry must hold libllama's batch-invariance check (a speculating method's choice reads
+    it); an entry written for plain decoding gets it added."""
     from .. import startup_cache
 
     key = startup_cache.key("backend-costs", startup_cache.file_identity(path), torch.get_num_threads(), BLOCK, CTX)
     hit = startup_cache.read_json("backend-costs", key)
+    costs = None
     if hit is not None:
         try:
-            return BackendCosts(**hit)
+            costs = BackendCosts(**hit)
         except TypeError:
             pass
-    costs = measure(path, load_kernel)
+    if costs is not None and (costs.llamacpp_invariant is not None or not check_invariance):
+        return costs
+    if costs is not None:
+        costs = replace(costs, llamacpp_invariant=llamacpp_invariant(path))
+    else:
+        costs = measure(path, load_kernel, check_invariance)
     startup_cache.write_json("backend-costs", key, asdict(costs))
     log.info("backend costs of %s: %s", path, costs)
     return costs

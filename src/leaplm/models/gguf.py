@@ -12,9 +12,10 @@ views of the mapping, read only when used. Two ways to load its weights:
                 file loads as the checkpoint it was converted from would, and greedy output equals
                 `from_pretrained(dir, gguf_file=...)`.
 
-The tokenizer, its special tokens and chat template come from transformers' GGUF tokenizer converter, built once
-per file and kept in the start-up cache (startup_cache.py) with the Hugging Face config: a second load reads
-neither the metadata arrays nor transformers' GGUF code.
+The tokenizer, its special tokens and chat template come from transformers' GGUF tokenizer converter, and the
+Hugging Face config from transformers' key table, both over the metadata parsed here (gguf_hf.py: transformers'
+own readers would read the file again, for seconds); built once per file and kept in the start-up cache
+(startup_cache.py): a second load reads neither the metadata arrays nor transformers' GGUF code.
 
 Everything is checked before any weight is read: the magic, the architecture and every tensor's type and extent,
 each refused with one line naming the file and the GGUF field.
@@ -337,6 +338,11 @@ def cache_key(info: GGUFInfo) -> str:
     return key("gguf-metadata", file_identity(info.path), _transformers_version())
 
 
+def _fields_and_tensors(info: GGUFInfo, field: str) -> tuple[dict, dict]:
+    g = parse_gguf(info.path, field)
+    return g.fields, g.tensors
+
+
 def read_gguf_config(info: GGUFInfo, field: str = "model") -> dict:
     """The Hugging Face config dict of a checked GGUF file, from its metadata alone (no tensor is read); built by
     transformers once per file and then read from the start-up cache."""
@@ -347,10 +353,11 @@ def read_gguf_config(info: GGUFInfo, field: str = "model") -> dict:
     if hit is not None and isinstance(hit.get("config"), dict):
         return hit["config"]
     from transformers import AutoConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from .gguf_hf import hf_config_dict
 
     try:
-        cfg = AutoConfig.for_model(**load_gguf_checkpoint(str(info.path), return_tensors=False)["config"]).to_dict()
+        cfg = AutoConfig.for_model(**hf_config_dict(*_fields_and_tensors(info, field))).to_dict()
     except (ValueError, KeyError) as e:
         raise ConfigError(field, f"{info.path}: cannot map the GGUF metadata onto a {info.architecture} config "
                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
@@ -382,10 +389,10 @@ def load_gguf_tokenizer(info: GGUFInfo, field: str = "model"):
         except (ValueError, KeyError, OSError, Exception) as e:  # noqa: B014  (tokenizers raises its own types)
             log.info("start-up cache: tokenizer at %s unreadable (%s); converting the file's again", d, e)
     if tok is None:
-        from transformers import AutoTokenizer
+        from .gguf_hf import convert_tokenizer, hf_config_dict
 
         try:
-            tok = AutoTokenizer.from_pretrained(str(info.path.parent), gguf_file=info.path.name)
+            tok = convert_tokenizer(info.path, hf_config_dict(*_fields_and_tensors(info, field)))
         except (ValueError, KeyError, OSError) as e:
             raise ConfigError(field, f"{info.path}: cannot build a tokenizer from tokenizer.ggml.* "
                                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -335,7 +335,8 @@ def choose_target_backend(name: str, method: str, backend: str = "auto", device:
         from .backend_costs import cached_costs
 
         try:
-            costs = cached_costs(str(path), lambda p: load_model(p, quantization="gguf", backend="torch").model)
+            costs = cached_costs(str(path), lambda p: load_model(p, quantization="gguf", backend="torch").model,
+                                 check_invariance=method != "none")
         except (ConfigError, RuntimeError, OSError) as e:
             log.warning("backend auto: %s could not be timed on both engines (%s); the int8 kernel runs it", path, e)
             return choice
