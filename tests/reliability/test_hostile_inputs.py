@@ -6,20 +6,24 @@ Each is refused with a 400 naming its field, or runs within its budget: BUDGET_S
 byte of the answer (grammars are compiled off the event loop, bounded by llguidance's own limits, and the row that
 runs a grammar copies the matcher the request's preparation built, so no engine step waits on a compile), and
 MEMORY_MB of resident-memory growth for the whole attack. Ordinary greedy requests running meanwhile keep their
-answers (each equal to its run alone); their latency during the attack is reported against a calm phase
-(p50/p99; the `soak` variant, with more requests, also holds p99 within 2x)."""
+answers (each equal to its run alone). Their latency is measured by a client in a process of its own
+(attack_load.py) in interleaved rounds of three phases: calm, under attack, and a control where ordinary requests
+take the attack's place; the `soak` variant, 5 rounds of 300 ordinary requests a phase against `leaplm serve` in
+its own process, holds the median over rounds of attack p99 / calm p99 within RATIO (2x)."""
 from __future__ import annotations
 
-import asyncio
 import json
-import time
+import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
 import rawhttp
 from leaplm import SamplingParams
-from serverkit import API_KEY, MODEL
+from serverkit import API_KEY, MODEL, ServerProcess
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 BUDGET_S = 30.0          # each hostile request, sent to answered (a 4-token answer, or a 400)
@@ -58,27 +62,17 @@ def _body(fields: dict) -> dict:
     return {"model": MODEL, "prompt": "the quick brown", "max_tokens": 4, "temperature": 0, **fields}
 
 
-async def _ordinary(h: httpx.AsyncClient, until: float, lat: list[float], texts: list[tuple[str, str]]) -> None:
-    prompts = ["the quick brown", "def add(a", "un café"]
-    i = 0
-    while time.monotonic() < until:
-        p = prompts[i % 3]
-        i += 1
-        t = time.perf_counter()
-        r = await h.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 16, "temperature": 0})
-        lat.append(time.perf_counter() - t)
-        assert r.status_code == 200, r.text
-        texts.append((p, r.json()["choices"][0]["text"]))
+ORDINARY = [{"model": MODEL, "prompt": p, "max_tokens": 16, "temperature": 0}
+            for p in ("the quick brown", "def add(a", "un café")]
+LOAD = Path(__file__).with_name("attack_load.py")
+RATIO = 2.0              # goal: the ordinary requests' p99 under attack at most this times their calm p99
 
 
-async def _hostile(h: httpx.AsyncClient, name: str, fields: dict | str) -> tuple[str, int, dict, float]:
-    t = time.perf_counter()
+def _text(fields: dict | str) -> str:
+    """The JSON text of a hostile request's body."""
     if isinstance(fields, str):
-        text = json.dumps(_body({}))[:-1] + ", " + fields + "}"
-        r = await h.post("/v1/completions", content=text.encode(), headers={"Content-Type": "application/json"})
-    else:
-        r = await h.post("/v1/completions", json=_body(fields))
-    return name, r.status_code, r.json(), time.perf_counter() - t
+        return json.dumps(_body({}))[:-1] + ", " + fields + "}"
+    return json.dumps(_body(fields))
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -86,62 +80,71 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _attack(server, reference, figures, seconds: float, rounds: int) -> tuple[float, float]:
-    """A calm phase (3 clients of ordinary requests for `seconds`), then the same clients while an attacker sends
-    every attack in turn, `rounds` times; returns (calm p99, attack p99) of the ordinary requests."""
-    async def main():
-        limits = httpx.Limits(max_connections=40)
-        async with httpx.AsyncClient(base_url=server.url, headers=HEADERS, timeout=120, limits=limits) as h:
-            calm, texts = [], []
-            end = time.monotonic() + seconds
-            await asyncio.gather(*[_ordinary(h, end, calm, texts) for _ in range(3)])
-            during: list[float] = []
-            stop = time.monotonic() + 3600
-            clients = [asyncio.create_task(_ordinary(h, stop, during, texts)) for _ in range(3)]
-            results = []
-            for _ in range(rounds):                       # one attacker, each attack in turn
-                for n, (f, _, _) in ATTACKS.items():
-                    results.append(await _hostile(h, n, f))
-            attack_s = time.monotonic()
-            while len(during) < max(30, len(calm) // 2) and time.monotonic() - attack_s < seconds:
-                await asyncio.sleep(0.05)                 # enough ordinary requests measured during the attack
-            for c in clients:
-                c.cancel()
-            await asyncio.gather(*clients, return_exceptions=True)
-            return calm, during, texts, results
-
+def _attack(server, want, figures, rounds: int, requests: int, tmp_path, warmup: bool = True) -> list[float]:
+    """Rounds of three phases, calm / hostile-grammar attack / control (attack_load.py, in a process of its own):
+    3 clients of ordinary greedy requests throughout, a fourth client idle, sending every attack in turn, or sending
+    ordinary requests of the attack's shape; `requests` ordinary requests measured per phase. Checks every attack's
+    status, field and budget and every ordinary answer (want(prompt) -> its text alone); returns each round's
+    attack p99 / calm p99 of the ordinary requests' latency."""
+    spec = {"url": server.url, "api_key": API_KEY, "model": MODEL, "clients": 3, "rounds": rounds,
+            "requests": requests, "warmup": warmup, "ordinary": ORDINARY, "control": json.dumps(_body({})),
+            "hostile": [[name, _text(f)] for name, (f, _, _) in ATTACKS.items()]}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
     rss0 = server.metric("process_resident_memory_bytes")
-    calm, during, texts, results = asyncio.run(main())
+    out = subprocess.run([sys.executable, str(LOAD), str(tmp_path / "spec.json")], capture_output=True, text=True,
+                         timeout=1800)
+    assert out.returncode == 0, out.stderr[-3000:]
     rss_mb = (server.metric("process_resident_memory_bytes") - rss0) / 2**20
-    for name, code, body, took in results:
+    phases = json.loads(out.stdout)["phases"]
+    sent = [f for p in phases if p["kind"] == "attack" for f in p["fourth"]]
+    for name, code, param, err, took in sent:
         _, allowed, field = ATTACKS[name]
-        assert code in allowed, (name, code, body)
+        assert code in allowed, (name, code, param, err)
         if code == 400:
-            err = body["error"]
-            assert err["param"] == field and (field or "") in err["message"], (name, body)
-            assert field is not None or err["code"] == "invalid_json", (name, body)
+            assert param == field, (name, param, err)
+            assert field is not None or err == "invalid_json", (name, err)
         assert took < BUDGET_S, (name, took)
-    want = {p: reference.generate(p, SamplingParams(max_new_tokens=16, temperature=0)).text for p, _ in texts}
-    assert [(p, t) for p, t in texts if t != want[p]] == []
+    assert {name for name, *_ in sent} == set(ATTACKS)
+    texts = [(p, t) for ph in phases for p, t in ph["texts"]]
+    assert [(p, t) for p, t in texts if t != want(p)] == []
     assert rss_mb < MEMORY_MB, rss_mb
-    p99_calm, p99_attack = _pct(calm, 0.99), _pct(during, 0.99)
-    figures.update(ordinary_calm=len(calm), ordinary_attack=len(during), hostile=len(results),
-                   p50_calm_ms=1000 * _pct(calm, 0.5), p50_attack_ms=1000 * _pct(during, 0.5),
-                   p99_calm_ms=1000 * p99_calm, p99_attack_ms=1000 * p99_attack, p99_ratio=p99_attack / p99_calm,
-                   slowest_hostile_s=max(t for *_, t in results), rss_growth_mb=rss_mb,
-                   refused_400=sum(c == 400 for _, c, _, _ in results))
-    return p99_calm, p99_attack
+    measured = [p for p in phases if p["round"] >= 0]
+    lat = {k: [[1000 * x for x in p["latency_s"]] for p in measured if p["kind"] == k]
+           for k in ("calm", "attack", "control")}
+    ratios = {k: [_pct(a, 0.99) / _pct(c, 0.99) for a, c in zip(lat[k], lat["calm"])] for k in ("attack", "control")}
+    figures.update(rounds=rounds, ordinary_per_phase=min(len(x) for v in lat.values() for x in v),
+                   hostile=len(sent), refused_400=sum(c == 400 for _, c, *_ in sent),
+                   slowest_hostile_s=max(t for *_, t in sent), rss_growth_mb=rss_mb,
+                   **{f"p99_{k}_ms": statistics.median(_pct(x, 0.99) for x in v) for k, v in lat.items()},
+                   **{f"p50_{k}_ms": statistics.median(_pct(x, 0.5) for x in v) for k, v in lat.items()},
+                   p99_ratio_attack=statistics.median(ratios["attack"]),
+                   p99_ratio_control=statistics.median(ratios["control"]),
+                   p99_ratio_attack_min=min(ratios["attack"]), p99_ratio_attack_max=max(ratios["attack"]))
+    return ratios["attack"]
 
 
-def test_hostile_grammars_run_within_budget_beside_ordinary_requests(server, reference, figures):
-    _attack(server, reference, figures, seconds=3.0, rounds=1)
+def _alone(reference):
+    memo = {b["prompt"]: reference.generate(b["prompt"], SamplingParams(max_new_tokens=16, temperature=0)).text
+            for b in ORDINARY}
+    return memo.__getitem__
+
+
+def test_hostile_grammars_run_within_budget_beside_ordinary_requests(server, reference, figures, tmp_path):
+    _attack(server, _alone(reference), figures, rounds=1, requests=40, tmp_path=tmp_path, warmup=False)
 
 
 @pytest.mark.slow
 @pytest.mark.soak
-def test_hostile_grammar_attack_keeps_ordinary_p99_within_2x(server, reference, figures):
-    calm, attack = _attack(server, reference, figures, seconds=20.0, rounds=5)
-    assert attack <= 2 * calm, (calm, attack)
+def test_hostile_grammar_attack_keeps_ordinary_p99_within_2x(tiny_pair, reference, figures, tmp_path):
+    """`leaplm serve` in its own process, 5 rounds of 300 ordinary requests a phase: the median over rounds of
+    attack p99 / calm p99 is at most RATIO."""
+    srv = ServerProcess(*tiny_pair, "--max-batch", "4", "--max-queue", "16", "--k", "4")
+    try:
+        srv.wait_ready()
+        ratios = _attack(srv, _alone(reference), figures, rounds=5, requests=300, tmp_path=tmp_path)
+    finally:
+        srv.stop()
+    assert statistics.median(ratios) <= RATIO, ratios
 
 
 S = '"a\\ud800b"'      # JSON text of a string holding a lone (high) surrogate

@@ -85,7 +85,7 @@ def _build_replica_app(opts: RayServeOptions):
     torch.set_num_threads(opts.threads)
     engine = Engine(opts.model, draft=opts.draft, method=opts.method, k=opts.k, device=opts.device, dtype=opts.dtype,
                     draft_device=opts.draft_device, max_model_len=opts.max_model_len, adaptive_k=opts.adaptive_k)
-    app = create_app(opts.server_config(), engine=engine, model_name=opts.model or "leaplm-embedded")
+    app = create_app(opts.server_config(), engine=engine, model_name=opts.model or "leaplm-embedded", freeze_gc=True)
     ctx = serve.get_replica_context()
     replica = getattr(ctx, "replica_tag", None) or ctx.replica_id.unique_id
     app.add_middleware(ReplicaHeader, replica=str(replica))

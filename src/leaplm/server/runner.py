@@ -26,7 +26,7 @@ def run_server(config: ServerConfig, load, model_name: str) -> int:
         if srv is not None:
             srv.should_exit = True
 
-    app = create_app(config, load=load, model_name=model_name, on_load_error=on_load_error)
+    app = create_app(config, load=load, model_name=model_name, on_load_error=on_load_error, freeze_gc=True)
     ucfg = uvicorn_config(app, config)
     server = DrainingServer(ucfg, app.state.leaplm, config.drain_timeout_s)
     holder["server"] = server
