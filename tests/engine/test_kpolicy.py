@@ -29,7 +29,7 @@ def draft_row(acceptance: float, lag: int = 0, remaining: int = 500) -> Row:
     """A draft-model row (not cheap, one acceptance state) whose estimate has seen `acceptance` per token."""
     proposer = SimpleNamespace(cheap=False, bursty=False, group=object(), reads_hidden=False, shadows=False,
                                lag=lambda n: lag)
-    req = SimpleNamespace(tokens=list(range(200)), remaining=remaining,
+    req = SimpleNamespace(tokens=list(range(200)), remaining=remaining, grammar=None,
                           stats=SimpleNamespace(target_forwards=1, method="draft"))
     est = AcceptanceEstimate(bursty=False)
     rng = random.Random(0)

@@ -1,8 +1,10 @@
 """Evidence at K = 0 (engine/kpolicy/shadow.py): a row decoding plainly keeps scoring its proposer against the
 tokens the target commits, so a request whose first proposals missed returns to speculation once they hit.
-Scripted proposers over fake rows and a fixed cost model; deterministic, no model, no timing."""
+Scripted proposers over fake rows and a fixed cost model; deterministic, no model, no timing (one test's scripted
+draft sleeps: the policy's budget for scoring guesses reads their seconds)."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -38,9 +40,10 @@ class ScriptedDraft:
     """A draft-like proposer whose guess of token t is right from index `right_from` on, wrong before."""
     cheap, bursty, group, reads_hidden, samples = False, False, None, False, False
 
-    def __init__(self, right_from: int, shadows: bool = True):
+    def __init__(self, right_from: int, shadows: bool = True, delay_s: float = 0.0):
         self.right_from = right_from
         self.shadows = shadows
+        self.delay_s = delay_s            # each scoring's seconds (slept: the policy times it)
         self.cached = 0
         self.fed = 0                      # tokens fed teacher-forced
 
@@ -52,6 +55,8 @@ class ScriptedDraft:
 
     def guesses(self, tokens: list[int], first: int = 0) -> Guesses | None:
         start, end = min(self.cached, len(tokens) - 1), len(tokens) - 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
         self.fed += max(0, min(first - 1, end) - start)   # fed without guesses
         start = min(max(start, first - 1), end)
         self.cached = start
@@ -67,7 +72,7 @@ class ScriptedDraft:
 
 def new_row(proposer, cap: int = 4, verifier: str = "greedy", remaining: int = 400) -> Row:
     req = SimpleNamespace(tokens=[text(t) for t in range(PROMPT)], prompt_ids=list(range(PROMPT)),
-                          remaining=remaining, verifier=verifier, seed=None,
+                          remaining=remaining, verifier=verifier, seed=None, grammar=None,
                           stats=SimpleNamespace(target_forwards=1, method="draft", shadow_s=0.0, decode_s=0.0))
     proc = SimpleNamespace(greedy=lambda logits, presence=None: logits.argmax(-1))
     return Row(req, proc, proposer, cap, acceptance=AcceptanceEstimate(bursty=False))
@@ -92,6 +97,7 @@ def step(policy: KPolicy, row: Row, early=None) -> int:
     if drafted and not early:
         row.proposer.cached = L + acc                 # the draft has seen what it drafted and was kept
     secs = 1e-2 * (1.0 if not drafted else 1.5 + 0.02 * (drafted + 1))
+    row.req.stats.decode_s += secs
     policy.observe([row], plan, [RowStep(drafted, acc, drafted + 1, prop.match if drafted else None)], secs, 0.0)
     return drafted
 
@@ -127,6 +133,37 @@ def test_without_guesses_the_same_row_waits_for_probes():
         step(policy, row)
     back = [step(policy, row) for _ in range(2 * SHADOW_CHUNK + 4 + 6)]
     assert not any(back), back
+
+
+def test_scoring_guesses_stays_within_its_share_of_the_rows_decoding():
+    """A draft whose scoring costs 6 ms a chunk of 8 tokens (7.5% of eight 10 ms plain steps): the row scores
+    guesses only while their seconds stay within SHADOW_BUDGET of its decoding so far (one scoring's overshoot at
+    most), and still scores some. The guesses are wrong throughout, so the row stays at K = 0."""
+    from leaplm.engine.kpolicy.policy import SHADOW_BUDGET
+
+    proposer = ScriptedDraft(right_from=10 ** 9, delay_s=6e-3)
+    row, policy = new_row(proposer, remaining=2000), KPolicy(costs(), enabled=True, max_len=4096)
+    for _ in range(300):
+        step(policy, row)
+    stats = row.req.stats
+    assert 0 < stats.shadow_s <= SHADOW_BUDGET * stats.decode_s + 0.02, (stats.shadow_s, stats.decode_s)
+    assert proposer.fed > 0
+
+
+def test_a_constrained_request_weighs_a_catching_up_against_the_tokens_it_has_produced():
+    """What a draft's catching up paid at once (a prompt fed for evidence, a probe's prefill) is weighed against:
+    an unconstrained request's remaining budget; a constrained one's grammar usually ends it long before its
+    budget, so at most as many tokens as it has produced so far."""
+    from leaplm.engine.kpolicy.policy import tokens_left
+
+    def req(produced: int, grammar) -> SimpleNamespace:
+        return SimpleNamespace(prompt_ids=[0] * 50, tokens=[0] * (50 + produced), remaining=96 - produced,
+                               grammar=grammar)
+
+    assert tokens_left(req(4, None)) == 92
+    assert tokens_left(req(4, object())) == 4
+    assert tokens_left(req(0, object())) == 1
+    assert tokens_left(req(60, object())) == 36
 
 
 def test_an_ngram_proposal_at_k0_is_compared_with_the_tokens_that_follow():

@@ -31,9 +31,9 @@ from ..row import Row
 
 # Steps at K = 0 held without pricing before the choice is priced again (the costs' level moves with the load)
 HOLD_STEPS = 16
-# A draft model that has not seen a long stretch (a new row's prompt) catches up at K = 0 only while that costs at
-# most this share of the plain steps its request has left (shadow.py)
-SHADOW_BUDGET = 0.03
+# Evidence at K = 0 from a draft model costs at most this share of its row's decoding so far, and a long catching
+# up (a new row's prompt) at most this share of the plain steps its request has left (shadow.py)
+SHADOW_BUDGET = 0.015
 
 
 @dataclass
@@ -94,9 +94,8 @@ class KPolicy:
             self._held_steps += 1
             return StepPlan(0, [0] * len(rows), {}, True)
         drafting = _drafting_rows(rows)
-        specs = [self._row_spec(r, drafting) for r in rows]
-        for i in free:
-            specs[i] = dataclasses.replace(specs[i], cap=0)
+        # a row whose drafts are free this step is not priced (it drafts its forced tokens whatever K is)
+        specs = [RowSpec(0, 0.0, 0.0) if i in free else self._row_spec(r, drafting) for i, r in enumerate(rows)]
         early: dict[int, Proposal | None] = {}
         for i, (r, sp) in enumerate(zip(rows, specs)):
             if sp.cap > 0 and r.proposer.cheap:
@@ -131,7 +130,7 @@ class KPolicy:
         return RowSpec(cap, r.acceptance.rate, self.estimates.propose_cost(method, drafting.get(method, 1)),
                        self._spread(r, now), extra_tokens=r.extra_tokens, tokens_by_k=r.acceptance.tokens_by_k(cap),
                        match=r.acceptance.match, tokens_by_k_after_hit=r.acceptance.tokens_by_k_after_hit(cap),
-                       catchup_now_s=now, remaining=r.req.remaining)
+                       catchup_now_s=now, remaining=tokens_left(r.req))
 
     def catchup_now_s(self, r: Row) -> float:
         """Seconds a draft model needs to prefill what it has not seen (a row that has not drafted yet: its whole
@@ -147,7 +146,7 @@ class KPolicy:
     def _spread(self, r: Row, seconds: float) -> float:
         if not seconds:
             return 0.0
-        steps_left = max(1.0, r.req.remaining / expected_tokens(r.acceptance.rate, max(1, r.cap)))
+        steps_left = max(1.0, tokens_left(r.req) / expected_tokens(r.acceptance.rate, max(1, r.cap)))
         return seconds / steps_left
 
     # --- observe (engine/observer.py: StepObserver) ---------------------------------------------------------------
@@ -204,8 +203,11 @@ class KPolicy:
             if req.verifier == "rejection" and d.logits is not None:
                 keep_probs(st, len(req.tokens) - 1, r.proc.probs(d.logits[-1:])[0])
             lag = r.proposer.lag(len(req.tokens))
-            affordable = lag <= 2 * SHADOW_CHUNK or (
-                self.catchup_now_s(r) <= SHADOW_BUDGET * req.remaining * self.estimates.costs.cost(1, 1))
+            now = self.catchup_now_s(r) if lag > 2 * SHADOW_CHUNK else 0.0
+            # the evidence's seconds, this catching up included, within SHADOW_BUDGET of the row's decoding so far,
+            # and a long catching up within that share of what the request has left
+            affordable = (st.seconds + now <= SHADOW_BUDGET * req.stats.decode_s
+                          and now <= SHADOW_BUDGET * tokens_left(req) * self.estimates.costs.cost(1, 1))
             # not on a row's first step: like its drafts, its catching up waits until the first token is out
             if lag > SHADOW_CHUNK and affordable and req.stats.target_forwards > 1:
                 before = st.seconds
@@ -216,6 +218,17 @@ class KPolicy:
         for passed, match in evidence:
             r.acceptance.observe_expected(passed, match)
             self.estimates.observe_expected(method, passed, match, bursty, r.band)
+
+
+def tokens_left(req) -> int:
+    """The tokens a request is expected to have left, what a draft model's catching up paid at once is weighed
+    against: its budget (max_new_tokens less its output), or for a constrained request at most as many as it has
+    produced so far. A grammar usually ends its request long before the budget (13-74 tokens of 96 on the
+    structured workloads), and weighed against the budget a short constrained request fed its prompt to the draft
+    for evidence and probes that its few remaining steps could not repay."""
+    if req.grammar is None:
+        return req.remaining
+    return max(1, min(req.remaining, len(req.tokens) - len(req.prompt_ids)))
 
 
 def _drafting_rows(rows: list[Row]) -> dict[str, int]:
