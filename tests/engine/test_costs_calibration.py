@@ -92,3 +92,65 @@ def test_the_thread_check_warns_when_more_threads_run_slower(at_threads, contend
         assert check_threads(_Engine(_SleepyModel(1, 0.02, 0.005))) is None     # one thread: nothing to compare
     finally:
         torch.set_num_threads(before)
+
+
+class _LlamaCache(_Cache):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def set_threads(self, n: int) -> None:
+        self.model.context_threads = n
+
+
+class _SleepyLlama:
+    """libllama's side of _SleepyModel: its threads are the context's (set_threads), not torch's; a prompt is
+    written before the timed token (a forward over many tokens)."""
+    device = "cpu"
+
+    def __init__(self, threads: int, at_threads: float, at_one: float):
+        self.threads, self.at_threads, self.at_one = threads, at_threads, at_one
+        self.context_threads = threads
+        self.forwards = []
+
+    def new_cache(self, rows, max_len):
+        return _LlamaCache(self)
+
+    def __call__(self, x, cache, last_only=False):
+        import time
+
+        self.forwards.append((x.shape[1], self.context_threads))
+        if x.shape[1] == 1:
+            time.sleep(self.at_one if self.context_threads == 1 else self.at_threads)
+
+
+@pytest.mark.parametrize("at_threads, contended", [(0.02, True), (0.004, False)])
+def test_the_thread_check_times_libllama_s_own_threads(at_threads, contended, caplog):
+    import torch
+
+    from leaplm.engine.kpolicy.calibrate import check_threads
+
+    engine = _Engine(_SleepyLlama(3, at_threads, 0.005))
+    engine.backend = "llamacpp"
+    before = torch.get_num_threads()
+    with caplog.at_level("WARNING", logger="leaplm.engine.kpolicy.calibrate"):
+        check = check_threads(engine, budget_s=10.0)
+    assert torch.get_num_threads() == before                  # torch's setting is not libllama's
+    assert check.threads == 3 and check.contended is contended
+    assert ("libllama's 3 threads" in caplog.text) is contended
+    m = engine.model
+    assert m.forwards[0][0] > 1                               # a context written first
+    assert {t for T, t in m.forwards if T == 1} == {1, 3} and m.context_threads == 3      # both counts; restored
+    m.threads = 1
+    assert check_threads(engine) is None
+
+
+def test_a_slow_thread_check_stops_after_two_forwards_of_each():
+    engine = _Engine(_SleepyLlama(2, 0.05, 0.005))
+    engine.backend = "llamacpp"
+    from leaplm.engine.kpolicy.calibrate import check_threads
+
+    check = check_threads(engine, tries=6, budget_s=0.01)
+    one_token = [t for T, t in engine.model.forwards if T == 1]
+    assert len(one_token) == 2 * 3                            # a warm-up and two timed forwards at each count
+    assert check.contended

@@ -443,3 +443,20 @@ def test_head_training_loads_a_gguf_target_on_torch_whatever_auto_serves_it_on(f
     assert isinstance(load_model(files["target-f32"]).model, LlamaCppLM)
     loaded = _load_target(files["target-f32"])
     assert hasattr(loaded.model, "forward_hidden") and hasattr(loaded.model, "embed_tokens")
+
+
+@needs_libllama
+def test_a_context_s_threads_are_set_and_the_engine_s_thread_check_times_them(files, loaded_q8):
+    lm = loaded_q8.model
+    cache = lm.new_cache(1, 32)
+    for n in (1, 2):
+        cache.set_threads(n)
+        assert lm.lc.llama_n_threads(cache.ctx) == n and lm.lc.llama_n_threads_batch(cache.ctx) == n
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = Engine(loaded_q8, method="none")
+        check = engine.thread_check
+    finally:
+        torch.set_num_threads(before)
+    assert check is not None and check.threads == 2 and check.s_threads > 0 and check.s_one > 0

@@ -83,8 +83,10 @@ def _restore(est, d: dict) -> None:
 def cached_check_threads(engine) -> ThreadCheck | None:
     """check_threads(), or its last result on this machine for this model and thread count (its warning is
     logged again either way)."""
-    n = torch.get_num_threads()
-    if n <= 1 or engine.backend != "torch" or str(engine.model.device) != "cpu":
+    model = engine.model
+    llama = engine.backend == "llamacpp"
+    n = (model.threads or torch.get_num_threads()) if llama else torch.get_num_threads()
+    if n <= 1 or engine.backend not in ("torch", "llamacpp") or str(model.device) != "cpu":
         return None
     k = startup_cache.key("threads", *_identity(engine)[:5], n)
     hit = startup_cache.read_json("threads", k)
@@ -92,9 +94,10 @@ def cached_check_threads(engine) -> ThreadCheck | None:
         try:
             check = ThreadCheck(int(hit["threads"]), float(hit["s_threads"]), float(hit["s_one"]))
             if check.contended:
-                log.warning("torch's %d threads ran a one-token forward in %.1f ms, one thread in %.1f ms when last "
+                log.warning("%s's %d threads ran a one-token forward in %.1f ms, one thread in %.1f ms when last "
                             "measured here: --threads 1 (or the number of idle cores) is faster and steadier "
-                            "(--recalibrate measures again)", n, 1e3 * check.s_threads, 1e3 * check.s_one)
+                            "(--recalibrate measures again)", "libllama" if llama else "torch", n,
+                            1e3 * check.s_threads, 1e3 * check.s_one)
             return check
         except (KeyError, TypeError, ValueError):
             pass

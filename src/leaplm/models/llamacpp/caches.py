@@ -144,6 +144,10 @@ class LlamaCppCache(_CacheSizes):
         self._embeddings = False
         self.peak_nbytes = self.nbytes
 
+    def set_threads(self, n: int) -> None:
+        """The threads of this context's later forwards (one-token and batch alike)."""
+        self.lc.llama_set_n_threads(self.ctx, n, n)
+
     # --- sizes (what the server's metrics and admission read) ----------------------------------------------------
     @property
     def batch_size(self) -> int:
