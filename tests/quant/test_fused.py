@@ -164,3 +164,22 @@ def test_every_path_gives_the_same_bits(model):
         ext.path = chosen
         model._fused = False
     assert torch.equal(slow, fast)
+
+
+def test_the_thread_split_gives_the_same_bits(tmp_path):
+    """The layer loop's regions (row groups of each linear, attention queries, SiLU rows) split across the kernel's
+    threads: a block's logits are the same bits at 1, 2 and 3 threads. head_dim 64 and blocks of up to 32 tokens
+    make the attention large enough to be split too."""
+    path = write_tiny_llama(tmp_path, vocab=40, layers=2, hidden=256, heads=4, kv_heads=2, seed=7)
+    m = load_model(path, quantization="int4").model
+    assert m.fused_layers() is not None
+    ids = [(5 * i + 1) % 40 for i in range(64)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [logits(m, ids[:T]) for T in (1, 9, 32, 64)]
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            assert all(torch.equal(logits(m, ids[:T]), y) for T, y in zip((1, 9, 32, 64), one)), n
+    finally:
+        torch.set_num_threads(before)

@@ -195,6 +195,56 @@ def test_simd_and_scalar_paths_agree_bit_for_bit(fmt):
         assert all(torch.equal(ys[0], y) for y in ys[1:]), T
 
 
+@pytest.fixture
+def threads():
+    """Sets torch's thread count for one test (the suite runs at 1) and restores it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@needs_ext
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_thread_split_gives_the_same_bits(fmt, threads):
+    """The row groups of a call are split across the kernel's threads in chunks claimed in any order: each row's
+    result is the same bits at 1, 2 and 3 threads (N = 400: 50 row groups, several chunks per thread)."""
+    qw, x, bias = case(fmt, 32, N=400, K=320, seed=8)
+    lin = QuantizedLinear(qw, "extension")
+    threads(1)
+    one = {T: lin(x[:T], bias) for T in (1, 5, 16, 32)}
+    for n in (2, 3):
+        threads(n)
+        for T, y in one.items():
+            assert torch.equal(lin(x[:T], bias), y), (n, T)
+
+
+@needs_ext
+def test_the_pool_runs_every_item_once_on_every_thread(threads):
+    """The kernel's thread pool: every item runs exactly once; with 2 threads and items long enough (2 ms each)
+    the worker runs some of them beside the caller; at 1 thread the caller runs them all."""
+    ext = load()
+    threads(2)
+    who, runs = ext.module.pool_probe(16, 1, 2000)
+    assert runs.tolist() == [1] * 16
+    assert (who == 0).any() and (who > 0).any(), who.tolist()         # the caller and a worker
+    who, runs = ext.module.pool_probe(100, 7, 0)                       # a ragged last chunk
+    assert runs.tolist() == [1] * 100 and (who >= 0).all()
+    threads(1)
+    who, runs = ext.module.pool_probe(16, 1, 0)
+    assert runs.tolist() == [1] * 16 and who.tolist() == [0] * 16
+
+
+@needs_ext
+def test_an_error_inside_the_pool_reaches_the_caller_and_the_pool_still_works(threads):
+    ext = load()
+    threads(2)
+    for throw_at in (0, 9):                                            # the caller's first chunk, a later one
+        with pytest.raises(RuntimeError, match=f"item {throw_at} throws"):
+            ext.module.pool_probe(12, 1, 500, throw_at)
+    who, runs = ext.module.pool_probe(12, 1, 500)
+    assert runs.tolist() == [1] * 12
+
+
 @needs_ext
 def test_q4_0_and_q4_1_blocks_as_stored():
     """Q4_0 runs as int4 with min = -8 * scale: same result as the signed weights (q - 8) * scale."""

@@ -21,6 +21,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qlinear.cpp")
+HEADERS = [Path(__file__).with_name("pool.h")]      # included by SOURCE, copied beside it for the build
 CFLAGS = ["-O3"]
 
 
@@ -77,7 +78,7 @@ def built_library() -> BuiltLibrary:
     import torch
     from torch._appdirs import user_cache_dir
 
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in (SOURCE, *HEADERS))
     tag = hashlib.sha1(src + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:10]
     name = f"leaplm_qlinear_{tag}"
     # torch.utils.cpp_extension's build directory (its _get_build_directory), without importing the build tools
@@ -121,7 +122,7 @@ def _build() -> Extension:
     import importlib.util
 
     b = built_library()
-    src, tag, name, build_dir, lib, done = SOURCE.read_bytes(), b.tag, b.name, b.build_dir, b.lib, b.done
+    tag, name, build_dir, lib, done = b.tag, b.name, b.build_dir, b.lib, b.done
     module = None
     if done.exists() and lib.exists():
         try:
@@ -135,12 +136,13 @@ def _build() -> Extension:
         from torch.utils.cpp_extension import load as cpp_load
 
         build_dir.mkdir(parents=True, exist_ok=True)
-        copy = build_dir / SOURCE.name
-        if not copy.exists() or copy.read_bytes() != src:
-            tmp = build_dir / f".{SOURCE.name}.{os.getpid()}"
-            tmp.write_bytes(src)
-            os.replace(tmp, copy)
-        module = cpp_load(name=name, sources=[str(copy)], extra_cflags=CFLAGS, build_directory=str(build_dir),
+        for f in (*HEADERS, SOURCE):
+            copy, text = build_dir / f.name, f.read_bytes()
+            if not copy.exists() or copy.read_bytes() != text:
+                tmp = build_dir / f".{f.name}.{os.getpid()}"
+                tmp.write_bytes(text)
+                os.replace(tmp, copy)
+        module = cpp_load(name=name, sources=[str(build_dir / SOURCE.name)], extra_cflags=CFLAGS, build_directory=str(build_dir),
                           verbose=False)
         done.write_text(tag)
     path, why = cached_path(module, tag)

@@ -22,6 +22,7 @@
 // VNNI) gives the same bits: the scalar path is the reference the SIMD paths are checked against.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "pool.h"
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -447,6 +448,10 @@ void group_simd(const W& w, const Act& act, int64_t grp, float* y) {
 }
 #endif
 
+// Row groups per chunk of a linear's thread split: about 8 chunks per thread, so a thread that starts late or is
+// descheduled leaves little for the others to wait on, and each chunk is still many blocks of work.
+int64_t group_grain(int64_t groups) { return std::max<int64_t>(1, groups / (8 * int64_t(at::get_num_threads()))); }
+
 void run_groups(const W& w, const Act& act, int path, int64_t g0, int64_t g1, float* y) {
   for (int64_t grp = g0; grp < g1; ++grp) {
 #if defined(__x86_64__)
@@ -470,7 +475,9 @@ void linear_raw(const float* x, int64_t M, int64_t K, const std::vector<W>& ws, 
     int64_t col = 0;
     for (const W& w : ws) {
       float* yc = y + m0 * N + col;
-      at::parallel_for(0, (w.N + RG - 1) / RG, 4, [&](int64_t g0, int64_t g1) { run_groups(w, act, path, g0, g1, yc); });
+      const int64_t NG = (w.N + RG - 1) / RG;
+      leaplm_pool::parallel_for(NG, group_grain(NG),
+                                [&](int64_t g0, int64_t g1) { run_groups(w, act, path, g0, g1, yc); });
       col += w.N;
     }
   }
@@ -506,7 +513,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::
             half, N};
   auto y = torch::empty({T, N}, x.options());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, NG, 4, [&](int64_t g0, int64_t g1) { run_groups(w, act, int(path), g0, g1, yp); });
+  leaplm_pool::parallel_for(NG, group_grain(NG),
+                            [&](int64_t g0, int64_t g1) { run_groups(w, act, int(path), g0, g1, yp); });
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
@@ -563,7 +571,7 @@ double int8_peak(int64_t path, int64_t iters) {
   const int threads = at::get_num_threads();
   const auto t0 = std::chrono::steady_clock::now();
   std::atomic<int64_t> sink{0};
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+  leaplm_pool::parallel_for(threads, 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) sink += path == AVX512VNNI ? peak_vnni(iters) : peak_avx2(iters);
   });
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -571,6 +579,28 @@ double int8_peak(int64_t path, int64_t iters) {
 #else
   return 0.0;
 #endif
+}
+
+// The thread pool alone (for tests): parallel_for over n items in chunks of `grain`, each item busy for `us`
+// microseconds; returns, per item, the number of the thread that ran it (0 = the caller; -1 = never ran) and the
+// number of times it ran. An item equal to `throw_at` throws inside its chunk.
+std::vector<torch::Tensor> pool_probe(int64_t n, int64_t grain, int64_t us, int64_t throw_at) {
+  static std::atomic<int> numbered{0};
+  thread_local int me = -1;
+  std::vector<int64_t> who(n, -1), runs(n, 0);
+  const auto caller = std::this_thread::get_id();
+  leaplm_pool::parallel_for(n, grain, [&](int64_t i0, int64_t i1) {
+    if (me < 0 && std::this_thread::get_id() != caller) me = ++numbered;
+    for (int64_t i = i0; i < i1; ++i) {
+      TORCH_CHECK(i != throw_at, "pool_probe: item ", i, " throws");
+      const auto t0 = std::chrono::steady_clock::now();
+      while (std::chrono::steady_clock::now() - t0 < std::chrono::microseconds(us)) {
+      }
+      who[i] = std::this_thread::get_id() == caller ? 0 : me;
+      ++runs[i];
+    }
+  });
+  return {torch::tensor(who), torch::tensor(runs)};
 }
 
 // The activation quantization alone (for tests): (qa [T, K] int8, a [T, K / 32] fp32).
@@ -672,8 +702,8 @@ void silu_mul_avx2(const float* gu, int64_t m0, int64_t m1, int64_t inter, float
 // (each row is computed alone, so the split never changes a bit)
 template <typename F>
 void over_rows(int64_t M, int64_t min_rows, const F& fn) {
-  if (M < min_rows || at::get_num_threads() < 2) return fn(0, M);
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) { fn(m0, m1); });
+  if (M < min_rows) return fn(0, M);
+  leaplm_pool::parallel_for(M, 1, fn);
 }
 
 // softmax(q k^T * scale) v for one query over its n allowed keys (in key order); p [n], o [D] scratch
@@ -867,7 +897,8 @@ class Decoder {
     const int64_t work = B * H * T * S * D;
     // one item per (row, head, query): the queries of a block spread evenly over the threads
     const int64_t items = B * H * T;
-    at::parallel_for(0, items, work > (1 << 18) ? 1 : items, [&](int64_t i0, int64_t i1) {
+    const int64_t grain = work > (1 << 18) ? std::max<int64_t>(1, items / (8 * int64_t(at::get_num_threads()))) : items;
+    leaplm_pool::parallel_for(items, grain, [&](int64_t i0, int64_t i1) {
       std::vector<float> p(S), o(D);
       std::vector<int64_t> keys(S);
       for (int64_t i = i0; i < i1; ++i) {
@@ -905,6 +936,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("n"), pybind11::arg("path"), nogil());
   m.def("int8_peak", &int8_peak, "int8 multiply-adds per second of a path's dot-product instruction, all threads",
         pybind11::arg("path"), pybind11::arg("iters"), nogil());
+  m.def("pool_probe", &pool_probe, "the kernel's thread pool over n busy items (for tests): (thread per item, runs)",
+        pybind11::arg("n"), pybind11::arg("grain"), pybind11::arg("us"), pybind11::arg("throw_at") = -1, nogil());
   m.def("quantize_activations", &quantize_activations, "per-token, per-32-block int8 activations (qa, a)",
         pybind11::arg("x"), pybind11::arg("path") = 0, nogil());
   pybind11::class_<Decoder>(m, "Decoder")

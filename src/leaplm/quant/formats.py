@@ -49,9 +49,11 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv) if t is not None)
 
     def rows(self, index: torch.Tensor) -> "QuantizedWeight":
-        """The weight with its output rows taken at `index` [M] (row permutations and slices stay exact)."""
-        return QuantizedWeight(self.fmt, self.q[index].contiguous(), self.scale[index].contiguous(),
-                               None if self.minv is None else self.minv[index].contiguous())
+        """The weight with its output rows taken at `index` [M] (row permutations and slices stay exact).
+        index_select copies a few rows on the calling thread (advanced indexing starts torch's thread team, whose
+        threads then spin beside the kernel's: a token embedding per forward)."""
+        pick = lambda t: t.index_select(0, index.reshape(-1)).view(*index.shape, *t.shape[1:])
+        return QuantizedWeight(self.fmt, pick(self.q), pick(self.scale), None if self.minv is None else pick(self.minv))
 
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
