@@ -2,6 +2,7 @@
 (handoff.py), and stream chunks serialized from a prefix built once, byte for byte what json.dumps writes."""
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -13,22 +14,42 @@ from leaplm.server.handoff import Mailbox
 from leaplm.server.streaming import ChunkEvents, sse
 
 
-class RecordingLoop:
-    """Stands in for the event loop: keeps what call_soon_threadsafe was given."""
+class LoopThread:
+    """An event loop running in a thread of its own, as the server's does; counts the mailbox's deliveries."""
 
-    def __init__(self):
-        self.calls = []
-        self.called = threading.Condition()
+    def __init__(self, mailbox: Mailbox):
+        self.loop = asyncio.new_event_loop()
+        self.deliveries = 0
+        self.cond = threading.Condition()
+        deliver = mailbox._deliver
 
-    def call_soon_threadsafe(self, fn, *args):     # the mailbox's waker thread
-        with self.called:
-            self.calls.append((fn, args))
-            self.called.notify_all()
+        def counted():
+            deliver()
+            with self.cond:
+                self.deliveries += 1
+                self.cond.notify_all()
 
-    def wait_calls(self, n: int, timeout: float = 10.0) -> int:
-        with self.called:
-            self.called.wait_for(lambda: len(self.calls) >= n, timeout)
-            return len(self.calls)
+        mailbox._deliver = counted                 # what the loop runs on each wake-up
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        bound = threading.Event()
+        self.loop.call_soon_threadsafe(lambda: (mailbox.bind(self.loop), bound.set()))
+        assert bound.wait(10)
+        with self.cond:                            # binding delivers what came before it: not a wake-up
+            self.deliveries = 0
+
+    def wait_deliveries(self, n: int, timeout: float = 10.0) -> int:
+        with self.cond:
+            self.cond.wait_for(lambda: self.deliveries >= n, timeout)
+            return self.deliveries
+
+    def stop(self, mailbox: Mailbox) -> None:
+        done = threading.Event()
+        self.loop.call_soon_threadsafe(lambda: (mailbox.close(), done.set()))
+        assert done.wait(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
 
 
 class Sink:
@@ -47,41 +68,47 @@ class FakeJob:
 def test_one_handoff_per_step_for_every_row(loaded):
     eng = Engine(loaded("llama_tied"), method="none")
     sched = BatchScheduler(eng, max_batch=4, calibrate=False)
-    mailbox, loop = Mailbox(), RecordingLoop()
-    mailbox.loop = loop
+    mailbox = Mailbox()
+    loop = LoopThread(mailbox)
     sched.on_step_outputs = mailbox.flush
     jobs = [FakeJob() for _ in range(4)]
     sched.submit([SeqRequest([3, 1, 4, 1 + i], SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True),
                              lambda out, j=j: mailbox.put(j, 0, out)) for i, j in enumerate(jobs)])
     steps = 0
-    while sched.step():
-        steps += 1
-        assert loop.wait_calls(steps) == steps     # four rows' outputs, one call (sent by the waker thread)
-        fn, args = loop.calls[-1]
-        fn(*args)                                  # the event loop's turn: every row's output reaches its job
-        assert all(len(j.queue.got) == steps for j in jobs)
-    assert steps == 6 and all(j.queue.got[-1][1].finished for j in jobs)
-    sched.step()                                   # nothing ran, nothing came back: no wake-up
-    time.sleep(0.2)
-    assert len(loop.calls) == steps
+    try:
+        while sched.step():
+            steps += 1
+            assert loop.wait_deliveries(steps) == steps     # four rows' outputs, one wake-up of the loop
+            assert all(len(j.queue.got) == steps for j in jobs)
+        assert steps == 6 and all(j.queue.got[-1][1].finished for j in jobs)
+        sched.step()                                   # nothing ran, nothing came back: no wake-up
+        time.sleep(0.2)
+        assert loop.deliveries == steps
+    finally:
+        loop.stop(mailbox)
 
 
 def test_no_second_wake_up_while_one_is_pending():
     """Outputs of steps that end before the event loop's turn ride on the wake-up already sent."""
-    mailbox, loop, job = Mailbox(), RecordingLoop(), FakeJob()
-    mailbox.loop = loop
-    for step in range(3):
-        mailbox.put(job, 0, step)
+    mailbox, job = Mailbox(), FakeJob()
+    loop = LoopThread(mailbox)
+    held = threading.Event()
+    loop.loop.call_soon_threadsafe(held.wait)      # the loop is busy: the wake-up waits for its turn
+    try:
+        for step in range(3):
+            mailbox.put(job, 0, step)
+            mailbox.flush()
+        held.set()
+        assert loop.wait_deliveries(1) == 1
+        time.sleep(0.2)
+        assert loop.deliveries == 1
+        assert job.queue.got == [(0, 0), (0, 1), (0, 2)]
+        mailbox.put(job, 0, 3)                     # after the delivery ran, the next output wakes the loop again
         mailbox.flush()
-    assert loop.wait_calls(1) == 1
-    time.sleep(0.2)
-    assert len(loop.calls) == 1
-    fn, args = loop.calls[0]
-    fn(*args)
-    assert job.queue.got == [(0, 0), (0, 1), (0, 2)]
-    mailbox.put(job, 0, 3)                         # after the delivery ran, the next output wakes the loop again
-    mailbox.flush()
-    assert loop.wait_calls(2) == 2
+        assert loop.wait_deliveries(2) == 2 and job.queue.got[-1] == (0, 3)
+    finally:
+        held.set()
+        loop.stop(mailbox)
 
 
 def test_chunk_events_are_the_json_of_the_whole_chunk():

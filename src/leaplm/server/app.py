@@ -24,7 +24,7 @@ from contextlib import asynccontextmanager
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..config import ConfigError, ServerConfig
@@ -35,7 +35,8 @@ from ..models.tokens import PLAIN_TEMPLATE_DOC
 from .planning import NOT_PREPARED, build_grammar_vocab, plan_request, prepare_structured, wants_structure
 from .protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse,
                        CompletionRequest, CompletionResponse, ErrorResponse, ModelList, error_body)
-from .responses import chat_response, completion_response, guarded_stream, stream_chat, stream_completion
+from .responses import (EventStream, chat_response, completion_response, guarded_stream, stream_chat,
+                        stream_completion)
 from .state import ServerState, build_scheduler
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], object] | None = None
         yield
         if state.scheduler is not None:
             await asyncio.to_thread(state.scheduler.stop)
+        state.mailbox.close()
         state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         state.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -188,8 +190,7 @@ async def _serve(state: ServerState, body, request: Request, chat: bool):
     if body.stream:
         opts = body.stream_options
         gen = stream_chat(state, job, body) if chat else stream_completion(state, job, body)
-        return StreamingResponse(guarded_stream(gen, job, watcher, bool(opts and opts.include_usage)),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return EventStream(guarded_stream(gen, job, watcher, bool(opts and opts.include_usage)))
     try:
         while job.open:
             if await job.next() is None:

@@ -1,8 +1,8 @@
 """The bridge between the scheduler's thread and asyncio: one Job per HTTP request submits its sequences
 (admission first: 400 never fits, 429 not now), and carries what the scheduler thread produces into an
 asyncio.Queue the request's handler reads. The handoff is once per step: each sequence's sink puts its output in
-the Mailbox, and at the end of the step (BatchScheduler.on_step_outputs) one loop.call_soon_threadsafe hands every
-output of the step to the event loop, however many rows ran. A watcher waits for the client's http.disconnect;
+the Mailbox, and at the end of the step (BatchScheduler.on_step_outputs) one wake-up of the event loop hands every
+output of the step over, however many rows ran (handoff.py). A watcher waits for the client's http.disconnect;
 when it comes, every sequence of the request is aborted and the scheduler frees their rows at its next step
 boundary."""
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Job:
         self.prompts, self.n = plan.prompts, plan.n
         self.loop = asyncio.get_running_loop()          # built on the event loop (see app.py)
         self.mailbox: Mailbox = state.mailbox
-        self.mailbox.loop = self.loop
+        self.mailbox.bind(self.loop)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrival = time.perf_counter()
         self.seqs = [SeqRequest.prepared_as(req, self._sink(i)) for i, req in enumerate(plan.requests)]

@@ -1,21 +1,37 @@
 """The scheduler thread's outputs handed to the event loop once per step.
 
 Each sequence's sink (bridge.Job) puts its output here during a step; at the step's end the scheduler calls
-`flush` (BatchScheduler.on_step_outputs), and one loop.call_soon_threadsafe moves every output of the step into
-its Job's queue, whatever the number of rows: at most one wake-up of the event loop per step (none while one
-is still pending), not one per row or token.
+`flush` (BatchScheduler.on_step_outputs), which wakes the event loop once, whatever the number of rows: at most
+one wake-up per step (none while one is still pending), not one per row or token. The loop's turn (`_deliver`)
+moves every output into its Job's queue.
 
-The wake-up is sent by a thread of its own, not by the scheduler's. call_soon_threadsafe writes to the loop's
-self-pipe, and that write lets go of the GIL: the event loop wakes, takes it, and the scheduler thread waits for
-the loop's whole turn (the step's chunks serialized and written, about half a millisecond) before its next step
-can start. `flush` only releases a lock, which keeps the GIL; the waker thread takes the GIL when the scheduler
-thread lets it go, in the next step's forward (native code, run without the GIL), so the event loop's turn
+The wake-up is one byte written to a pipe the loop watches, by libc's write called with the GIL held. A call that
+let go of the GIL (os.write, socket.send, loop.call_soon_threadsafe) lets the woken loop take the GIL and the
+scheduler thread wait for the loop's whole turn (the step's chunks serialized and written, about half a
+millisecond on SmolLM2) before its next step can start; a thread of its own sending the wake-up costs a second
+wake-up and a GIL handoff per step. Holding the GIL, the write returns at once; the loop takes the GIL when the
+scheduler thread lets it go in the next step's forward (native code, run without the GIL), so the loop's turn
 overlaps the forward instead of adding to the step."""
 from __future__ import annotations
 
 import asyncio
-import threading
+import ctypes
+import os
 from collections import deque
+
+
+def _write_holding_gil():
+    """libc's write(fd, buf, n) through ctypes.PyDLL, whose calls keep the GIL; os.write where libc's symbols are
+    not reachable that way (the wake-up is the same, the GIL goes during the call)."""
+    try:
+        fn = ctypes.PyDLL(None).write
+    except (OSError, AttributeError, TypeError):
+        return os.write
+    fn.argtypes, fn.restype = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t), ctypes.c_ssize_t
+    return lambda fd, data: fn(fd, data, len(data))
+
+
+_write = _write_holding_gil()
 
 
 class Mailbox:
@@ -23,34 +39,51 @@ class Mailbox:
 
     def __init__(self):
         self.items: deque = deque()         # (job, sequence index, SeqOutput); deque appends are thread-safe
-        self.loop: asyncio.AbstractEventLoop | None = None      # the server's event loop (set by the first Job)
-        self.pending = False                # a delivery is signalled or scheduled and has not run: it takes what comes
-        self._signal = threading.Lock()     # released by flush (one wake-up to send), taken by the waker thread
-        self._signal.acquire()
-        self._waker: threading.Thread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None      # the server's event loop (bound by the first Job)
+        self.pending = False                # a wake-up is sent and its delivery has not run: it takes what comes
+        self._rfd: int | None = None        # the pipe the loop watches
+        self._wfd: int | None = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:     # event loop thread (every Job)
+        if loop is self.loop:
+            return
+        if self._rfd is None:
+            self._rfd, self._wfd = os.pipe()
+            os.set_blocking(self._rfd, False)
+            os.set_blocking(self._wfd, False)   # a full pipe means a wake-up is waiting anyway
+        elif self.loop is not None and not self.loop.is_closed():
+            self.loop.remove_reader(self._rfd)
+        loop.add_reader(self._rfd, self._deliver)
+        self.loop = loop
+        self._deliver()                     # what came while no loop watched
 
     def put(self, job, i: int, out) -> None:     # scheduler thread, per sequence
         self.items.append((job, i, out))
 
     def flush(self) -> None:                # scheduler thread, once per step (BatchScheduler.on_step_outputs)
-        if self.items and self.loop is not None and not self.pending:
-            self.pending = True
-            if self._waker is None:
-                self._waker = threading.Thread(target=self._wake_loop, name="leaplm-handoff", daemon=True)
-                self._waker.start()
-            self._signal.release()          # at most one release outstanding: pending stays set until _deliver
-
-    def _wake_loop(self) -> None:           # waker thread
-        while True:
-            self._signal.acquire()
-            try:
-                self.loop.call_soon_threadsafe(self._deliver)
-            except RuntimeError:            # the event loop is gone (shutdown)
-                self.pending = False
+        wfd = self._wfd
+        if self.items and wfd is not None and not self.pending:
+            self.pending = True             # at most one wake-up outstanding: pending stays set until _deliver
+            _write(wfd, b"\0")
 
     def _deliver(self) -> None:             # event loop
-        self.pending = False                # from here on, a new output needs a new delivery
+        try:
+            os.read(self._rfd, 256)         # first: a wake-up sent after this read is a delivery of its own
+        except BlockingIOError:
+            pass
+        self.pending = False                # from here on, a new output needs a new wake-up
         items = self.items
         while items:
             job, i, out = items.popleft()
             job.queue.put_nowait((i, out))
+
+    def close(self) -> None:                # event loop thread, once the scheduler has stopped
+        if self._rfd is None:
+            return
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.remove_reader(self._rfd)
+        rfd, wfd = self._rfd, self._wfd
+        self._rfd = self._wfd = None
+        self.loop = None
+        os.close(rfd)
+        os.close(wfd)

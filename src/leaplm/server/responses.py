@@ -6,10 +6,32 @@ import asyncio
 import time
 import uuid
 
+from starlette.responses import Response
+
 from . import streaming as S
 from .bridge import Job
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 from .state import ServerState
+
+
+class EventStream(Response):
+    """A text/event-stream response whose pieces go straight to the ASGI send, one body message each. Starlette's
+    StreamingResponse runs the stream in a task group beside a second disconnect listener, a task switch and a
+    few awaits more per piece on the event loop; the Job's watcher (bridge.py) already ends the stream when the
+    client goes away."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+        self.status_code, self.background = 200, None
+        self.init_headers({"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async for piece in self.pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def guarded_stream(gen, job: Job, watcher: asyncio.Task, include_usage: bool):
