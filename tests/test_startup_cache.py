@@ -36,6 +36,33 @@ def test_key_changes_with_the_file_cpu_threads_and_version(tmp_path, monkeypatch
     assert sc.key("calibration", sc.file_identity(f), 2) != base            # leaplm's version
 
 
+def test_the_code_identity_changes_with_the_measuring_source(tmp_path):
+    """A calibration's key carries a hash of the code that measured it: the same file with other source is
+    another identity (so a changed measuring loop measures again), the same source the same one."""
+    a, b = tmp_path / "calibrate.py", tmp_path / "costs.py"
+    a.write_text("def calibrate(): return 1\n")
+    b.write_text("SHAPE = 1\n")
+    first = sc.code_identity(str(a), str(b))
+    assert sc.code_identity(str(a), str(b)) == first
+    a2 = tmp_path / "v2"
+    a2.mkdir()
+    (a2 / "calibrate.py").write_text("def calibrate(): return 2\n")
+    assert sc.code_identity(str(a2 / "calibrate.py"), str(b)) != first
+    assert sc.key("calibration", 2, first) != sc.key("calibration", 2, sc.code_identity(str(a2 / "calibrate.py"),
+                                                                                      str(b)))
+
+
+def test_the_calibration_key_reads_the_code_identity(monkeypatch):
+    """The engine's calibration and thread-check keys include the measuring code's identity."""
+    from leaplm.engine import startup_checks
+
+    ids = iter(["one", "two"])
+    monkeypatch.setattr(startup_checks.startup_cache, "code_identity", lambda *paths: next(ids))
+    monkeypatch.setattr(startup_checks, "_identity", lambda engine: ["t", "d", "torch", "float32", [], 1, "draft",
+                                                                     5, 512])
+    assert startup_checks._calibration_key(None, 1, 256, 2) != startup_checks._calibration_key(None, 1, 256, 2)
+
+
 def test_entries_round_trip_and_recalibrate_skips_them(monkeypatch):
     sc.write_json("x", "k", {"a": 1})
     assert sc.read_json("x", "k") == {"a": 1}

@@ -7,7 +7,9 @@ the cache dir is $LEAPLM_CACHE or ~/.cache/leaplm. A key is a hash of everything
                      replaced by another of the same name gets a new key without hashing gigabytes
   the machine        the CPU model and its instruction flags (machine_identity), and where it matters the thread
                      count
-  the software       leaplm's version and, for what another library builds (a tokenizer), that library's version
+  the software       leaplm's version and, for what another library builds (a tokenizer), that library's version;
+                     for a measurement, a hash of the source of the code that measures it (code_identity), so an
+                     entry measured by other code (a calibration whose loop or cost model has changed) is not read
 
 An entry that does not parse is treated as missing. LEAPLM_RECALIBRATE=1 (`--recalibrate`) ignores every entry
 for the life of the process and writes fresh ones; LEAPLM_NO_STARTUP_CACHE=1 neither reads nor writes.
@@ -103,6 +105,20 @@ def machine_identity() -> str:
     """The CPU model and a hash of its flags, e.g. 'AMD EPYC/3f2a…': what a SIMD choice or a timing depends on."""
     model, flags = _cpuinfo()
     return f"{model}/{hashlib.sha256(flags.encode()).hexdigest()[:12]}/{platform.machine()}"
+
+
+@lru_cache(maxsize=None)
+def code_identity(*paths: str) -> str:
+    """A short hash of these source files' bytes (a measurement's code: its entry is keyed by it, so a changed
+    measuring loop or cost model measures again instead of reading what the old code measured)."""
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(Path(p).name.encode())
+        try:
+            h.update(Path(p).read_bytes())
+        except OSError:
+            h.update(b"unreadable")
+    return h.hexdigest()[:16]
 
 
 def key(*parts: object) -> str:

@@ -135,19 +135,24 @@ def test_without_guesses_the_same_row_waits_for_probes():
     assert not any(back), back
 
 
-def test_scoring_guesses_stays_within_its_share_of_the_rows_decoding():
-    """A draft whose scoring costs 6 ms a chunk of 8 tokens (7.5% of eight 10 ms plain steps): the row scores
-    guesses only while their seconds stay within SHADOW_BUDGET of its decoding so far (one scoring's overshoot at
-    most), and still scores some. The guesses are wrong throughout, so the row stays at K = 0."""
+@pytest.mark.parametrize("constrained", [True, False])
+def test_a_constrained_rows_scoring_stays_within_its_share_of_the_rows_decoding(constrained):
+    """A draft whose scoring costs 6 ms a chunk of 8 tokens (7.5% of eight 10 ms plain steps): a constrained row
+    scores guesses only while their seconds stay within SHADOW_BUDGET of its decoding so far (one scoring's
+    overshoot at most), and still scores some. The guesses are wrong throughout, so the row stays at K = 0.
+    Unconstrained, a chunk is scored whatever it costs (evidence that lets a request return to speculation): the
+    same row spends more than the budget (the control)."""
     from leaplm.engine.kpolicy.policy import SHADOW_BUDGET
 
     proposer = ScriptedDraft(right_from=10 ** 9, delay_s=6e-3)
     row, policy = new_row(proposer, remaining=2000), KPolicy(costs(), enabled=True, max_len=4096)
+    row.req.grammar = object() if constrained else None
     for _ in range(300):
         step(policy, row)
     stats = row.req.stats
-    assert 0 < stats.shadow_s <= SHADOW_BUDGET * stats.decode_s + 0.02, (stats.shadow_s, stats.decode_s)
-    assert proposer.fed > 0
+    within = stats.shadow_s <= SHADOW_BUDGET * stats.decode_s + 0.01
+    assert stats.shadow_s > 0 and proposer.fed > 0
+    assert within == constrained, (stats.shadow_s, stats.decode_s)
 
 
 def test_a_constrained_request_weighs_a_catching_up_against_the_tokens_it_has_produced():

@@ -10,6 +10,7 @@ import logging
 import torch
 
 from .. import startup_cache
+from .kpolicy import calibrate as calibrate_module, costs as costs_module
 from .kpolicy.calibrate import ThreadCheck, calibrate, check_threads
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,13 @@ def calibration_from_cache(engine, max_rows: int = 1, ctx: int = 256, repeats: i
         return False
 
 
+def _code() -> str:
+    """The measuring code's identity: the calibration loop, the cost model it fills, and this module."""
+    return startup_cache.code_identity(calibrate_module.__file__, costs_module.__file__, __file__)
+
+
 def _calibration_key(engine, max_rows: int, ctx: int, repeats: int) -> str:
-    return startup_cache.key("calibration", *_identity(engine), max_rows, ctx, repeats)
+    return startup_cache.key("calibration", *_identity(engine), max_rows, ctx, repeats, _code())
 
 
 def _snapshot(est) -> dict:
@@ -88,7 +94,7 @@ def cached_check_threads(engine) -> ThreadCheck | None:
     n = (model.threads or torch.get_num_threads()) if llama else torch.get_num_threads()
     if n <= 1 or engine.backend not in ("torch", "llamacpp") or str(model.device) != "cpu":
         return None
-    k = startup_cache.key("threads", *_identity(engine)[:5], n)
+    k = startup_cache.key("threads", *_identity(engine)[:5], n, _code())
     hit = startup_cache.read_json("threads", k)
     if hit is not None:
         try:

@@ -122,7 +122,8 @@ def cached_costs(path: str, load_kernel, check_invariance: bool = True) -> Backe
     it); an entry written for plain decoding gets it added."""
     from .. import startup_cache
 
-    key = startup_cache.key("backend-costs", startup_cache.file_identity(path), torch.get_num_threads(), BLOCK, CTX)
+    key = startup_cache.key("backend-costs", startup_cache.file_identity(path), torch.get_num_threads(), BLOCK, CTX,
+                            startup_cache.code_identity(__file__))
     hit = startup_cache.read_json("backend-costs", key)
     costs = None
     if hit is not None:

@@ -31,8 +31,9 @@ from ..row import Row
 
 # Steps at K = 0 held without pricing before the choice is priced again (the costs' level moves with the load)
 HOLD_STEPS = 16
-# Evidence at K = 0 from a draft model costs at most this share of its row's decoding so far, and a long catching
-# up (a new row's prompt) at most this share of the plain steps its request has left (shadow.py)
+# A draft model's long catching up at K = 0 (a new row's prompt; every scoring of a constrained row) waits until it
+# fits, with the evidence's seconds so far, within this share of its row's decoding so far and of the plain steps
+# its request has left (shadow.py)
 SHADOW_BUDGET = 0.015
 
 
@@ -203,11 +204,14 @@ class KPolicy:
             if req.verifier == "rejection" and d.logits is not None:
                 keep_probs(st, len(req.tokens) - 1, r.proc.probs(d.logits[-1:])[0])
             lag = r.proposer.lag(len(req.tokens))
+            # a long catching up (a prompt) waits until it fits, with the evidence's seconds so far, within
+            # SHADOW_BUDGET of the row's decoding so far, and within that share of what the request has left; a
+            # constrained row keeps every scoring within that share (its grammar's forced tokens fill a chunk of
+            # guesses in a few steps, so its scorings come several times as often per plain step)
             now = self.catchup_now_s(r) if lag > 2 * SHADOW_CHUNK else 0.0
-            # the evidence's seconds, this catching up included, within SHADOW_BUDGET of the row's decoding so far,
-            # and a long catching up within that share of what the request has left
-            affordable = (st.seconds + now <= SHADOW_BUDGET * req.stats.decode_s
-                          and now <= SHADOW_BUDGET * tokens_left(req) * self.estimates.costs.cost(1, 1))
+            affordable = (lag <= 2 * SHADOW_CHUNK and req.grammar is None) or (
+                st.seconds + now <= SHADOW_BUDGET * req.stats.decode_s
+                and now <= SHADOW_BUDGET * tokens_left(req) * self.estimates.costs.cost(1, 1))
             # not on a row's first step: like its drafts, its catching up waits until the first token is out
             if lag > SHADOW_CHUNK and affordable and req.stats.target_forwards > 1:
                 before = st.seconds
