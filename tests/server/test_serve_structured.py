@@ -87,3 +87,36 @@ def test_bad_constraints_are_400_naming_the_field(client, kwargs, param, words):
     err = e.value.body
     assert err["param"] == param, err
     assert words in err["message"]
+
+
+def test_repeated_structured_fields_are_built_once(server, monkeypatch):
+    """A request repeating structured-output fields another sent (the same text) reuses what they came to: the
+    StructuredOutput, or the 400; the answers are the same as the first's. Other text is built on its own."""
+    import httpx
+
+    from leaplm.server.protocol import CompletionRequest
+
+    built = []
+    real = CompletionRequest.structured_output
+
+    def counting(self):
+        built.append(self.guided_regex)
+        return real(self)
+
+    monkeypatch.setattr(CompletionRequest, "structured_output", counting)
+    h = httpx.Client(base_url=server.url, headers=server.headers, timeout=60)
+
+    def post(**fields):
+        return h.post("/v1/completions", json={"model": MODEL, "prompt": "the quick", "max_tokens": 6,
+                                                "temperature": 0, **fields})
+
+    good, bad = "(ab|cd)+ kept once", "((unclosed kept once"
+    answers = [post(guided_regex=good) for _ in range(3)]
+    assert [r.status_code for r in answers] == [200] * 3
+    assert len({r.json()["choices"][0]["text"] for r in answers}) == 1
+    refused = [post(guided_regex=bad) for _ in range(3)]
+    assert [r.status_code for r in refused] == [400] * 3
+    assert all(r.json() == refused[0].json() and r.json()["error"]["param"] == "guided_regex" for r in refused)
+    assert built == [good, bad]
+    assert post(guided_regex="(ab|cd)+ kept twice").status_code == 200
+    assert built == [good, bad, "(ab|cd)+ kept twice"]

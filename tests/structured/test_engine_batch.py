@@ -115,6 +115,23 @@ def test_constrained_and_unconstrained_rows_batched_equal_their_solo_runs(letter
     assert alone[0] != alone[1]                   # the constraint changed something
 
 
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_output_is_the_same_without_forced_tokens(letters, monkeypatch, method):
+    """Forced tokens are drafts like any other: a grammar whose forced tokens are over their time budget (none
+    drafted) gives the same greedy output; without a proposer it then takes more target forwards (the forced
+    tokens were drafted before)."""
+    spec = StructuredOutput(regex="abc(ab|cd|efg)+")             # forces a, b, c at the start
+    eng = Engine(letters["target"], method=method, k=4, adaptive_k=False)
+    forced = eng.generate(PROMPT, greedy(spec))
+    monkeypatch.setattr(GrammarState, "FORCED_BUDGET_S", -1.0)
+    fresh = Engine(letters["target"], method=method, k=4, adaptive_k=False)    # grammars built anew
+    plain = fresh.generate(PROMPT, greedy(spec))
+    assert plain.token_ids == forced.token_ids and plain.token_ids[:3] == [0, 1, 2]
+    assert plain.stats.target_forwards >= forced.stats.target_forwards
+    if method == "none":
+        assert plain.stats.target_forwards > forced.stats.target_forwards
+
+
 def test_a_complete_grammar_ends_the_request(letters):
     out = Engine(letters["target"], method="none").generate([0], greedy(StructuredOutput(regex="ab")))
     assert out.token_ids == [0, 1] and out.finish_reason == "stop"

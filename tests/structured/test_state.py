@@ -134,6 +134,29 @@ def test_forced_tokens(vocab):
     assert vocab.state(ALTERNATE).forced(8) == []
 
 
+def test_forced_tokens_off_for_a_grammar_whose_forced_tokens_took_over_budget(monkeypatch):
+    """llguidance holds the GIL while it computes forced tokens: a grammar for which that took more than
+    FORCED_BUDGET_S, when it was built or at a step, offers none from then on (each grammar built anew here, in a
+    vocabulary of its own: the built ones are kept with their timing)."""
+    from letters import letter_tokenizer
+
+    from leaplm.structured.state import GrammarState
+
+    spec = StructuredOutput(regex="abc(d|e)")
+    monkeypatch.setattr(GrammarState, "FORCED_BUDGET_S", -1.0)         # any time is over it
+    slow_at_build = GrammarVocab(letter_tokenizer(), 8, eos_token_ids=[])
+    assert slow_at_build.state(spec).forced(8) == []
+    assert slow_at_build.state(spec).forced(8) == []                    # the kept grammar keeps its timing
+    monkeypatch.setattr(GrammarState, "FORCED_BUDGET_S", 10.0)
+    assert slow_at_build.state(spec).forced(8) == []
+    fast = GrammarVocab(letter_tokenizer(), 8, eos_token_ids=[])
+    s = fast.state(spec)
+    monkeypatch.setattr(GrammarState, "FORCED_BUDGET_S", -1.0)
+    assert s.forced(8) == [A, B, C]          # computed, and over the budget: the last
+    assert s.forced(8) == [] and s.forced(1) == []
+    assert fast.state(spec).forced(8) == [A, B, C]      # a state of its own: timed at its own steps
+
+
 def test_tree_pruning(vocab):
     s = vocab.state(ALTERNATE)
     #        root

@@ -4,6 +4,8 @@ ids, sampling parameters, method and K, the same as `leaplm generate` and Engine
 asks for is decided here, in one place; the bridge (bridge.py) only submits the plan."""
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 from ..config import ConfigError, prediction_text
@@ -39,7 +41,21 @@ def prepare_structured(state: ServerState, body):
     """The request's StructuredOutput (None: unconstrained), its grammar compiled once by llguidance (the row that
     runs it copies that matcher); APIError 400 naming the field for what llguidance refuses. Off the event loop: in
     the grammar pool once llguidance's view of the tokenizer exists (a large grammar's compile then delays no other
-    request's tokenizing), else in the tokenize pool (building that view reads the tokenizer)."""
+    request's tokenizing), else in the tokenize pool (building that view reads the tokenizer).
+
+    What the fields come to, a StructuredOutput or the 400, is kept by their text (state.structured_seen): building
+    and checking a grammar takes up to 0.2 s of CPU for a 200 KB schema or grammar, partly holding the GIL, and
+    gives the same answer every time (llguidance's limits count work, not time), so a request repeating one pays
+    nothing for it. Whatever its answer, a grammar is compiled for each request only when the engine's own cache of
+    built grammars (structured/state.py) no longer has it."""
+    key = structured_key(body)
+    if key is not None:
+        seen = state.structured_seen.get(key)
+        if isinstance(seen, APIError):
+            raise APIError(seen.status, seen.message, seen.param, seen.code)
+        if seen is not None:
+            state.engine.grammar_state(seen)
+            return seen
     try:
         structured = body.structured_output()
         if structured is not None:
@@ -47,8 +63,26 @@ def prepare_structured(state: ServerState, body):
     except (ConfigError, ValueError) as e:
         field = e.field if isinstance(e, ConfigError) else structured_field(body)
         message = e.message if isinstance(e, ConfigError) else str(e)
-        raise APIError(400, f"{field}: {message}", field, "invalid_value") from None
+        err = APIError(400, f"{field}: {message}", field, "invalid_value")
+        if key is not None:
+            state.structured_seen.put(key, err)
+        raise err from None
+    if key is not None and structured is not None:
+        state.structured_seen.put(key, structured)
     return structured
+
+
+STRUCTURED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                     "response_format")
+
+
+def structured_key(body) -> bytes | None:
+    """A digest of the request's structured-output fields' text (None: they cannot be written as JSON)."""
+    try:
+        text = json.dumps([getattr(body, n, None) for n in STRUCTURED_FIELDS], ensure_ascii=False, allow_nan=False)
+        return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    except (TypeError, ValueError, RecursionError):
+        return None
 
 
 def wants_structure(body) -> bool:

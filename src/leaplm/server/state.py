@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -46,6 +47,8 @@ class ServerState:
     grammar_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="leaplm-grammar",
                                                    initializer=lowest_cpu_priority))
+    # structured-output fields' text (digest) -> what they came to: a StructuredOutput or the 400 (planning.py)
+    structured_seen: "Recent" = field(default_factory=lambda: Recent(16))
 
     def attach(self, engine, scheduler: BatchScheduler) -> None:
         self.engine, self.scheduler = engine, scheduler
@@ -56,6 +59,32 @@ class ServerState:
         self.metrics.bind(scheduler, self.admission)
         scheduler.observer = self.metrics
         scheduler.on_step_outputs = self.mailbox.flush
+
+
+class Recent:
+    """The last `size` values put, by key (least recently used out first); safe across threads."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key, value) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def lowest_cpu_priority() -> None:

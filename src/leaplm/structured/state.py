@@ -20,6 +20,7 @@ cut before one; at the committed state itself an empty mask is a dead end (`dead
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -104,13 +105,14 @@ class GrammarVocab:
             raise ValueError(f"llguidance cannot read this tokenizer: {e}") from None
 
     def state(self, spec: StructuredOutput) -> "GrammarState":
-        matcher = self._fresh(spec.compiled)
+        matcher, forced_ok = self._fresh(spec.compiled)
         if matcher.is_error():
             raise ValueError(f"grammar rejected by llguidance: {matcher.get_error()[:500]}")
-        return GrammarState(matcher, self.vocab_size, self.eos, self.ll_vocab, self.phantom)
+        return GrammarState(matcher, self.vocab_size, self.eos, self.ll_vocab, self.phantom, forced_ok=forced_ok)
 
     def _fresh(self, grammar: str):
-        """A matcher that has consumed nothing: a copy of a kept one, else built (and kept when valid)."""
+        """(a matcher that has consumed nothing: a copy of a kept one, else built (and kept when valid), whether
+        its forced tokens are within GrammarState.FORCED_BUDGET_S: timed once, on a copy, when it is built)."""
         import llguidance as llg
 
         lock, built = self._built_lock, self._built
@@ -118,17 +120,21 @@ class GrammarVocab:
             kept = built.get(grammar)
             if kept is not None:
                 built.move_to_end(grammar)
-                return kept.deep_copy()
+                return kept[0].deep_copy(), kept[1]
         matcher = llg.LLMatcher(self.lltok, grammar, log_level=0, limits=self.limits())
         if not matcher.is_error():
             matcher.compute_bitmask()         # a grammar too wide for the limits at its first token fails here
         if matcher.is_error():
-            return matcher
+            return matcher, False
+        probe = matcher.deep_copy()
+        t = time.perf_counter()
+        probe.compute_ff_tokens()
+        forced_ok = time.perf_counter() - t <= GrammarState.FORCED_BUDGET_S
         with lock:
-            built[grammar] = matcher
+            built[grammar] = (matcher, forced_ok)
             while len(built) > self.BUILT:
                 built.popitem(last=False)
-            return matcher.deep_copy()
+            return matcher.deep_copy(), forced_ok
 
 
 @dataclass
@@ -138,11 +144,19 @@ class TreePlan:
 
 
 class GrammarState:
-    """One request's matcher; see the module docstring. Not thread-safe (one step at a time owns it)."""
+    """One request's matcher; see the module docstring. Not thread-safe (one step at a time owns it).
+
+    Forced tokens are a saving, never needed: llguidance computes them holding the GIL (tens of milliseconds for a
+    pathological grammar such as (x{1000}){1000}, when every thread of the server, the event loop's included, would
+    wait), so a grammar whose forced tokens took more than FORCED_BUDGET_S once (when it was built, or at any step)
+    drafts none from then on; its drafts come from the row's proposer, verified the same way."""
+
+    FORCED_BUDGET_S = 0.002
 
     def __init__(self, matcher, vocab_size: int, eos: frozenset[int] = frozenset(), ll_vocab: int | None = None,
-                 phantom: int | None = None):
+                 phantom: int | None = None, forced_ok: bool = True):
         self.m = matcher
+        self.forced_ok = forced_ok                           # forced tokens within FORCED_BUDGET_S so far
         self.vocab_size = vocab_size
         self.eos = eos                                       # end-of-sequence ids: consumed, they stop the grammar
         self._eos_only = torch.zeros(vocab_size, dtype=torch.bool)                  # [V]: the mask after one
@@ -166,10 +180,14 @@ class GrammarState:
         return self.m.get_error() if self.m.is_error() else None
 
     def forced(self, limit: int) -> list[int]:
-        """At most `limit` tokens the grammar forces next (may be empty)."""
-        if limit <= 0 or self.m.is_stopped():
+        """At most `limit` tokens the grammar forces next (may be empty; always empty once they took more than
+        FORCED_BUDGET_S)."""
+        if limit <= 0 or not self.forced_ok or self.m.is_stopped():
             return []
-        return self.m.compute_ff_tokens()[:limit]
+        t = time.perf_counter()
+        toks = self.m.compute_ff_tokens()
+        self.forced_ok = time.perf_counter() - t <= self.FORCED_BUDGET_S
+        return toks[:limit]
 
     # --- tentative plans ----------------------------------------------------------------------------------------
     def plan_chain(self, drafts: list[int], keep_forbidden: bool = False) -> tuple[int, torch.Tensor]:
