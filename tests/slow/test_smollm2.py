@@ -94,3 +94,29 @@ def test_shipped_eagle_head_is_picked_and_lossless(smollm2):
         assert eagle["stats"]["method"] == "eagle" and eagle["stats"]["draft_tokens"] > 0
         assert eagle["stats"]["accepted_tokens"] > 0
         assert _ids(eagle) == _ids(cli_generate(smollm2, "--method", "none"))
+
+
+def test_config_and_tokenizer_from_the_parsed_header_equal_transformers_own(smollm2, tmp_path):
+    """models/gguf_hf.py on a real vocabulary (49k tokens and merges, special tokens, a chat template): the same
+    config dict as transformers' GGUF loader and the same tokenizer files as AutoTokenizer."""
+    from transformers import AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from leaplm.models.gguf import parse_gguf
+    from leaplm.models.gguf_hf import convert_tokenizer, hf_config_dict
+
+    path = Path(smollm2)
+    g = parse_gguf(path)
+    cfg = hf_config_dict(g.fields, g.tensors)
+    assert cfg == load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    have = convert_tokenizer(path, cfg)
+    want = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert type(have) is type(want)
+    files = {}
+    for name, tok in (("have", have), ("want", want)):
+        tok.save_pretrained(str(tmp_path / name))
+        files[name] = {p.name: p.read_bytes() for p in (tmp_path / name).iterdir()}
+    assert files["have"] == files["want"]
+    chat = [{"role": "user", "content": QUESTION}]
+    assert have.apply_chat_template(chat, add_generation_prompt=True) == \
+        want.apply_chat_template(chat, add_generation_prompt=True)
