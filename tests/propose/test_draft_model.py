@@ -28,9 +28,10 @@ class CountingModel:
 
 def contexts(prompts, k, params):
     proc = LogitsProcessor(params)
-    gen = None if params.greedy else torch.Generator().manual_seed(0)
-    return [ProposeContext(list(p), k, params, proc, gen, None, None, None if params.greedy else 11 + i,
-                           wants_q=not params.greedy) for i, p in enumerate(prompts)]      # q: compared below
+    # one generator per request, as the engine keeps (rejection sampling's drafts are drawn from it)
+    return [ProposeContext(list(p), k, params, proc, None if params.greedy else torch.Generator().manual_seed(i),
+                           None, None, None if params.greedy else 11 + i, wants_q=not params.greedy)
+            for i, p in enumerate(prompts)]      # q: compared below
 
 
 def tolerance(model, logits_len: int) -> float:

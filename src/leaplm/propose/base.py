@@ -41,6 +41,15 @@ class ProposeContext:
             return ranked(q, self.seed, len(self.tokens) + offset, candidate + 1)[candidate]
         return int(sample_categorical(q.reshape(-1), self.generator))
 
+    def sample_chain(self, q: torch.Tensor, offset: int) -> int:
+        """A chain's draft token from q [V] (or [1, V]) at block offset `offset`: sample() when the race verifies
+        it; when rejection sampling does (wants_q), which accepts x ~ q with probability min(1, p(x) / q(x))
+        whatever drew it, a draw from `generator`: the same acceptance for about a third of the race's cost (its
+        exponentials over the vocabulary, paid at every drafted token)."""
+        if self.wants_q and self.generator is not None:
+            return int(sample_categorical(q.reshape(-1), self.generator))
+        return self.sample(q, offset)
+
 
 @dataclass
 class ExtraTokens:

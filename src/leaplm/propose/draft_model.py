@@ -122,7 +122,7 @@ class DraftRows:
                     t = int(ctx.processor.greedy(row_logits, pres))
                 else:
                     q = ctx.processor.probs(row_logits, pres)                                # [1, V]
-                    t = ctx.sample(q, i)
+                    t = ctx.sample_chain(q, i)
                     if ctx.wants_q:                  # only rejection sampling reads q
                         qs[j].append(q[0])
                 drafts[j].append(t)

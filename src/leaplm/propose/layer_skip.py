@@ -124,7 +124,7 @@ class LayerSkipProposer(ProposerBase):
                     q = ctx.processor.probs(logits, pres)                           # [1, V]
                     if i and float(q.max()) < self.confidence:
                         break
-                    t = ctx.sample(q, i)
+                    t = ctx.sample_chain(q, i)
                     if ctx.wants_q:
                         qs.append(q[0])
                 drafts.append(t)
