@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 import rawhttp
+from gguf_servers import cli_args, skip_unless_available, smollm2_file
 from leaplm import SamplingParams
 from serverkit import API_KEY, MODEL, ServerProcess
 
@@ -142,6 +143,29 @@ def test_hostile_grammar_attack_keeps_ordinary_p99_within_2x(tiny_pair, referenc
     try:
         srv.wait_ready()
         ratios = _attack(srv, _alone(reference), figures, rounds=5, requests=300, tmp_path=tmp_path)
+    finally:
+        srv.stop()
+    assert statistics.median(ratios) <= RATIO, ratios
+
+
+@pytest.mark.slow
+@pytest.mark.soak
+def test_hostile_grammar_attack_on_smollm2_keeps_ordinary_p99_within_2x(figures, tmp_path):
+    """The same on SmolLM2-135M-Instruct Q4_1 served on the int8 kernel, speculating with its shipped draft (a
+    49,152-token vocabulary: masks and compiles cost more): 3 rounds of 150 ordinary requests a phase, each
+    answer equal to its prompt decoded plainly alone on the same server."""
+    skip_unless_available("kernel")
+    srv = ServerProcess(smollm2_file(), None, "--max-batch", "4", "--max-queue", "16", "--k", "4", "--method",
+                        "draft", "--max-model-len", "2048", *cli_args("kernel"))
+    try:
+        srv.wait_ready(300)
+        alone = {}
+        for b in ORDINARY:
+            r = httpx.post(srv.url + "/v1/completions", headers=HEADERS, timeout=120,
+                           json={**b, "speculative": {"method": "none"}})
+            assert r.status_code == 200, r.text
+            alone[b["prompt"]] = r.json()["choices"][0]["text"]
+        ratios = _attack(srv, alone.__getitem__, figures, rounds=3, requests=150, tmp_path=tmp_path)
     finally:
         srv.stop()
     assert statistics.median(ratios) <= RATIO, ratios
