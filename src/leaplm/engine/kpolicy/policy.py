@@ -17,6 +17,7 @@ Costs and acceptance are the engine's (estimates.Estimates): one calibration, sh
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,6 +36,10 @@ HOLD_STEPS = 16
 # fits, with the evidence's seconds so far, within this share of its row's decoding so far and of the plain steps
 # its request has left (shadow.py)
 SHADOW_BUDGET = 0.015
+# All of a draft model's evidence at K = 0 (its scorings, and under rejection sampling the target's top tokens kept
+# at every plain step: a softmax over SmolLM2's 49k vocabulary costs several percent of its 4.5 ms step) at most
+# this share of its row's decoding so far
+SHADOW_SHARE = 0.03
 
 
 @dataclass
@@ -200,9 +205,18 @@ class KPolicy:
             p = plan.early[i]
             keep_cheap(st, len(req.tokens) - 1, p.tokens.tolist(), p.match)
         evidence = resolve_cheap(st, req.tokens) if st.pending else []
-        if plain and r.proposer.shadows and r.cap > 0:
+        if plain and r.proposer.shadows and r.cap > 0 and st.seconds > SHADOW_SHARE * req.stats.decode_s:
+            # past its share of the row's decoding, a step gathers nothing; what was scored and not yet counted is
+            # dropped, so the scored positions stay contiguous when it resumes
+            forget(st)
+        elif plain and r.proposer.shadows and r.cap > 0:
             if req.verifier == "rejection" and d.logits is not None:
+                t0 = time.perf_counter()
                 keep_probs(st, len(req.tokens) - 1, r.proc.probs(d.logits[-1:])[0])
+                dt = time.perf_counter() - t0
+                st.seconds += dt
+                req.stats.shadow_s += dt
+                req.stats.decode_s += dt
             lag = r.proposer.lag(len(req.tokens))
             # a long catching up (a prompt) waits until it fits, with the evidence's seconds so far, within
             # SHADOW_BUDGET of the row's decoding so far, and within that share of what the request has left; a
