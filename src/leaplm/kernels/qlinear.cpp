@@ -43,10 +43,15 @@ enum Path : int { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
 
 // The activations of one call, quantized: qa [T, K] int8; a, sa [T, G] fp32 (sa = a * sum of the block's qa);
 // sq [T, G] int32 (sum of the block's qa); sq16 [T, G] int32 (sum of its first 16 qa).
+// The AVX-512 path reads the same values block-major (qab [G, T, 32], ab [G, T], sqb [G, T]): the tokens of one
+// block at fixed offsets from one pointer.
 struct Act {
   std::vector<int8_t> qa;
   std::vector<float> a, sa;
   std::vector<int32_t> sq, sq16;
+  std::vector<int8_t> qab;
+  std::vector<float> ab;
+  std::vector<int32_t> sqb;
   int T;
   int64_t K;
   int G;
@@ -150,9 +155,26 @@ __attribute__((target("avx2"))) void quantize_act_simd(const float* x, int T, in
 }
 #endif
 
+void block_major(Act& out) {
+  const int T = out.T, G = out.G;
+  out.qab.resize(size_t(T) * out.K);
+  out.ab.resize(size_t(T) * G);
+  out.sqb.resize(size_t(T) * G);
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < G; ++g) {
+      std::memcpy(out.qab.data() + (size_t(g) * T + t) * QK, out.qa.data() + t * out.K + g * QK, QK);
+      out.ab[g * T + t] = out.a[t * G + g];
+      out.sqb[g * T + t] = out.sq[t * G + g];
+    }
+}
+
 void quantize_act(const float* x, int T, int64_t K, Act& out, int path = 0) {
 #if defined(__x86_64__)
-  if (path > 0) return quantize_act_simd(x, T, K, out);
+  if (path > 0) {
+    quantize_act_simd(x, T, K, out);
+    if (path == 2) block_major(out);
+    return;
+  }
 #endif
   quantize_act_base(x, T, K, out);
 }
@@ -426,6 +448,7 @@ inline void tail(int rem, const W& w, const Act& act, int64_t grp, int t0, int g
 // about half of a 32 KiB L1 data cache beside the group's weights, so a block's weights are read from L1 by every
 // token tile and no tile evicts the next one's activations.
 constexpr int ACT_L1_BYTES = 16384;
+constexpr int PAIR_TMAX = 8;      // tokens per tile of a pair of groups (16 measured the same on SmolLM2's shapes)
 
 // All T tokens of one row group in token tiles of at most TMAX (the unpacked block stays in 8 registers and
 // each token adds an int32 and an fp32 accumulator: AVX2 has 16 vector registers, AVX-512 32), the blocks in
@@ -446,15 +469,117 @@ void group_simd(const W& w, const Act& act, int64_t grp, float* y) {
   }
   store_group(w, act, grp, accs, y);
 }
+
+// acc += the u8 x s8 dot products of w's 16 lanes with the int8 quadruple at p broadcast to every lane: the
+// broadcast is the instruction's own memory operand ({1to16}), not a separate instruction.
+__attribute__((target("avx512f,avx512vnni")))
+LEAPLM_INLINE __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %[m]%{1to16%}, %[w], %[acc]"
+      : [acc] "+v"(acc)
+      : [w] "v"(w), [m] "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+// Two row groups (16 rows) in 512-bit vectors: lane r of the low half is row 8 grp + r, of the high half row
+// 8 (grp + 1) + r. Each activation broadcast feeds 16 rows' dot products and each unpacked weight vector all TT
+// tokens; the arithmetic per (row, token) is the single group's (exact int32 block products, then
+// fma(float(P), s * a, acc) block by block), so the bits are the same.
+template <int TT, bool INT4>
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+void pair_vnni(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* acc_lo, float* acc_hi) {
+  const int G = w.G, T = act.T;
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t)
+    acc[t] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_load_ps(acc_lo + 8 * t)),
+                                _mm256_load_ps(acc_hi + 8 * t), 1);
+  const int64_t bb = w.block_bytes();
+  for (int g = ga; g < gb; ++g) {
+    const uint8_t* lo = w.q + (grp * G + g) * bb;
+    const uint8_t* hi = lo + int64_t(G) * bb;                 // the same block of the next row group
+    __m512i u[8];
+#define LEAPLM_BOTH(off)                                                                               \
+  _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + (off)))), \
+                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + (off))), 1)
+    if constexpr (INT4) {
+      const __m512i nib = _mm512_set1_epi8(0x0F);
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = LEAPLM_BOTH(32 * c);
+        u[c] = _mm512_and_si512(v, nib);
+        u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      }
+    } else {
+      const __m512i k128 = _mm512_set1_epi8(char(0x80));
+      for (int c = 0; c < 8; ++c) u[c] = _mm512_xor_si512(LEAPLM_BOTH(32 * c), k128);
+    }
+#undef LEAPLM_BOTH
+    const float* sp = w.s + (grp * G + g) * RG;
+    const __m512 sv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(sp)), _mm256_loadu_ps(sp + G * RG), 1);
+    const int8_t* qb = act.qab.data() + (int64_t(g) * T + t0) * QK;   // token t's block at qb + 32 t
+    const float* ag = act.ab.data() + int64_t(g) * T + t0;
+    const int32_t* sg = act.sqb.data() + int64_t(g) * T + t0;
+    for (int t = 0; t < TT; ++t) {
+      const int8_t* q = qb + QK * t;
+      __m512i p = _mm512_setzero_si512(), p2 = _mm512_setzero_si512();
+      for (int c = 0; c < 8; c += 2) {
+        p = dpbusd_bcast(p, u[c], q + 4 * c);
+        p2 = dpbusd_bcast(p2, u[c + 1], q + 4 * c + 4);
+      }
+      p = _mm512_add_epi32(p, p2);
+      if constexpr (!INT4) p = _mm512_sub_epi32(p, _mm512_set1_epi32(128 * sg[t]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(sv, _mm512_set1_ps(ag[t])), acc[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    _mm256_store_ps(acc_lo + 8 * t, _mm512_castps512_ps256(acc[t]));
+    _mm256_store_ps(acc_hi + 8 * t, _mm512_extractf32x8_ps(acc[t], 1));
+  }
+}
+
+template <int TT>
+inline void pair_tile(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* lo, float* hi) {
+  if (w.int4) pair_vnni<TT, true>(w, act, grp, t0, ga, gb, lo, hi);
+  else pair_vnni<TT, false>(w, act, grp, t0, ga, gb, lo, hi);
+}
+
+template <int TT>
+inline void pair_tail(int rem, const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* lo, float* hi) {
+  if constexpr (TT >= 1) {
+    if (rem == TT) pair_tile<TT>(w, act, grp, t0, ga, gb, lo, hi);
+    else pair_tail<TT - 1>(rem, w, act, grp, t0, ga, gb, lo, hi);
+  }
+}
+
+// Row groups grp and grp + 1 (int8 and int4 formats) as group_simd<true> computes each.
+void pair_simd(const W& w, const Act& act, int64_t grp, float* y) {
+  constexpr int TMAX = PAIR_TMAX;
+  alignas(32) float lo[MAX_T * 8], hi[MAX_T * 8];
+  std::memset(lo, 0, sizeof(float) * 8 * act.T);
+  std::memset(hi, 0, sizeof(float) * 8 * act.T);
+  const int G = w.G;
+  const int chunk = act.T <= TMAX ? G : std::max(1, ACT_L1_BYTES / (QK * act.T));
+  for (int ga = 0; ga < G; ga += chunk) {
+    const int gb = std::min(G, ga + chunk);
+    int t = 0;
+    for (; t + TMAX <= act.T; t += TMAX) pair_tile<TMAX>(w, act, grp, t, ga, gb, lo + 8 * t, hi + 8 * t);
+    if (t < act.T) pair_tail<TMAX - 1>(act.T - t, w, act, grp, t, ga, gb, lo + 8 * t, hi + 8 * t);
+  }
+  store_group(w, act, grp, lo, y);
+  store_group(w, act, grp + 1, hi, y);
+}
 #endif
 
 // Row groups per chunk of a linear's thread split: about 8 chunks per thread, so a thread that starts late or is
 // descheduled leaves little for the others to wait on, and each chunk is still many blocks of work.
-int64_t group_grain(int64_t groups) { return std::max<int64_t>(1, groups / (8 * int64_t(at::get_num_threads()))); }
+// An even count, so the AVX-512 path's pairs of groups stay whole.
+int64_t group_grain(int64_t groups) {
+  const int64_t g = std::max<int64_t>(1, groups / (8 * int64_t(at::get_num_threads())));
+  return g + (g & 1);
+}
 
 void run_groups(const W& w, const Act& act, int path, int64_t g0, int64_t g1, float* y) {
   for (int64_t grp = g0; grp < g1; ++grp) {
 #if defined(__x86_64__)
+    if (path == AVX512VNNI && !w.half && grp + 1 < g1) { pair_simd(w, act, grp++, y); continue; }
     if (path == AVX512VNNI) { group_simd<true>(w, act, grp, y); continue; }
     if (path == AVX2) { group_simd<false>(w, act, grp, y); continue; }
 #endif
