@@ -449,6 +449,9 @@ inline void tail(int rem, const W& w, const Act& act, int64_t grp, int t0, int g
 // token tile and no tile evicts the next one's activations.
 constexpr int ACT_L1_BYTES = 16384;
 constexpr int PAIR_TMAX = 8;      // tokens per tile of a pair of groups (16 measured the same on SmolLM2's shapes)
+// Pairs of groups from this many tokens: below it, SmolLM2 Q4_1's whole forward measured slower with pairs than
+// with single groups (2 threads, T = 1: 4.66 against 3.64 ms), from 8 faster (T = 16: 15.0 against 17.8 ms).
+constexpr int PAIR_MIN_T = 8;
 
 // All T tokens of one row group in token tiles of at most TMAX (the unpacked block stays in 8 registers and
 // each token adds an int32 and an fp32 accumulator: AVX2 has 16 vector registers, AVX-512 32), the blocks in
@@ -579,7 +582,7 @@ int64_t group_grain(int64_t groups) {
 void run_groups(const W& w, const Act& act, int path, int64_t g0, int64_t g1, float* y) {
   for (int64_t grp = g0; grp < g1; ++grp) {
 #if defined(__x86_64__)
-    if (path == AVX512VNNI && !w.half && grp + 1 < g1) { pair_simd(w, act, grp++, y); continue; }
+    if (path == AVX512VNNI && !w.half && act.T >= PAIR_MIN_T && grp + 1 < g1) { pair_simd(w, act, grp++, y); continue; }
     if (path == AVX512VNNI) { group_simd<true>(w, act, grp, y); continue; }
     if (path == AVX2) { group_simd<false>(w, act, grp, y); continue; }
 #endif
