@@ -38,6 +38,10 @@ namespace {
 constexpr int QK = 32;
 constexpr int MAX_T = 32;
 constexpr int RG = 8;            // rows per packed group
+// The AVX-512 path takes row groups in pairs from this many tokens: below it, SmolLM2 Q4_1's whole forward
+// measured slower with pairs than with single groups (2 threads, T = 1: 4.66 against 3.64 ms), from 8 faster
+// (T = 16: 15.0 against 17.8 ms).
+constexpr int PAIR_MIN_T = 8;
 
 enum Path : int { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
 
@@ -172,7 +176,7 @@ void quantize_act(const float* x, int T, int64_t K, Act& out, int path = 0) {
 #if defined(__x86_64__)
   if (path > 0) {
     quantize_act_simd(x, T, K, out);
-    if (path == 2) block_major(out);
+    if (path == 2 && T >= PAIR_MIN_T) block_major(out);           // read by the pairs of groups alone
     return;
   }
 #endif
@@ -449,9 +453,6 @@ inline void tail(int rem, const W& w, const Act& act, int64_t grp, int t0, int g
 // token tile and no tile evicts the next one's activations.
 constexpr int ACT_L1_BYTES = 16384;
 constexpr int PAIR_TMAX = 8;      // tokens per tile of a pair of groups (16 measured the same on SmolLM2's shapes)
-// Pairs of groups from this many tokens: below it, SmolLM2 Q4_1's whole forward measured slower with pairs than
-// with single groups (2 threads, T = 1: 4.66 against 3.64 ms), from 8 faster (T = 16: 15.0 against 17.8 ms).
-constexpr int PAIR_MIN_T = 8;
 
 // All T tokens of one row group in token tiles of at most TMAX (the unpacked block stays in 8 registers and
 // each token adds an int32 and an fp32 accumulator: AVX2 has 16 vector registers, AVX-512 32), the blocks in
