@@ -19,6 +19,9 @@ $(BIN)/leaplm: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(BIN)/pip install -q -e ".[test,llamacpp]"
+# the int8 kernel's C++ library, compiled here once rather than in the first command that needs it
+# (load() falls back to the PyTorch path, with a warning, where it cannot be built)
+	$(BIN)/python -c "from leaplm.kernels.build import load; load()"
 	touch $(BIN)/leaplm
 
 setup: $(BIN)/leaplm
