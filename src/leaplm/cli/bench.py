@@ -12,7 +12,7 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from ..config import ConfigError, SamplingParams
+from ..config import METHODS, ConfigError, SamplingParams
 from .common import EngineOptions, engine_options, err, fail, set_threads
 from .common import wide as console
 
@@ -149,8 +149,19 @@ def bench(
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, ignore_eos=True)
         wls = [any_workload(w.strip(), prompts) for w in workloads.split(",") if w.strip()]
         target_name = options.model or embedded.default_target()
-        target = load_model(target_name, dtype=options.dtype, field="model", quantization=options.quantization,
-                            backend=options.backend)
+        # the backend the engine would choose for the first speculating method: under --backend auto a method that
+        # verifies blocks stays off libllama where llama.cpp's kernels are not batch-invariant for the file
+        from ..models.loading import choose_target_backend
+
+        first = next((m for _, m, _ in parse_methods(methods, k) if m != "none"), "none")
+        choice = choose_target_backend(target_name, first if first in METHODS else "none", options.backend,
+                                       dtype=options.dtype, quantization=options.quantization)
+        target = load_model(target_name, dtype=options.dtype, field="model",
+                            quantization=choice.quantization or options.quantization, backend=choice.backend)
+        if (options.backend == "auto" and target.backend == "llamacpp" and first != "none"
+                and not target.model.batch_invariant):
+            target = load_model(target_name, dtype=options.dtype, field="model", quantization=options.quantization,
+                                backend="torch")
         from ..models.loading import resolve_max_model_len
 
         context = resolve_max_model_len(options.max_model_len, target.model.max_len, target_name)
