@@ -465,6 +465,10 @@ class ServerConfig:
     it; beyond it 408 and the connection is closed (a slowloris cannot hold sockets)."""
     keep_alive_timeout_s: float = 5.0
     """An idle keep-alive connection is closed after this long without a new request."""
+    stream_interval_ms: float = 20.0
+    """How long a streamed token may be held (this, and the step under way) so that it goes out with the next
+    ones, in one wake-up of the event loop and one write to the client's socket: the chunks are the same, the
+    first token and the last are never held. 0: every step's tokens are sent at the step's end."""
     kv_cache_bytes: int | None = None
     """KV-cache memory the admitted sequences (waiting or running) may reserve, each prompt + max_tokens tokens:
     a request that can never fit gets 400 naming the field, one that cannot fit now 429 with Retry-After. None:
@@ -492,6 +496,8 @@ class ServerConfig:
             v = getattr(self, name)
             _check(_is_real(v) and math.isfinite(v) and 0.05 <= v <= 3600, name,
                    f"must be in [0.05, 3600] seconds, got {v!r}")
+        _check(_is_real(self.stream_interval_ms) and 0 <= self.stream_interval_ms <= 1000, "stream_interval_ms",
+               f"must be in [0, 1000] milliseconds, got {self.stream_interval_ms!r}")
         _check(self.kv_cache_bytes is None or (_is_int(self.kv_cache_bytes) and self.kv_cache_bytes >= 1),
                "kv_cache_bytes", f"must be an integer >= 1, got {self.kv_cache_bytes!r}")
         if self.allowed_hosts is not None:

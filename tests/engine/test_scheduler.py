@@ -190,6 +190,22 @@ def test_queue_bound_and_close(target):
         sched.submit([mk()])
 
 
+def test_admits_next_while_a_request_waits_for_a_free_row(target):
+    sched = BatchScheduler(Engine(target, method="none"), max_batch=1, max_queue=2, calibrate=False)
+    mk = lambda n: SeqRequest([1, 2, 3], SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True),  # noqa: E731
+                              lambda o: None)
+    assert not sched.admits_next
+    sched.submit([mk(3), mk(3)])
+    assert sched.admits_next                  # a free row and a request for it
+    sched.step()
+    assert sched.running == 1 and sched.queue_depth == 1 and not sched.admits_next     # waiting, no free row
+    sched.step()
+    sched.step()                              # the first request's last token: its row is free again
+    assert sched.running == 0 and sched.admits_next
+    sched.run_until_idle()
+    assert not sched.admits_next
+
+
 def test_threaded_loop_serves_and_stops(target, reference):
     import threading
 

@@ -120,3 +120,35 @@ def test_chunk_events_are_the_json_of_the_whole_chunk():
                  "choices": [choice], "usage": usage}
         assert ev(choice, usage) == sse(whole)
         assert json.loads(ev(choice, usage)[6:]) == whole
+
+
+def test_outputs_are_held_for_the_interval_unless_urgent():
+    """With an interval, a step's outputs wait for later ones (one wake-up for several steps), except an urgent
+    one (a first token, an end), or a flush told not to hold (requests are waiting to join)."""
+    mailbox, job = Mailbox(interval_s=0.3), FakeJob()
+    loop = LoopThread(mailbox)
+    try:
+        mailbox.put(job, 0, "a")
+        mailbox.flush()                            # the first held output: its interval starts now
+        mailbox.put(job, 0, "b")
+        mailbox.flush()
+        time.sleep(0.1)
+        assert loop.deliveries == 0 and job.queue.got == []
+        time.sleep(0.25)
+        mailbox.put(job, 0, "c")
+        mailbox.flush()                            # the interval has passed: everything held goes in one wake-up
+        assert loop.wait_deliveries(1) == 1 and job.queue.got == [(0, "a"), (0, "b"), (0, "c")]
+
+        mailbox.put(job, 0, "d")
+        mailbox.flush()
+        mailbox.put(job, 0, "e", urgent=True)      # an urgent output takes the held one along at once
+        mailbox.flush()
+        assert loop.wait_deliveries(2) == 2 and job.queue.got[3:] == [(0, "d"), (0, "e")]
+
+        mailbox.put(job, 0, "f")
+        mailbox.flush(now=True)
+        assert loop.wait_deliveries(3) == 3 and job.queue.got[5:] == [(0, "f")]
+        time.sleep(0.1)
+        assert loop.deliveries == 3
+    finally:
+        loop.stop(mailbox)

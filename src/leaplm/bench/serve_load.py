@@ -85,6 +85,7 @@ class LoadBenchConfig:
     max_model_len: int | None = None
     device: str = "cpu"
     against_engine: bool = False         # also run the same requests through the engine alone, in this process
+    stream_interval_ms: float | None = None     # the servers' --stream-interval-ms (None: serve's default)
 
 
 BACKENDS = ("auto", "llamacpp", "torch")
@@ -207,6 +208,8 @@ class ServerProcess:
             cmd += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
         if cfg.fixed_k:
             cmd += ["--fixed-k"]
+        if cfg.stream_interval_ms is not None:
+            cmd += ["--stream-interval-ms", str(cfg.stream_interval_ms)]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.log_path = log_path

@@ -43,6 +43,8 @@ def bench_serve(
     against_engine: bool = typer.Option(False, "--against-engine", help="Also run the same requests through the "
                                         "engine alone (in this process, no HTTP) and report each server row's "
                                         "decode rate against it (vs engine)."),
+    stream_interval_ms: Optional[float] = typer.Option(None, "--stream-interval-ms", help="The server's "
+                                                       "--stream-interval-ms (default: serve's)."),
     backend: str = typer.Option("auto", "--backend", help="What runs the model, one server each, runs "
                                 "interleaved: a comma list of auto | llamacpp | torch (e.g. llamacpp,torch: the "
                                 "same file on libllama and on PyTorch; --quantization applies to the torch ones)."),
@@ -104,7 +106,8 @@ def bench_serve(
                           requests=requests, max_tokens=max_tokens, rounds=rounds, max_batch=max_batch,
                           timeout_s=timeout, out=out, max_num_batched_tokens=max_num_batched_tokens,
                           long_prompt_among=long_prompt_among, long_prompt_tokens=long_prompt_tokens,
-                          fixed_k=not adaptive_k, against_engine=against_engine, **engine)
+                          fixed_k=not adaptive_k, against_engine=against_engine,
+                          stream_interval_ms=stream_interval_ms, **engine)
     try:
         report = run_load_bench(cfg)
     except ConfigError as e:

@@ -49,6 +49,10 @@ def serve(
                                                help="Seconds a client has to send a whole request (408 beyond)."),
     keep_alive_timeout: float = typer.Option(5.0, "--keep-alive-timeout",
                                              help="Seconds an idle keep-alive connection stays open."),
+    stream_interval_ms: float = typer.Option(
+        20.0, "--stream-interval-ms", help="Longest a streamed token may wait to go out with the next ones (one "
+                                           "write, the same chunks; first and last tokens never wait); 0: every "
+                                           "step's tokens at once."),
     kv_cache_bytes: Optional[int] = typer.Option(
         None, "--kv-cache-bytes", "--kv-cache-memory", "--kv-cache-memory-bytes", help="KV-cache memory admitted sequences may reserve (prompt + max_tokens each); "
                                        "400 for a request that never fits, 429 for one that does not fit now "
@@ -94,7 +98,8 @@ def serve(
                               max_batch=max_batch, max_queue=max_queue, max_model_len=options.max_model_len,
                               max_body_bytes=max_body_bytes, drain_timeout_s=drain_timeout,
                               allowed_hosts=allowed_hosts, request_read_timeout_s=request_read_timeout,
-                              keep_alive_timeout_s=keep_alive_timeout, kv_cache_bytes=kv_cache_bytes)
+                              keep_alive_timeout_s=keep_alive_timeout, stream_interval_ms=stream_interval_ms,
+                              kv_cache_bytes=kv_cache_bytes)
     except ConfigError as e:
         fail(f"--{e.field.replace('_', '-')}: {e.message}")
     if max_num_batched_tokens is not None and max_num_batched_tokens < 1:

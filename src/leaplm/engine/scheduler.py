@@ -134,6 +134,11 @@ class BatchScheduler:
         return len(self._waiting)
 
     @property
+    def admits_next(self) -> bool:
+        """Requests wait and a row is free: the next step admits one (and prefills its prompt)."""
+        return bool(self._waiting) and not self.batch.full
+
+    @property
     def running(self) -> int:
         return len(self.batch.rows)
 

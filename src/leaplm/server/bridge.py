@@ -62,11 +62,16 @@ class Job:
     def _sink(self, i: int):
         mailbox = self.mailbox
 
+        started = False                         # the sequence's first token has been put
+
         def put(out: SeqOutput) -> None:          # scheduler thread
+            nonlocal started
             if out.finished and not self.released[i]:
                 self.released[i] = True
                 self.state.admission.release(self.reservations[i])
-            mailbox.put(self, i, out)
+            first = not started and out.chunk is not None and bool(out.chunk.token_ids)
+            started = started or first
+            mailbox.put(self, i, out, urgent=first or out.finished)     # never held (handoff.py)
         return put
 
     def submit(self) -> None:

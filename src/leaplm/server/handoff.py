@@ -11,12 +11,22 @@ scheduler thread wait for the loop's whole turn (the step's chunks serialized an
 millisecond on SmolLM2) before its next step can start; a thread of its own sending the wake-up costs a second
 wake-up and a GIL handoff per step. Holding the GIL, the write returns at once; the loop takes the GIL when the
 scheduler thread lets it go in the next step's forward (native code, run without the GIL), so the loop's turn
-overlaps the forward instead of adding to the step."""
+overlaps the forward instead of adding to the step.
+
+Outputs may be held for a few steps (`interval_s`, the server's --stream-interval-ms): each wake-up of the loop and
+each write to a client's socket costs the same CPU however many tokens it carries, and at a few milliseconds a
+token that CPU is taken from the forwards. Held outputs go out at the end of the first step that ends at least
+interval_s after the oldest of them was put, and at once when an output is urgent (a sequence's first token, its
+end, an error: the first token's latency and the end of a request are never delayed) or a request waits for a
+free row (the next step admits it and may prefill a long prompt). Each output stays an output of its own: a
+stream writes the chunks of the outputs that came together in one write, the same chunks it writes one by one
+with interval_s = 0."""
 from __future__ import annotations
 
 import asyncio
 import ctypes
 import os
+import time
 from collections import deque
 
 
@@ -37,12 +47,15 @@ _write = _write_holding_gil()
 class Mailbox:
     """A step's outputs on their way from the scheduler's thread to the event loop."""
 
-    def __init__(self):
+    def __init__(self, interval_s: float = 0.0):
+        self.interval_s = interval_s        # how long outputs may be held for a wake-up that carries more of them
         self.items: deque = deque()         # (job, sequence index, SeqOutput); deque appends are thread-safe
         self.loop: asyncio.AbstractEventLoop | None = None      # the server's event loop (bound by the first Job)
         self.pending = False                # a wake-up is sent and its delivery has not run: it takes what comes
         self._rfd: int | None = None        # the pipe the loop watches
         self._wfd: int | None = None
+        self._held_since: float | None = None   # scheduler thread: when the oldest output not yet sent was flushed
+        self._urgent = False                # scheduler thread: an output put since the last wake-up is urgent
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:     # event loop thread (every Job)
         if loop is self.loop:
@@ -57,14 +70,26 @@ class Mailbox:
         self.loop = loop
         self._deliver()                     # what came while no loop watched
 
-    def put(self, job, i: int, out) -> None:     # scheduler thread, per sequence
+    def put(self, job, i: int, out, urgent: bool = False) -> None:     # scheduler thread, per sequence
         self.items.append((job, i, out))
+        if urgent:
+            self._urgent = True
 
-    def flush(self) -> None:                # scheduler thread, once per step (BatchScheduler.on_step_outputs)
+    def flush(self, now: bool = False) -> None:
+        """Wake the loop for what was put, unless it may be held (see the module docstring); `now`: no holding.
+        Scheduler thread, once per step (BatchScheduler.on_step_outputs)."""
         wfd = self._wfd
-        if self.items and wfd is not None and not self.pending:
-            self.pending = True             # at most one wake-up outstanding: pending stays set until _deliver
-            _write(wfd, b"\0")
+        if not self.items or wfd is None or self.pending:
+            return                          # nothing to send, no loop yet, or the wake-up sent takes it along
+        if self.interval_s > 0 and not (now or self._urgent):
+            t = time.perf_counter()
+            if self._held_since is None:
+                self._held_since = t
+            if t - self._held_since < self.interval_s:
+                return
+        self._held_since, self._urgent = None, False
+        self.pending = True                 # at most one wake-up outstanding: pending stays set until _deliver
+        _write(wfd, b"\0")
 
     def _deliver(self) -> None:             # event loop
         try:

@@ -31,7 +31,7 @@ class ServerState:
     scheduler: BatchScheduler | None = None
     admission: Admission | None = None
     token_text: TokenText | None = None
-    mailbox: Mailbox = field(default_factory=Mailbox)   # the scheduler thread's outputs, once per step (bridge.py)
+    mailbox: Mailbox = field(init=False)    # the scheduler thread's outputs, at most once per step (handoff.py)
     ready: bool = False
     draining: bool = False
     load_error: str | None = None
@@ -49,6 +49,12 @@ class ServerState:
                                                    initializer=lowest_cpu_priority))
     # structured-output fields' text (digest) -> what they came to: a StructuredOutput or the 400 (planning.py)
     structured_seen: "Recent" = field(default_factory=lambda: Recent(16))
+    # bodies refused with a 400 before they ran (digest of route, Content-Type and bytes) -> that 400's ASGI
+    # messages, answered again without parsing the body (middleware.py)
+    refused: "Recent" = field(default_factory=lambda: Recent(64))
+
+    def __post_init__(self) -> None:
+        self.mailbox = Mailbox(self.config.stream_interval_ms / 1000)
 
     def attach(self, engine, scheduler: BatchScheduler) -> None:
         self.engine, self.scheduler = engine, scheduler
@@ -58,7 +64,9 @@ class ServerState:
                                                  self.config.kv_cache_bytes)
         self.metrics.bind(scheduler, self.admission)
         scheduler.observer = self.metrics
-        scheduler.on_step_outputs = self.mailbox.flush
+        mailbox = self.mailbox
+        # held outputs go out before a request joins: the next step may prefill a long prompt
+        scheduler.on_step_outputs = lambda: mailbox.flush(now=scheduler.admits_next)
 
 
 class Recent:
