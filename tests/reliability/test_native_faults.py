@@ -6,6 +6,7 @@ the backends hold no cell, sequence or context for the failed request afterwards
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 
 import httpx
@@ -74,6 +75,7 @@ def test_native_fault_ends_only_its_request(gguf_pair, backend, method, figures)
         for p in PROMPTS:                                     # each prompt alone, no fault: the reference
             r = httpx.post(srv.url + "/v1/completions", headers=HEADERS, json=_short(p), timeout=60)
             alone[p] = r.json()["choices"][0]["text"]
+        gc.collect()      # the count is the process's: earlier tests' garbage contexts go first
         contexts = srv.metric("leaplm_llamacpp_contexts")
         errors_before = srv.metric("leaplm_request_finish_total", 'reason="error"')
         with faults.inject(FAULT_SITE[backend], FAULT_AT):
@@ -99,6 +101,7 @@ def test_native_fault_ends_only_its_request(gguf_pair, backend, method, figures)
         held = {f"{g}_{c}": srv.metric(f"leaplm_native_{g}", f'cache="{c}"')
                 for g in ("kv_cells", "sequences") for c in ("target", "draft")}
         assert not any(held.values()), held
+        gc.collect()
         assert srv.metric("leaplm_llamacpp_contexts") == contexts
         assert srv.metric("leaplm_kv_cache_rows_in_use") == 0 and srv.metric("leaplm_kv_cache_reserved_tokens") == 0
         figures.update(requests=len(shorts) + 3, failed=2, short_mismatches=0, leaked_cells=0,

@@ -200,3 +200,66 @@ def test_non_json_content_type(http):
     r = http.post(CMPL, content=b"\xff\xfe\x00", headers={"Content-Type": "application/json"})
     assert_error_shape(r, 400)
     assert_still_works(http)
+
+
+def _refusals_repeated(http: httpx.Client) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("leaplm_refusals_repeated_total "):
+            return float(line.split()[-1])
+    raise AssertionError("leaplm_refusals_repeated_total missing from /metrics")
+
+
+@pytest.fixture
+def parses(monkeypatch) -> list:
+    """One entry per request body parsed and validated (every one goes through the lone-surrogate check)."""
+    import leaplm.server.protocol as protocol
+
+    seen: list = []
+    real = protocol.lone_surrogate
+    monkeypatch.setattr(protocol, "lone_surrogate", lambda data: (seen.append(1), real(data))[1])
+    return seen
+
+
+def test_a_body_refused_before_it_ran_gets_the_same_400_without_being_parsed(http, parses):
+    """The 400 a body got before it ran (validation, planning, a grammar llguidance refuses) is answered again,
+    byte for byte, from a digest of its raw bytes: not parsed, validated or planned again. Another byte, another
+    Content-Type or another route is a body of its own; a body answered 200 runs every time."""
+    json_type = {"Content-Type": "application/json"}
+    for case in ("max-tokens-zero", "prompt-longer-than-context", "guided-regex-invalid",
+                 "json-schema-unsupported-keyword"):
+        _, path, body, status, param, _ = next(x for x in CASES if x[0] == case)
+        raw = json.dumps(body).encode()
+        first = http.post(path, content=raw, headers=json_type)
+        assert_error_shape(first, 400)
+        count, repeated = len(parses), _refusals_repeated(http)
+        again = [http.post(path, content=raw, headers=json_type) for _ in range(3)]
+        assert len(parses) == count and _refusals_repeated(http) == repeated + 3, case
+        assert all(r.status_code == 400 and r.content == first.content for r in again), case
+        assert again[0].json()["error"]["param"] == param
+        for other, headers in ((raw + b" ", json_type), (raw, {"Content-Type": "application/json; charset=utf-8"})):
+            r = http.post(path, content=other, headers=headers)
+            assert r.status_code == 400 and r.json() == first.json()
+        assert len(parses) == count + 2, case
+    count = len(parses)
+    ok = json.dumps({**OK_CMPL, "temperature": 0}).encode()
+    assert [http.post(CMPL, content=ok, headers=json_type).status_code for _ in range(2)] == [200, 200]
+    assert len(parses) == count + 2
+
+
+def test_a_400_given_after_the_request_ran_is_not_kept(http, parses):
+    """A grammar failing while generating is a 400 that depends on what ran (sampled tokens may differ): the body
+    is parsed and run again each time."""
+    body = json.dumps({**OK_CMPL, "temperature": 0, "guided_regex": "(x{1000}){1000}"}).encode()
+    answers = [http.post(CMPL, content=body, headers={"Content-Type": "application/json"}) for _ in range(2)]
+    assert [assert_error_shape(r, 400)["code"] for r in answers] == ["grammar_error"] * 2
+    assert len(parses) == 2
+
+
+def test_refused_bodies_kept_are_the_last_few(server, http, parses, monkeypatch):
+    from leaplm.server.state import Recent
+
+    monkeypatch.setattr(server.state, "refused", Recent(2))
+    bodies = [json.dumps(c(max_tokens=-i)).encode() for i in range(1, 4)]
+    for b in bodies + bodies[1:] + bodies[:1]:
+        assert_error_shape(http.post(CMPL, content=b, headers={"Content-Type": "application/json"}), 400)
+    assert len(parses) == 4             # the three, then the first again (pushed out by the next two)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from leaplm.config import StructuredOutput
-from leaplm.structured.state import GrammarVocab, fill_mask, unpack_bitmask
+from leaplm.structured.state import GrammarState, GrammarVocab, fill_mask, unpack_bitmask
 
 A, B, C, D, E, F, G = range(7)
 ALTERNATE = StructuredOutput(regex="((a|b)(c|d|e))+f?")       # letters from {a, b}, then from {c, d, e}, ...
@@ -197,3 +197,32 @@ def test_rollback_with_the_cache_equals_a_fresh_state(vocab):
         committed += keep + [bonus]
         assert torch.equal(s.allowed(), fresh_mask(vocab, spec, committed)), committed
         assert s.committed == len(committed)
+
+
+def test_the_first_mask_is_the_grammars_own_and_computed_once(vocab, monkeypatch):
+    """The mask before any output token is computed when the grammar is built; a state copied from the kept one
+    reads it (no mask computed) and it equals the mask llguidance computes for that state. Once a token is in
+    (committed, or along a plan's drafts and tree paths) masks are computed."""
+    import leaplm.structured.state as state_mod
+
+    spec = StructuredOutput(regex="((a|b)(c|d|e)){1,3}f")
+    vocab.state(spec)                                                   # built and kept
+    computed = []
+    real = state_mod.fill_mask
+    monkeypatch.setattr(state_mod, "fill_mask", lambda m, bm, j: (computed.append(j), real(m, bm, j)))
+    s = vocab.state(spec)
+    first = s.allowed()
+    assert computed == []
+    live = torch.full((1, 1), -1, dtype=torch.int32)                    # [1, words]
+    real(s.m.deep_copy(), live, 0)
+    assert torch.equal(first, unpack_bitmask(live, 8)[0]) and ids(first) == [A, B]
+    n, masks = s.plan_chain([A, C])
+    assert n == 2 and len(computed) == 2 and torch.equal(masks[0], first)
+    assert ids(masks[1]) == [C, D, E] and ids(masks[2]) == [A, B, F]
+    s.advance([A])
+    assert ids(s.allowed()) == [C, D, E]
+    # llguidance's own bitmask has a word more when the vocabulary is a multiple of 32 tokens (SmolLM2's 49,152):
+    # the state reads the words it has
+    longer = torch.cat([vocab.state(spec).first_mask, torch.zeros(1, dtype=torch.int32)])        # [words + 1]
+    t = GrammarState(vocab.state(spec).m, 8, first_mask=longer)
+    assert t.first_mask.shape == (1,) and ids(t.allowed()) == [A, B] and len(computed) == 3   # none more

@@ -186,6 +186,7 @@ async def _serve(state: ServerState, body, request: Request, chat: bool):
         structured = await loop.run_in_executor(state.grammar_pool, prepare_structured, state, body)
     job = Job(state, await loop.run_in_executor(state.tokenize_pool, plan_request, state, body, chat, structured))
     job.submit()
+    request.state.ran = True      # from here a 400 may depend on what runs: not one the body alone gets again
     watcher = asyncio.create_task(job.watch(request))
     if body.stream:
         opts = body.stream_options

@@ -24,6 +24,9 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(P + "requests", "HTTP requests by endpoint and status code.",
                                 ["endpoint", "status"], registry=r)
+        self.refusals_repeated = Counter(P + "refusals_repeated", "Requests answered with the 400 their body got "
+                                         "before, without parsing it again (counted in requests too).",
+                                         registry=r)
         self.finished = Counter(P + "request_finish", "Generated sequences by finish reason "
                                 "(stop, length, abort, error).", ["reason"], registry=r)
         self.queue_depth = Gauge(P + "queue_depth", "Requests waiting for a batch row.", registry=r)

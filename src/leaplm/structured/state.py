@@ -105,14 +105,17 @@ class GrammarVocab:
             raise ValueError(f"llguidance cannot read this tokenizer: {e}") from None
 
     def state(self, spec: StructuredOutput) -> "GrammarState":
-        matcher, forced_ok = self._fresh(spec.compiled)
+        matcher, forced_ok, first_mask = self._fresh(spec.compiled)
         if matcher.is_error():
             raise ValueError(f"grammar rejected by llguidance: {matcher.get_error()[:500]}")
-        return GrammarState(matcher, self.vocab_size, self.eos, self.ll_vocab, self.phantom, forced_ok=forced_ok)
+        return GrammarState(matcher, self.vocab_size, self.eos, self.ll_vocab, self.phantom, forced_ok=forced_ok,
+                            first_mask=first_mask)
 
     def _fresh(self, grammar: str):
         """(a matcher that has consumed nothing: a copy of a kept one, else built (and kept when valid), whether
-        its forced tokens are within GrammarState.FORCED_BUDGET_S: timed once, on a copy, when it is built)."""
+        its forced tokens are within GrammarState.FORCED_BUDGET_S: timed once, on a copy, when it is built, and
+        its first mask [words] int32, computed when it is built: a copy computes its own again, which takes
+        20 ms for (x{1000}){1000})."""
         import llguidance as llg
 
         lock, built = self._built_lock, self._built
@@ -120,21 +123,23 @@ class GrammarVocab:
             kept = built.get(grammar)
             if kept is not None:
                 built.move_to_end(grammar)
-                return kept[0].deep_copy(), kept[1]
+                return kept[0].deep_copy(), kept[1], kept[2]
         matcher = llg.LLMatcher(self.lltok, grammar, log_level=0, limits=self.limits())
+        first_mask = None
         if not matcher.is_error():
-            matcher.compute_bitmask()         # a grammar too wide for the limits at its first token fails here
+            bits = matcher.compute_bitmask()    # a grammar too wide for the limits at its first token fails here
+            first_mask = torch.frombuffer(bytearray(bits), dtype=torch.int32)                    # [words]
         if matcher.is_error():
-            return matcher, False
+            return matcher, False, None
         probe = matcher.deep_copy()
         t = time.perf_counter()
         probe.compute_ff_tokens()
         forced_ok = time.perf_counter() - t <= GrammarState.FORCED_BUDGET_S
         with lock:
-            built[grammar] = (matcher, forced_ok)
+            built[grammar] = (matcher, forced_ok, first_mask)
             while len(built) > self.BUILT:
                 built.popitem(last=False)
-            return matcher.deep_copy(), forced_ok
+            return matcher.deep_copy(), forced_ok, first_mask
 
 
 @dataclass
@@ -149,12 +154,15 @@ class GrammarState:
     Forced tokens are a saving, never needed: llguidance computes them holding the GIL (tens of milliseconds for a
     pathological grammar such as (x{1000}){1000}, when every thread of the server, the event loop's included, would
     wait), so a grammar whose forced tokens took more than FORCED_BUDGET_S once (when it was built, or at any step)
-    drafts none from then on; its drafts come from the row's proposer, verified the same way."""
+    drafts none from then on; its drafts come from the row's proposer, verified the same way.
+
+    The mask before the first output token is the grammar's alone: given as first_mask (computed once when the
+    grammar was built), it is not computed again."""
 
     FORCED_BUDGET_S = 0.002
 
     def __init__(self, matcher, vocab_size: int, eos: frozenset[int] = frozenset(), ll_vocab: int | None = None,
-                 phantom: int | None = None, forced_ok: bool = True):
+                 phantom: int | None = None, forced_ok: bool = True, first_mask: torch.Tensor | None = None):
         self.m = matcher
         self.forced_ok = forced_ok                           # forced tokens within FORCED_BUDGET_S so far
         self.vocab_size = vocab_size
@@ -164,6 +172,9 @@ class GrammarState:
         self.phantom = phantom if phantom is not None and phantom < vocab_size else None   # masked out
         self.committed = 0                                   # output tokens consumed
         self._bm = torch.full((1, ((ll_vocab or vocab_size) + 31) // 32), -1, dtype=torch.int32)  # [rows, words]
+        words = self._bm.shape[1]           # llguidance's own bitmask may have a word more (its vocabulary + 1 bits)
+        fits = first_mask is not None and first_mask.numel() >= words
+        self.first_mask = first_mask[:words] if fits else None   # [words] int32: the mask before any output token
 
     # --- queries at the committed state --------------------------------------------------------------------------
     def allowed(self) -> torch.Tensor:
@@ -215,8 +226,8 @@ class GrammarState:
         rows: dict[int, torch.Tensor] = {}                    # -1 (root) or node -> mask after its path
         anything = torch.ones(self.vocab_size, dtype=torch.bool)
 
-        def visit(node: int) -> None:                         # the matcher has consumed the path to node
-            mask = self._masks_along([], 0)[0]
+        def visit(node: int, depth: int) -> None:             # the matcher has consumed the path to node
+            mask = self._masks_along([], 0, tentative=depth)[0]
             rows[node] = mask if node < 0 or bool(mask.any()) else anything
             for c in kids[node + 1]:
                 t = tokens[c]
@@ -229,10 +240,10 @@ class GrammarState:
                 else:
                     if not self.m.consume_token(t):
                         raise GrammarError(f"llguidance refused an allowed token: {self.m.get_error()}")
-                    visit(c)
+                    visit(c, depth + 1)
                     self._rollback(1)
 
-        visit(-1)
+        visit(-1, 0)
         kept = sorted(k for k in rows if k >= 0)
         return TreePlan(kept, torch.stack([rows[-1]] + [rows[k] for k in kept]))
 
@@ -249,16 +260,19 @@ class GrammarState:
         return len(tokens)
 
     # --- internals ------------------------------------------------------------------------------------------------
-    def _masks_along(self, drafts: list[int], n: int) -> torch.Tensor:
+    def _masks_along(self, drafts: list[int], n: int, tentative: int = 0) -> torch.Tensor:
         """Masks [n + 1, V] after drafts[:j] for j = 0..n (drafts[:n] allowed, an EOS only as the last); the
-        matcher is left as it was."""
+        matcher is left as it was. tentative: tokens the matcher has consumed past the committed ones."""
         if self._bm.shape[0] < n + 1:
             self._bm = torch.full((n + 1, self._bm.shape[1]), -1, dtype=torch.int32)
         bm = self._bm[: n + 1]
         eos_last = n > 0 and drafts[n - 1] in self.eos
         fed = n - 1 if eos_last else n
         for j in range(fed + 1):
-            fill_mask(self.m, self._bm, j)
+            if j == 0 and self.committed + tentative == 0 and self.first_mask is not None:
+                self._bm[0] = self.first_mask
+            else:
+                fill_mask(self.m, self._bm, j)
             if j < fed and not self.m.consume_token(drafts[j]):
                 raise GrammarError(f"llguidance refused a validated token: {self.m.get_error()}")
         self._rollback(fed)
