@@ -183,3 +183,28 @@ def test_the_thread_split_gives_the_same_bits(tmp_path):
             assert all(torch.equal(logits(m, ids[:T]), y) for T, y in zip((1, 9, 32, 64), one)), n
     finally:
         torch.set_num_threads(before)
+
+
+def test_region_timers_count_every_region_only_when_asked(tmp_path):
+    """LEAPLM_KERNEL_PROFILE=1 (read when the library loads, so in a process of its own) sums each region of the
+    layer loop; without it, profile() is empty."""
+    import os
+    import subprocess
+
+    path = write_tiny_llama(tmp_path, vocab=40, layers=2, hidden=64, heads=2, kv_heads=1, seed=3)
+    code = (f"import torch; from leaplm.models import load_model; from leaplm.kernels.build import load\n"
+            f"m = load_model({str(path)!r}, quantization='int4').model\n"
+            f"m(torch.tensor([[1, 2, 3, 4]]), m.new_cache(1, 16))\n"
+            f"print(sorted((k, n) for k, (ms, n) in load().module.profile().items() if ms >= 0))")
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+
+    def regions(flag: str) -> list:
+        out = subprocess.run([sys.executable, "-c", code], env={**env, "LEAPLM_KERNEL_PROFILE": flag},
+                             capture_output=True, text=True, check=True).stdout
+        return eval(out.strip().splitlines()[-1])
+
+    on = dict(regions("1"))
+    assert on["qkv"] == on["attention"] == on["o"] == on["gate_up"] == on["silu"] == on["down"] == 2   # per layer
+    assert on["quantize"] >= 8 and on["qlinear"] == 1                                                 # + the head
+    assert regions("0") == []

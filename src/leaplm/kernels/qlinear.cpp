@@ -27,7 +27,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <string>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -44,6 +47,47 @@ constexpr int RG = 8;            // rows per packed group
 constexpr int PAIR_MIN_T = 8;
 
 enum Path : int { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
+
+// ---- region timers ----------------------------------------------------------------------------------------------
+// With LEAPLM_KERNEL_PROFILE=1 in the environment when the library loads, the layer loop and qlinear sum the wall
+// time of each region over every call (`profile()` reads the sums, `profile_reset()` clears them); otherwise a
+// region costs one predictable branch. A linear's region includes its activation quantization, which is also
+// counted alone under "quantize".
+enum Region : int { R_NORM, R_QUANT, R_QKV, R_ROPE, R_ATTN, R_O, R_GATE_UP, R_SILU, R_DOWN, R_RESID, R_QLINEAR, R_COUNT };
+const char* const REGION_NAMES[R_COUNT] = {"norm", "quantize", "qkv", "rope_cache", "attention", "o", "gate_up",
+                                           "silu", "down", "residual", "qlinear"};
+
+struct Profile {
+  const bool on = [] {
+    const char* v = std::getenv("LEAPLM_KERNEL_PROFILE");
+    return v != nullptr && v[0] == '1';
+  }();
+  std::atomic<int64_t> ns[R_COUNT] = {};
+  std::atomic<int64_t> calls[R_COUNT] = {};
+};
+
+Profile& profile_state() {
+  static Profile p;
+  return p;
+}
+
+class Span {                     // times its scope into a region when profiling is on
+ public:
+  explicit Span(Region r) : r_(r), on_(profile_state().on) {
+    if (on_) t0_ = std::chrono::steady_clock::now();
+  }
+  ~Span() {
+    if (!on_) return;
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_);
+    profile_state().ns[r_].fetch_add(ns.count(), std::memory_order_relaxed);
+    profile_state().calls[r_].fetch_add(1, std::memory_order_relaxed);
+  }
+
+ private:
+  Region r_;
+  bool on_;
+  std::chrono::steady_clock::time_point t0_;
+};
 
 // The activations of one call, quantized: qa [T, K] int8; a, sa [T, G] fp32 (sa = a * sum of the block's qa);
 // sq [T, G] int32 (sum of the block's qa); sq16 [T, G] int32 (sum of its first 16 qa).
@@ -111,7 +155,7 @@ void quantize_act_base(const float* x, int T, int64_t K, Act& out) { quantize_ac
 // The same operations as quantize_act_body, 8 lanes at a time: |x| max per lane (lane l holds elements l, l + 8,
 // l + 16, l + 24, as the body's lanes[j % 8]), the max over lanes, the scale, then clamp, round by the magic number
 // and convert per element (vmaxps/vminps with the constant second pick it for NaN, as std::max/min do).
-__attribute__((target("avx2"))) void quantize_act_simd(const float* x, int T, int64_t K, Act& out) {
+__attribute__((target("avx2"))) void quantize_act_simd(const float* x, int T, int64_t K, Act& out, bool both) {
   const int G = int(K / QK);
   out.T = T, out.K = K, out.G = G;
   out.qa.resize(size_t(T) * K);
@@ -119,64 +163,67 @@ __attribute__((target("avx2"))) void quantize_act_simd(const float* x, int T, in
   out.sa.resize(size_t(T) * G);
   out.sq.resize(size_t(T) * G);
   out.sq16.resize(size_t(T) * G);
+  if (both) {
+    out.qab.resize(size_t(T) * K);
+    out.ab.resize(size_t(T) * G);
+    out.sqb.resize(size_t(T) * G);
+  }
   const __m256 sign = _mm256_set1_ps(-0.f), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f),
                magic = _mm256_set1_ps(12582912.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int t = 0; t < T; ++t)
     for (int g = 0; g < G; ++g) {
       const float* xb = x + t * K + g * QK;
       __m256 v[4];
       for (int c = 0; c < 4; ++c) v[c] = _mm256_loadu_ps(xb + 8 * c);
-      __m256 lanes = _mm256_setzero_ps();
-      for (int c = 0; c < 4; ++c) lanes = _mm256_max_ps(_mm256_andnot_ps(sign, v[c]), lanes);
-      alignas(32) float l8[8];
-      _mm256_store_ps(l8, lanes);
-      float amax = 0.f;
-      for (int l = 0; l < 8; ++l) amax = std::max(amax, l8[l]);
+      // |x| max per lane from 0 (vmaxps returns its second operand when the first is NaN: a NaN is dropped, as
+      // the body drops it), then over the lanes (never NaN; a max is exact in any order)
+      __m256 m8 = _mm256_setzero_ps();
+      for (int c = 0; c < 4; ++c) m8 = _mm256_max_ps(_mm256_andnot_ps(sign, v[c]), m8);
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+      const float amax = _mm_cvtss_f32(m4);
       const float a = amax / 127.f;
       const __m256 inv = _mm256_set1_ps(a > 0.f ? 1.f / a : 0.f);
-      __m256i sum = _mm256_setzero_si256();
       __m256i q[4];
       for (int c = 0; c < 4; ++c) {
         __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[c], inv), lo), hi);
         y = _mm256_sub_ps(_mm256_add_ps(y, magic), magic);
         q[c] = _mm256_cvttps_epi32(y);
-        sum = _mm256_add_epi32(sum, q[c]);
       }
       // int32 -> int8 in element order: packs interleave 128-bit lanes, the permute restores the order
       const __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
-      const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), order);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qa.data() + t * K + g * QK), b);
-      alignas(32) int32_t s8[8], h8[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(s8), sum);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(h8), _mm256_add_epi32(q[0], q[1]));   // elements 0 .. 15
-      int s = 0, h = 0;
-      for (int l = 0; l < 8; ++l) s += s8[l], h += h8[l];
+      // the integer sums (exact in any order): of elements 0 .. 15, and of all 32
+      const __m256i h8 = _mm256_add_epi32(q[0], q[1]);
+      const __m256i s8 = _mm256_add_epi32(h8, _mm256_add_epi32(q[2], q[3]));
+      __m128i hs = _mm_add_epi32(_mm256_castsi256_si128(h8), _mm256_extracti128_si256(h8, 1));
+      __m128i ss = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+      hs = _mm_add_epi32(hs, _mm_shuffle_epi32(hs, 0x4E));
+      ss = _mm_add_epi32(ss, _mm_shuffle_epi32(ss, 0x4E));
+      hs = _mm_add_epi32(hs, _mm_shuffle_epi32(hs, 0xB1));
+      ss = _mm_add_epi32(ss, _mm_shuffle_epi32(ss, 0xB1));
+      const int s = _mm_cvtsi128_si32(ss), h = _mm_cvtsi128_si32(hs);
       out.a[t * G + g] = a;
       out.sq[t * G + g] = s;
       out.sq16[t * G + g] = h;
       out.sa[t * G + g] = a * float(s);
+      if (both) {                          // the block-major copy the pairs of row groups read
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qab.data() + (size_t(g) * T + t) * QK), b);
+        out.ab[g * T + t] = a;
+        out.sqb[g * T + t] = s;
+      }
     }
 }
 #endif
 
-void block_major(Act& out) {
-  const int T = out.T, G = out.G;
-  out.qab.resize(size_t(T) * out.K);
-  out.ab.resize(size_t(T) * G);
-  out.sqb.resize(size_t(T) * G);
-  for (int t = 0; t < T; ++t)
-    for (int g = 0; g < G; ++g) {
-      std::memcpy(out.qab.data() + (size_t(g) * T + t) * QK, out.qa.data() + t * out.K + g * QK, QK);
-      out.ab[g * T + t] = out.a[t * G + g];
-      out.sqb[g * T + t] = out.sq[t * G + g];
-    }
-}
-
 void quantize_act(const float* x, int T, int64_t K, Act& out, int path = 0) {
+  Span span(R_QUANT);
 #if defined(__x86_64__)
   if (path > 0) {
-    quantize_act_simd(x, T, K, out);
-    if (path == 2 && T >= PAIR_MIN_T) block_major(out);           // read by the pairs of groups alone
+    quantize_act_simd(x, T, K, out, path == 2 && T >= PAIR_MIN_T);   // block-major: read by the pairs of groups alone
     return;
   }
 #endif
@@ -596,7 +643,10 @@ void run_groups(const W& w, const Act& act, int path, int64_t g0, int64_t g1, fl
 // row's result is its part's alone: the parts share only the quantized activations.
 void linear_raw(const float* x, int64_t M, int64_t K, const std::vector<W>& ws, const float* bias, int path,
                 float* y) {
-  Act act;
+  // the calling thread's buffers, kept between calls (no allocation per linear); a reference, so that the pool's
+  // workers read the caller's activations, not a thread_local of their own
+  static thread_local Act buffers;
+  Act& act = buffers;
   const int64_t N = ws[0].ldy;
   for (int64_t m0 = 0; m0 < M; m0 += MAX_T) {
     const int T = int(std::min<int64_t>(MAX_T, M - m0));
@@ -636,6 +686,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::
 #if !defined(__x86_64__)
   path = SCALAR;
 #endif
+  Span span(R_QLINEAR);
   Act act;
   quantize_act(x.data_ptr<float>(), int(T), K, act, int(path));
   const W w{qp.data_ptr<uint8_t>(), sp.data_ptr<float>(), int4 ? mp->data_ptr<float>() : nullptr, N, int(G), int4,
@@ -744,29 +795,49 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t path) {
   return {qa, a};
 }
 
+// The region timers' sums (LEAPLM_KERNEL_PROFILE=1): {region: (milliseconds, calls)}; empty when profiling is off.
+std::map<std::string, std::pair<double, int64_t>> profile() {
+  std::map<std::string, std::pair<double, int64_t>> out;
+  Profile& p = profile_state();
+  if (!p.on) return out;
+  for (int r = 0; r < R_COUNT; ++r) out[REGION_NAMES[r]] = {p.ns[r].load() * 1e-6, p.calls[r].load()};
+  return out;
+}
+
+void profile_reset() {
+  Profile& p = profile_state();
+  for (int r = 0; r < R_COUNT; ++r) p.ns[r].store(0), p.calls[r].store(0);
+}
+
 
 // ---- the decoder's layer loop -----------------------------------------------------------------------------------
 // A Llama-family decoder layer stack over packed quantized weights in one C++ call: RMSNorm, q/k/v, rope, the KV
 // cache write, attention, the output projection, RMSNorm, gate/up, SiLU, down, the residuals. Every token is
 // computed on its own (norms per token, linears row-independent as above, attention per query over its allowed
 // keys in key order), so a token's result does not depend on T, on the other rows of a batch, or on the thread
-// split. The element-wise code is compiled for the baseline instruction set, the same on every machine.
+// split. The element-wise code is compiled for the baseline instruction set (the reference, which the scalar path
+// runs) and, where a SIMD path runs, in AVX2 (exp, attention: written out in 8-lane intrinsics; norms, SiLU's
+// arithmetic: the same C++ compiled for AVX2 without FMA contraction), the same operations per element in the
+// same order, so the same bits.
 
-// e^v for v in [-87, 88]: 2^round(v log2 e) times a degree-6 polynomial (relative error ~3e-7); a plain loop the
-// compiler vectorizes.
-LEAPLM_INLINE void exp_inplace(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = std::min(88.f, std::max(-87.f, x[i]));
-    float r = v * 1.44269504088896341f + 12582912.f;         // round to nearest by the fp32 magic number
-    r -= 12582912.f;
-    const float f = (v - r * 0.693145751953125f) - r * 1.428606765330187e-06f;
-    const float p = 1.f + f * (1.f + f * (0.5f + f * (0.166666672f + f * (0.0416666679f + f * (0.00833333377f +
-                                                                                          f * 0.00138888892f)))));
-    const int32_t bits = (int32_t(r) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    x[i] = p * scale;
-  }
+// e^v for v in [-87, 88]: 2^round(v log2 e) times a degree-6 polynomial (relative error ~3e-7). exp_base is the
+// reference; exp_avx2 computes 8 lanes at a time with the same operations per element (the clamps pick the
+// constant for NaN as std::max/min do; multiplies and adds are separate, never fused), so the same bits.
+LEAPLM_INLINE float exp1(float x) {
+  const float v = std::min(88.f, std::max(-87.f, x));
+  float r = v * 1.44269504088896341f + 12582912.f;         // round to nearest by the fp32 magic number
+  r -= 12582912.f;
+  const float f = (v - r * 0.693145751953125f) - r * 1.428606765330187e-06f;
+  const float p = 1.f + f * (1.f + f * (0.5f + f * (0.166666672f + f * (0.0416666679f + f * (0.00833333377f +
+                                                                                        f * 0.00138888892f)))));
+  const int32_t bits = (int32_t(r) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+void exp_base(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = exp1(x[i]);
 }
 
 LEAPLM_INLINE float lane_sum(const float* v) {   // fixed tree over 8 lanes: ((0+4)+(2+6)) + ((1+5)+(3+7))
@@ -781,6 +852,38 @@ LEAPLM_INLINE float dot8(const float* a, const float* b, int64_t n) {   // n a m
   return lane_sum(acc);
 }
 
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) LEAPLM_INLINE __m256 exp8(__m256 x) {
+  const __m256 magic = _mm256_set1_ps(12582912.f);
+  const __m256 v = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  __m256 r = _mm256_add_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)), magic);
+  r = _mm256_sub_ps(r, magic);
+  const __m256 f = _mm256_sub_ps(_mm256_sub_ps(v, _mm256_mul_ps(r, _mm256_set1_ps(0.693145751953125f))),
+                                 _mm256_mul_ps(r, _mm256_set1_ps(1.428606765330187e-06f)));
+  __m256 p = _mm256_add_ps(_mm256_set1_ps(0.00833333377f), _mm256_mul_ps(f, _mm256_set1_ps(0.00138888892f)));
+  p = _mm256_add_ps(_mm256_set1_ps(0.0416666679f), _mm256_mul_ps(f, p));
+  p = _mm256_add_ps(_mm256_set1_ps(0.166666672f), _mm256_mul_ps(f, p));
+  p = _mm256_add_ps(_mm256_set1_ps(0.5f), _mm256_mul_ps(f, p));
+  p = _mm256_add_ps(_mm256_set1_ps(1.f), _mm256_mul_ps(f, p));
+  p = _mm256_add_ps(_mm256_set1_ps(1.f), _mm256_mul_ps(f, p));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(r), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+__attribute__((target("avx2"))) void exp_avx2(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) x[i] = exp1(x[i]);
+}
+
+// dot8's lane_sum of the 8 lanes of v, by the same tree
+__attribute__((target("avx2"))) LEAPLM_INLINE float lane_sum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));   // 0+4, 1+5, 2+6, 3+7
+  const __m128 u = _mm_add_ps(s, _mm_movehl_ps(s, s));                                   // (0+4)+(2+6), (1+5)+(3+7)
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
+}
+#endif
+
 // y = x + d, then rms_norm(y) per row (rows m0 .. m1 - 1): the residual add and the next layer's norm in one pass
 LEAPLM_INLINE void add_norm_body(float* x, const float* d, const float* w, int64_t m0, int64_t m1, int64_t n,
                                  float eps, float* y) {
@@ -793,13 +896,14 @@ LEAPLM_INLINE void add_norm_body(float* x, const float* d, const float* w, int64
   }
 }
 
-// silu(gate) * up per row, gate = gu[:, :inter], up = gu[:, inter:]
-LEAPLM_INLINE void silu_mul_body(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
+// silu(gate) * up per row, gate = gu[:, :inter], up = gu[:, inter:]; exp_ is exp_base or exp_avx2 (the same bits)
+LEAPLM_INLINE void silu_mul_body(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out,
+                                 void (*exp_)(float*, int64_t)) {
   for (int64_t m = m0; m < m1; ++m) {
     const float* g = gu + m * 2 * inter;
     float* o = out + m * inter;
     for (int64_t i = 0; i < inter; ++i) o[i] = -g[i];
-    exp_inplace(o, inter);
+    exp_(o, inter);
     for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + o[i]) * g[inter + i];
   }
 }
@@ -808,7 +912,7 @@ void add_norm_base(float* x, const float* d, const float* w, int64_t m0, int64_t
   add_norm_body(x, d, w, m0, m1, n, eps, y);
 }
 void silu_mul_base(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
-  silu_mul_body(gu, m0, m1, inter, out);
+  silu_mul_body(gu, m0, m1, inter, out, exp_base);
 }
 #if defined(__x86_64__)
 __attribute__((target("avx2"))) void add_norm_avx2(float* x, const float* d, const float* w, int64_t m0, int64_t m1,
@@ -816,14 +920,14 @@ __attribute__((target("avx2"))) void add_norm_avx2(float* x, const float* d, con
   add_norm_body(x, d, w, m0, m1, n, eps, y);
 }
 __attribute__((target("avx2"))) void silu_mul_avx2(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
-  silu_mul_body(gu, m0, m1, inter, out);
+  silu_mul_body(gu, m0, m1, inter, out, exp_avx2);
 }
 #else
 void add_norm_avx2(float* x, const float* d, const float* w, int64_t m0, int64_t m1, int64_t n, float eps, float* y) {
   add_norm_body(x, d, w, m0, m1, n, eps, y);
 }
 void silu_mul_avx2(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
-  silu_mul_body(gu, m0, m1, inter, out);
+  silu_mul_body(gu, m0, m1, inter, out, exp_base);
 }
 #endif
 
@@ -835,44 +939,214 @@ void over_rows(int64_t M, int64_t min_rows, const F& fn) {
   leaplm_pool::parallel_for(M, 1, fn);
 }
 
-// softmax(q k^T * scale) v for one query over its n allowed keys (in key order); p [n], o [D] scratch
-LEAPLM_INLINE void attend_body(const float* q, const float* kb, const float* vb, const int64_t* keys, int64_t n,
-                               int64_t D, float scale, float* p, float* o, float* dst) {
-  float mx = -INFINITY;
-  for (int64_t k = 0; k < n; ++k) {
-    p[k] = dot8(q, kb + keys[k] * D, D) * scale;
-    mx = std::max(mx, p[k]);
-  }
-  for (int64_t k = 0; k < n; ++k) p[k] -= mx;
-  exp_inplace(p, n);
-  float sum = 0.f;
-  for (int64_t k = 0; k < n; ++k) sum += p[k];
-  for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-  for (int64_t k = 0; k < n; ++k) {
-    const float* v = vb + keys[k] * D;
-    const float pk = p[k];
-    for (int64_t d = 0; d < D; ++d) o[d] += pk * v[d];
-  }
-  const float inv = n ? 1.f / sum : 0.f;
-  for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
-}
-
+// softmax(q k^T * scale) v for one query over its n allowed keys (key slots `keys`, in key order); p [n] scratch.
+// The arithmetic, which attend_avx2 computes with the same operations in 8-lane vectors:
+//   p[k]  = dot8(q, key k) * scale;  mx = the max of p, in key order;  p[k] = exp(p[k] - mx)
+//   sum   = lane_sum of 8 lanes, lane l summing p[k] for k = l, l + 8, ... in order
+//   dst   = o * (1 / sum),  o[d] = sum over k in key order of p[k] * v[k][d], from 0
 void attend_base(const float* q, const float* kb, const float* vb, const int64_t* keys, int64_t n, int64_t D,
-                 float scale, float* p, float* o, float* dst) {
-  attend_body(q, kb, vb, keys, n, D, scale, p, o, dst);
+                 float scale, float* p, float* dst) {
+  for (int64_t k = 0; k < n; ++k) p[k] = dot8(q, kb + keys[k] * D, D) * scale;
+  float mx = -INFINITY;
+  for (int64_t k = 0; k < n; ++k) mx = std::max(mx, p[k]);
+  for (int64_t k = 0; k < n; ++k) p[k] = exp1(p[k] - mx);
+  float lanes[8] = {};
+  for (int64_t k = 0; k < n; ++k) lanes[k % 8] += p[k];
+  const float sum = lane_sum(lanes);
+  const float inv = n ? 1.f / sum : 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    float o = 0.f;
+    for (int64_t k = 0; k < n; ++k) o += p[k] * vb[keys[k] * D + d];
+    dst[d] = o * inv;
+  }
 }
 
 #if defined(__x86_64__)
+// attend_base's arithmetic in 8-lane vectors: the scores 4 keys at a time (independent chains), the weighted
+// values 32 dimensions at a time over all keys (4 independent chains per key), o kept in registers.
 __attribute__((target("avx2"))) void attend_avx2(const float* q, const float* kb, const float* vb, const int64_t* keys,
-                                                 int64_t n, int64_t D, float scale, float* p, float* o, float* dst) {
-  attend_body(q, kb, vb, keys, n, D, scale, p, o, dst);
+                                                 int64_t n, int64_t D, float scale, float* p, float* dst) {
+  int64_t k = 0;
+  for (; k + 4 <= n; k += 4) {
+    const float* k0 = kb + keys[k] * D;
+    const float* k1 = kb + keys[k + 1] * D;
+    const float* k2 = kb + keys[k + 2] * D;
+    const float* k3 = kb + keys[k + 3] * D;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      a0 = _mm256_add_ps(a0, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + i)));
+      a1 = _mm256_add_ps(a1, _mm256_mul_ps(qv, _mm256_loadu_ps(k1 + i)));
+      a2 = _mm256_add_ps(a2, _mm256_mul_ps(qv, _mm256_loadu_ps(k2 + i)));
+      a3 = _mm256_add_ps(a3, _mm256_mul_ps(qv, _mm256_loadu_ps(k3 + i)));
+    }
+    p[k] = lane_sum8(a0) * scale, p[k + 1] = lane_sum8(a1) * scale;
+    p[k + 2] = lane_sum8(a2) * scale, p[k + 3] = lane_sum8(a3) * scale;
+  }
+  for (; k < n; ++k) {
+    const float* kk = kb + keys[k] * D;
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kk + i)));
+    p[k] = lane_sum8(a) * scale;
+  }
+  float mx = -INFINITY;
+  for (k = 0; k < n; ++k) mx = std::max(mx, p[k]);
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 lanes = _mm256_setzero_ps();
+  for (k = 0; k + 8 <= n; k += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + k), mv));
+    _mm256_storeu_ps(p + k, e);
+    lanes = _mm256_add_ps(lanes, e);
+  }
+  alignas(32) float l8[8];
+  _mm256_store_ps(l8, lanes);
+  for (; k < n; ++k) {
+    p[k] = exp1(p[k] - mx);
+    l8[k % 8] += p[k];
+  }
+  const float sum = lane_sum(l8);
+  const __m256 inv = _mm256_set1_ps(n ? 1.f / sum : 0.f);
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    __m256 o0 = _mm256_setzero_ps(), o1 = _mm256_setzero_ps(), o2 = _mm256_setzero_ps(), o3 = _mm256_setzero_ps();
+    for (k = 0; k < n; ++k) {
+      const float* v = vb + keys[k] * D + d;
+      const __m256 pk = _mm256_set1_ps(p[k]);
+      o0 = _mm256_add_ps(o0, _mm256_mul_ps(pk, _mm256_loadu_ps(v)));
+      o1 = _mm256_add_ps(o1, _mm256_mul_ps(pk, _mm256_loadu_ps(v + 8)));
+      o2 = _mm256_add_ps(o2, _mm256_mul_ps(pk, _mm256_loadu_ps(v + 16)));
+      o3 = _mm256_add_ps(o3, _mm256_mul_ps(pk, _mm256_loadu_ps(v + 24)));
+    }
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(o0, inv));
+    _mm256_storeu_ps(dst + d + 8, _mm256_mul_ps(o1, inv));
+    _mm256_storeu_ps(dst + d + 16, _mm256_mul_ps(o2, inv));
+    _mm256_storeu_ps(dst + d + 24, _mm256_mul_ps(o3, inv));
+  }
+  for (; d < D; d += 8) {
+    __m256 o = _mm256_setzero_ps();
+    for (k = 0; k < n; ++k) o = _mm256_add_ps(o, _mm256_mul_ps(_mm256_set1_ps(p[k]), _mm256_loadu_ps(vb + keys[k] * D + d)));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(o, inv));
+  }
 }
 #else
 void attend_avx2(const float* q, const float* kb, const float* vb, const int64_t* keys, int64_t n, int64_t D,
-                 float scale, float* p, float* o, float* dst) {
-  attend_body(q, kb, vb, keys, n, D, scale, p, o, dst);
+                 float scale, float* p, float* dst) {
+  attend_base(q, kb, vb, keys, n, D, scale, p, dst);
 }
 #endif
+
+// ---- fp32 linears (small dense models: a draft's whole forward in one call) --------------------------------------
+// y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for w [N, K] row-major, K a multiple of 8, its elements fp32 or bf16 (a
+// weight that bf16 holds exactly, as a checkpoint stored in bf16 is: half the bytes to read, the same numbers; each
+// is widened to fp32, exactly, before it is used). Each dot is dot8's: lane l sums k = l, l + 8, ... in order, then
+// lane_sum's fixed tree, so a token's result does not depend on M, on the rows' split across threads, on the
+// instruction set (no fused multiply-add on any path) or on the weight's storage.
+LEAPLM_INLINE float widen(float v) { return v; }
+LEAPLM_INLINE float widen(uint16_t v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <typename WT>
+LEAPLM_INLINE void dense_rows_body(const float* x, int64_t M, int64_t K, const WT* w, const float* b, int64_t n0,
+                                   int64_t n1, int64_t N, float* y) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const WT* wn = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float acc[8] = {};
+      for (int64_t i = 0; i < K; i += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += xm[i + l] * widen(wn[i + l]);
+      y[m * N + n] = lane_sum(acc) + (b ? b[n] : 0.f);
+    }
+  }
+}
+
+template <typename WT>
+void dense_rows_base(const float* x, int64_t M, int64_t K, const WT* w, const float* b, int64_t n0, int64_t n1,
+                     int64_t N, float* y) {
+  dense_rows_body(x, M, K, w, b, n0, n1, N, y);
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) LEAPLM_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2"))) LEAPLM_INLINE __m256 load8(const uint16_t* p) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+// the same sums as dense_rows_body, lane l of a 256-bit vector holding lane l's accumulator (multiply, then add:
+// the scalar path's bits), eight weight rows at a time, each read once for all M tokens from L1
+template <typename WT>
+__attribute__((target("avx2"))) void dense_rows_avx2(const float* x, int64_t M, int64_t K, const WT* w,
+                                                     const float* b, int64_t n0, int64_t n1, int64_t N, float* y) {
+  int64_t n = n0;
+  alignas(32) float lanes[8];
+  for (; n + 8 <= n1; n += 8) {
+    const WT* wn = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      __m256 a[8];
+      for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < K; i += 8) {
+        const __m256 xv = _mm256_loadu_ps(xm + i);
+        for (int r = 0; r < 8; ++r) a[r] = _mm256_add_ps(a[r], _mm256_mul_ps(xv, load8(wn + r * K + i)));
+      }
+      float* ym = y + m * N + n;
+      for (int r = 0; r < 8; ++r) {
+        _mm256_store_ps(lanes, a[r]);
+        ym[r] = lane_sum(lanes) + (b ? b[n + r] : 0.f);
+      }
+    }
+  }
+  dense_rows_body(x, M, K, w, b, n, n1, N, y);
+}
+#else
+template <typename WT>
+void dense_rows_avx2(const float* x, int64_t M, int64_t K, const WT* w, const float* b, int64_t n0, int64_t n1,
+                     int64_t N, float* y) {
+  dense_rows_body(x, M, K, w, b, n0, n1, N, y);
+}
+#endif
+
+constexpr int64_t DENSE_CHUNK = 64;      // weight rows per chunk of the thread split
+
+// y [M, N] = x [M, K] w^T (+ bias), split across the threads by chunks of rows when the work pays for waking them
+template <typename WT>
+void dense_linear(const float* x, int64_t M, int64_t K, const WT* w, const float* bias, int64_t N, int path,
+                  float* y) {
+  const int64_t chunks = (N + DENSE_CHUNK - 1) / DENSE_CHUNK;
+  auto fn = [&](int64_t c0, int64_t c1) {
+    const int64_t n0 = c0 * DENSE_CHUNK, n1 = std::min(N, c1 * DENSE_CHUNK);
+    if (path > 0) dense_rows_avx2<WT>(x, M, K, w, bias, n0, n1, N, y);
+    else dense_rows_base<WT>(x, M, K, w, bias, n0, n1, N, y);
+  };
+  if (M * N * K < (int64_t(1) << 20)) return fn(0, chunks);
+  leaplm_pool::parallel_for(chunks, std::max<int64_t>(1, chunks / (4 * int64_t(at::get_num_threads()))), fn);
+}
+
+// one dense linear: w [N, K] fp32 or bf16, and its bias (empty when absent)
+struct DenseLinear {
+  torch::Tensor w, bias;
+  const float* b() const { return bias.numel() ? bias.data_ptr<float>() : nullptr; }
+  void run(const float* x, int64_t M, int path, float* y) const {
+    const int64_t N = w.size(0), K = w.size(1);
+    if (w.scalar_type() == torch::kBFloat16)
+      dense_linear(x, M, K, reinterpret_cast<const uint16_t*>(w.data_ptr()), b(), N, path, y);
+    else
+      dense_linear(x, M, K, w.data_ptr<float>(), b(), N, path, y);
+  }
+};
+
+// w as a DenseLinear's weight: fp32 or bf16, contiguous, K a multiple of 8
+inline torch::Tensor dense_weight(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(1) % 8 == 0 &&
+              (w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16),
+              "dense weight: fp32 or bf16 [N, K], K a multiple of 8");
+  return w.contiguous();
+}
 
 struct PackedPart {
   torch::Tensor q, s, m;         // m: empty when absent
@@ -899,15 +1173,17 @@ struct PackedLinear {
 
 struct Layer {
   torch::Tensor ln1, ln2;
-  PackedLinear qkv, o, gate_up, down;
+  PackedLinear qkv, o, gate_up, down;      // packed quantized weights (add_layer)
+  DenseLinear dqkv, dout, dgate_up, ddown; // or dense ones, fp32 or bf16 (add_dense_layer)
+  bool dense = false;
 };
 
 class Decoder {
  public:
   Decoder(int64_t H, int64_t Hkv, int64_t D, int64_t hid, int64_t inter, double eps, int64_t path)
       : H(H), Hkv(Hkv), D(D), hid(hid), inter(inter), eps(float(eps)), path(int(path)) {
-    TORCH_CHECK(D % 8 == 0 && hid % QK == 0 && inter % QK == 0 && (H * D) % QK == 0 && H % Hkv == 0,
-                "decoder: head_dim a multiple of 8, hidden and intermediate sizes multiples of 32");
+    TORCH_CHECK(D % 8 == 0 && hid % 8 == 0 && inter % 8 == 0 && H % Hkv == 0,
+                "decoder: head_dim, hidden and intermediate sizes multiples of 8");
   }
 
   // linears in the order q/k/v, o, gate/up, down: each a list of row blocks (qp, sp, mp or empty, rows), and a
@@ -917,6 +1193,8 @@ class Decoder {
                  std::vector<torch::Tensor> bias, std::vector<std::vector<int64_t>> rows) {
     TORCH_CHECK(qp.size() == 4 && sp.size() == 4 && mp.size() == 4 && bias.size() == 4 && rows.size() == 4,
                 "add_layer: four linears");
+    TORCH_CHECK(hid % QK == 0 && inter % QK == 0 && (H * D) % QK == 0,
+                "add_layer: quantized linears need hidden and intermediate sizes multiples of 32");
     const int64_t want[4] = {(H + 2 * Hkv) * D, hid, 2 * inter, hid};
     PackedLinear p[4];
     for (int i = 0; i < 4; ++i) {
@@ -934,6 +1212,73 @@ class Decoder {
     layers.push_back(Layer{ln1.contiguous().to(torch::kFloat), ln2.contiguous().to(torch::kFloat), p[0], p[1], p[2], p[3]});
   }
 
+  // a layer of dense weights (fp32, or bf16 where that holds them exactly): w = [q/k/v [(H + 2 Hkv) D, hid], o [hid, H D], gate/up [2 inter, hid],
+  // down [hid, inter]], bias = one per linear, or empty
+  void add_dense_layer(torch::Tensor ln1, torch::Tensor ln2, std::vector<torch::Tensor> w,
+                       std::vector<torch::Tensor> bias) {
+    TORCH_CHECK(w.size() == 4 && bias.size() == 4, "add_dense_layer: four linears");
+    const int64_t want[4][2] = {{(H + 2 * Hkv) * D, hid}, {hid, H * D}, {2 * inter, hid}, {hid, inter}};
+    DenseLinear d[4];
+    for (int i = 0; i < 4; ++i) {
+      TORCH_CHECK(w[i].dim() == 2 && w[i].size(0) == want[i][0] && w[i].size(1) == want[i][1],
+                  "add_dense_layer: linear ", i, ": [", want[i][0], ", ", want[i][1], "]");
+      TORCH_CHECK(bias[i].numel() == 0 || bias[i].numel() == want[i][0], "add_dense_layer: bias ", i);
+      d[i] = DenseLinear{dense_weight(w[i]), bias[i].contiguous().to(torch::kFloat)};
+    }
+    Layer L{ln1.contiguous().to(torch::kFloat), ln2.contiguous().to(torch::kFloat)};
+    L.dqkv = d[0], L.dout = d[1], L.dgate_up = d[2], L.ddown = d[3];
+    L.dense = true;
+    layers.push_back(L);
+  }
+
+  // the embedding [V, hid] and the output layer [V', hid] (fp32 or bf16), the final norm [hid]: what logits()
+  // adds around the layers
+  void set_head(torch::Tensor embed_w, torch::Tensor norm_w, torch::Tensor head_w) {
+    TORCH_CHECK(embed_w.dim() == 2 && embed_w.size(1) == hid && head_w.dim() == 2 && head_w.size(1) == hid &&
+                norm_w.numel() == hid, "set_head: embedding [V, hidden], norm [hidden], output [V', hidden]");
+    embed = dense_weight(embed_w);
+    norm = norm_w.contiguous().to(torch::kFloat);
+    head = DenseLinear{dense_weight(head_w), torch::Tensor()};
+  }
+
+  // The whole forward: ids [B * T] int64 (row b * T + t), the rest as forward(); every layer runs. Returns the
+  // logits [B, T, V'] (last_only: [B, 1, V'], each row's last token).
+  torch::Tensor logits(torch::Tensor ids, int64_t B, int64_t T, std::vector<torch::Tensor> cache_k,
+                       std::vector<torch::Tensor> cache_v, std::vector<int64_t> lens, torch::Tensor pos,
+                       torch::Tensor mask, torch::Tensor cis, int64_t kv_len, bool last_only) {
+    TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.numel() == B * T, "ids: int64 [B * T]");
+    auto idc = ids.contiguous();
+    torch::Tensor out = torch::empty({B, last_only ? 1 : T, head.w.defined() ? head.w.size(0) : 0}, torch::kFloat);
+    whole(idc.data_ptr<int64_t>(), B, T, cache_k, cache_v, lens, pos, mask, cis, kv_len, last_only,
+          out.data_ptr<float>());
+    return out;
+  }
+
+  // Greedy drafting of k tokens for one row in one call: feeds ids [T] after the row's `len` cached tokens, takes
+  // the argmax of the last token's logits over the first `real` rows (the first on ties, as torch's argmax), feeds
+  // it, and so on; the cache then holds the ids and the first k - 1 drafts. Returns the k drafts.
+  std::vector<int64_t> greedy_chain(std::vector<int64_t> ids, int64_t k, std::vector<torch::Tensor> cache_k,
+                                    std::vector<torch::Tensor> cache_v, int64_t len, torch::Tensor cis, int64_t real) {
+    TORCH_CHECK(!ids.empty() && k >= 1, "greedy_chain: ids and k >= 1");
+    const int64_t V = head.w.defined() ? head.w.size(0) : 0;
+    real = std::min(real, V);
+    TORCH_CHECK(real >= 1, "greedy_chain: no rows to choose from");
+    std::vector<float> logit(V);
+    std::vector<int64_t> out, feed = ids;
+    const torch::Tensor none = torch::empty({0}, torch::kLong), nomask = torch::empty({0}, torch::kBool);
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t T = int64_t(feed.size());
+      whole(feed.data(), 1, T, cache_k, cache_v, {len}, none, nomask, cis, len + T, true, logit.data());
+      int64_t best = 0;
+      for (int64_t v = 1; v < real; ++v)
+        if (logit[v] > logit[best]) best = v;
+      out.push_back(best);
+      len += T;
+      feed.assign(1, best);
+    }
+    return out;
+  }
+
   // x [B * T, hid] fp32 (row b * T + t); cache_k / cache_v per layer [B', Hkv, capacity, D] fp32 (B' >= B);
   // lens [B] cached tokens per row; pos [B, T] int64 positions; mask: empty (causal) or bool [B, T, S]; cis
   // [P, D / 2, 2] fp32 (cos, sin); run: the layers to run, in order; kv_len = the keys attended (S).
@@ -942,18 +1287,49 @@ class Decoder {
                         torch::Tensor mask, torch::Tensor cis, std::vector<int64_t> run, int64_t kv_len) {
     TORCH_CHECK(x.dim() == 2 && x.size(0) == B * T && x.size(1) == hid && x.scalar_type() == torch::kFloat,
                 "x: fp32 [B * T, hidden]");
-    TORCH_CHECK(int64_t(lens.size()) >= B && pos.scalar_type() == torch::kLong && pos.numel() == B * T, "lens, pos");
+    torch::Tensor out = x.clone();
+    run_layers(out.data_ptr<float>(), B, T, cache_k, cache_v, lens, pos, mask, cis, run, kv_len);
+    return out;
+  }
+
+  // the layers `run` over the residual stream xp [B * T, hid], in place (see forward)
+  void run_layers(float* xp, int64_t B, int64_t T, std::vector<torch::Tensor>& cache_k,
+                  std::vector<torch::Tensor>& cache_v, const std::vector<int64_t>& lens, const torch::Tensor& pos,
+                  const torch::Tensor& mask, const torch::Tensor& cis, const std::vector<int64_t>& run,
+                  int64_t kv_len) {
+    TORCH_CHECK(int64_t(lens.size()) >= B && pos.scalar_type() == torch::kLong &&
+                (pos.numel() == B * T || pos.numel() == 0), "lens, pos");
     TORCH_CHECK(cis.scalar_type() == torch::kFloat && cis.dim() == 3 && cis.size(1) * 2 == D, "cis: [P, D/2, 2]");
     TORCH_CHECK(mask.numel() == 0 || (mask.scalar_type() == torch::kBool && mask.numel() == B * T * kv_len),
                 "mask: bool [B, T, S]");
+    TORCH_CHECK(cache_k.size() >= layers.size() && cache_v.size() >= layers.size(), "cache: one tensor per layer");
     const int64_t M = B * T;
-    torch::Tensor out = x.clone();
+    // no positions given: row b's token t sits at lens[b] + t
+    std::vector<int64_t> own;
+    if (pos.numel() == 0) {
+      own.resize(M);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t) own[b * T + t] = lens[b] + t;
+    }
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(lens[b] + T <= cis.size(0), "position ", lens[b] + T - 1, " beyond the rope table's ", cis.size(0));
     auto posc = pos.contiguous();
+    const int64_t* posp = pos.numel() ? posc.data_ptr<int64_t>() : own.data();
     auto maskc = mask.contiguous();
     auto cisc = cis.contiguous();
     std::vector<float> h(M * hid), qkv(M * (H + 2 * Hkv) * D), att(M * H * D), tmp(M * hid), gu(M * 2 * inter),
         act(M * inter);
-    float* xp = out.data_ptr<float>();
+    // the key slots each query attends, in key order (the same in every layer)
+    std::vector<int64_t> keys(M * kv_len), nkeys(M);
+    const bool* mp = maskc.numel() ? maskc.data_ptr<bool>() : nullptr;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t bt = b * T + t;
+        int64_t n = 0;
+        for (int64_t j = 0; j < kv_len; ++j)
+          if (mp ? mp[bt * kv_len + j] : j <= lens[b] + t) keys[bt * kv_len + n++] = j;
+        nkeys[bt] = n;
+      }
     const float* pending = nullptr;          // the down projection not yet added to the residual stream
     for (int64_t li : run) {
       TORCH_CHECK(li >= 0 && li < int64_t(layers.size()), "layer ", li, " out of range");
@@ -964,21 +1340,43 @@ class Decoder {
                   ck.size(0) >= B && ck.size(1) == Hkv && ck.size(3) == D && ck.size(2) >= kv_len,
                   "cache: contiguous fp32 [B, Hkv, capacity, D]");
       add_norm(xp, pending, L.ln1.data_ptr<float>(), M, h.data());         // the previous layer's residual
-      linear_raw(h.data(), M, hid, L.qkv.view(hid), L.qkv.b(), path, qkv.data());
-      rope_and_store(qkv.data(), B, T, posc.data_ptr<int64_t>(), cisc.data_ptr<float>(), lens, ck, cv);
-      attention(qkv.data(), B, T, lens, maskc.numel() ? maskc.data_ptr<bool>() : nullptr, ck, cv, kv_len, att.data());
-      linear_raw(att.data(), M, H * D, L.o.view(H * D), L.o.b(), path, tmp.data());
+      {
+        Span span(R_QKV);
+        linear(L.qkv, L.dqkv, L.dense, h.data(), M, hid, qkv.data());
+      }
+      {
+        Span span(R_ROPE);
+        rope_and_store(qkv.data(), B, T, posp, cisc.data_ptr<float>(), lens, ck, cv);
+      }
+      {
+        Span span(R_ATTN);
+        attention(qkv.data(), B, T, keys.data(), nkeys.data(), ck, cv, kv_len, att.data());
+      }
+      {
+        Span span(R_O);
+        linear(L.o, L.dout, L.dense, att.data(), M, H * D, tmp.data());
+      }
       add_norm(xp, tmp.data(), L.ln2.data_ptr<float>(), M, h.data());
-      linear_raw(h.data(), M, hid, L.gate_up.view(hid), L.gate_up.b(), path, gu.data());
-      over_rows(M, 8, [&](int64_t m0, int64_t m1) {
-        (path > 0 ? silu_mul_avx2 : silu_mul_base)(gu.data(), m0, m1, inter, act.data());
-      });
-      linear_raw(act.data(), M, inter, L.down.view(inter), L.down.b(), path, tmp.data());
+      {
+        Span span(R_GATE_UP);
+        linear(L.gate_up, L.dgate_up, L.dense, h.data(), M, hid, gu.data());
+      }
+      {
+        Span span(R_SILU);
+        over_rows(M, 8, [&](int64_t m0, int64_t m1) {
+          (path > 0 ? silu_mul_avx2 : silu_mul_base)(gu.data(), m0, m1, inter, act.data());
+        });
+      }
+      {
+        Span span(R_DOWN);
+        linear(L.down, L.ddown, L.dense, act.data(), M, inter, tmp.data());
+      }
       pending = tmp.data();
     }
-    if (pending)
+    if (pending) {
+      Span span(R_RESID);
       for (int64_t i = 0; i < M * hid; ++i) xp[i] += pending[i];
-    return out;
+    }
   }
 
   int64_t num_layers() const { return int64_t(layers.size()); }
@@ -988,6 +1386,43 @@ class Decoder {
   float eps;
   int path;
   std::vector<Layer> layers;
+  torch::Tensor embed, norm;               // set_head's (logits() only)
+  DenseLinear head;
+
+  // embedding, layers, final norm and output layer (logits' body): the logits into out [R, V'] (R = B with
+  // last_only, else B * T)
+  void whole(const int64_t* id, int64_t B, int64_t T, std::vector<torch::Tensor>& cache_k,
+             std::vector<torch::Tensor>& cache_v, const std::vector<int64_t>& lens, const torch::Tensor& pos,
+             const torch::Tensor& mask, const torch::Tensor& cis, int64_t kv_len, bool last_only, float* out) {
+    TORCH_CHECK(embed.defined() && head.w.defined(), "logits: set_head first");
+    const int64_t M = B * T, V = embed.size(0);
+    for (int64_t m = 0; m < M; ++m) TORCH_CHECK(id[m] >= 0 && id[m] < V, "token id ", id[m], " out of range");
+    std::vector<float> x(M * hid);
+    float* xp = x.data();
+    if (embed.scalar_type() == torch::kBFloat16) {
+      const uint16_t* ep = reinterpret_cast<const uint16_t*>(embed.data_ptr());
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < hid; ++i) xp[m * hid + i] = widen(ep[id[m] * hid + i]);
+    } else {
+      const float* ep = embed.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m) std::memcpy(xp + m * hid, ep + id[m] * hid, sizeof(float) * hid);
+    }
+    std::vector<int64_t> run(layers.size());
+    for (size_t i = 0; i < run.size(); ++i) run[i] = int64_t(i);
+    run_layers(xp, B, T, cache_k, cache_v, lens, pos, mask, cis, run, kv_len);
+    const int64_t R = last_only ? B : M;
+    std::vector<float> h(R * hid);
+    if (last_only && T > 1)
+      for (int64_t b = 0; b < B; ++b) std::memcpy(xp + b * hid, xp + (b * T + T - 1) * hid, sizeof(float) * hid);
+    add_norm(xp, nullptr, norm.data_ptr<float>(), R, h.data());
+    head.run(h.data(), R, path, out);
+  }
+
+  void linear(const PackedLinear& p, const DenseLinear& d, bool dense, const float* x, int64_t M, int64_t K,
+              float* y) {
+    if (dense) d.run(x, M, path, y);
+    else linear_raw(x, M, K, p.view(K), p.b(), path, y);
+  }
 
   // rotate each q and k head's pairs (2i, 2i+1) by the position's (cos, sin); write k and v to the cache slots
   void rope_and_store(float* qkv, int64_t B, int64_t T, const int64_t* pos, const float* cis,
@@ -1016,7 +1451,7 @@ class Decoder {
   }
 
   // softmax(q k^T / sqrt(D)) v per (row, head, query) over the allowed keys in key order
-  void attention(const float* qkv, int64_t B, int64_t T, const std::vector<int64_t>& lens, const bool* mask,
+  void attention(const float* qkv, int64_t B, int64_t T, const int64_t* keys, const int64_t* nkeys,
                  const torch::Tensor& ck, const torch::Tensor& cv, int64_t S, float* out) {
     const int64_t width = (H + 2 * Hkv) * D, cap = ck.size(2), rep = H / Hkv;
     const float* kp = ck.data_ptr<float>();
@@ -1028,27 +1463,23 @@ class Decoder {
     const int64_t items = B * H * T;
     const int64_t grain = work > (1 << 18) ? std::max<int64_t>(1, items / (8 * int64_t(at::get_num_threads()))) : items;
     leaplm_pool::parallel_for(items, grain, [&](int64_t i0, int64_t i1) {
-      std::vector<float> p(S), o(D);
-      std::vector<int64_t> keys(S);
+      std::vector<float> p(S);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / (H * T), hh = (i / T) % H, t = i % T, g = hh / rep;
         const float* kb = kp + (b * Hkv + g) * cap * D;
         const float* vb = vp + (b * Hkv + g) * cap * D;
-        {
-          const float* q = qkv + (b * T + t) * width + hh * D;
-          int64_t n = 0;
-          for (int64_t j = 0; j < S; ++j)
-            if (mask ? mask[(b * T + t) * S + j] : j <= lens[b] + t) keys[n++] = j;
-          float* dst = out + (b * T + t) * H * D + hh * D;
-          if (wide) attend_avx2(q, kb, vb, keys.data(), n, D, scale, p.data(), o.data(), dst);
-          else attend_base(q, kb, vb, keys.data(), n, D, scale, p.data(), o.data(), dst);
-        }
+        const float* q = qkv + (b * T + t) * width + hh * D;
+        const int64_t* ks = keys + (b * T + t) * S;
+        float* dst = out + (b * T + t) * H * D + hh * D;
+        if (wide) attend_avx2(q, kb, vb, ks, nkeys[b * T + t], D, scale, p.data(), dst);
+        else attend_base(q, kb, vb, ks, nkeys[b * T + t], D, scale, p.data(), dst);
       }
     });
   }
 
   // x += d (d may be null), then h = rms_norm(x) * w, per row
   void add_norm(float* x, const float* d, const float* w, int64_t M, float* h) {
+    Span span(R_NORM);
     if (path > 0) add_norm_avx2(x, d, w, 0, M, hid, eps, h);
     else add_norm_base(x, d, w, 0, M, hid, eps, h);
   }
@@ -1069,9 +1500,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("n"), pybind11::arg("grain"), pybind11::arg("us"), pybind11::arg("throw_at") = -1, nogil());
   m.def("quantize_activations", &quantize_activations, "per-token, per-32-block int8 activations (qa, a)",
         pybind11::arg("x"), pybind11::arg("path") = 0, nogil());
+  m.def("profile", &profile, "the region timers' sums {region: (ms, calls)} (LEAPLM_KERNEL_PROFILE=1), else {}");
+  m.def("profile_reset", &profile_reset, "clear the region timers");
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>())
       .def("add_layer", &Decoder::add_layer)
+      .def("add_dense_layer", &Decoder::add_dense_layer)
+      .def("set_head", &Decoder::set_head)
       .def("forward", &Decoder::forward, nogil())
+      .def("logits", &Decoder::logits, nogil())
+      .def("greedy_chain", &Decoder::greedy_chain, nogil())
       .def("num_layers", &Decoder::num_layers);
 }
