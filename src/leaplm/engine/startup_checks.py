@@ -29,7 +29,21 @@ def _identity(engine) -> list:
     model = engine.model
     quant = sorted({getattr(q, "backend", "?") for q in model.quantized.values()})
     return [ident(engine.target), ident(engine.draft), engine.backend, str(model.dtype),
-            quant, torch.get_num_threads(), engine.spec.method, engine.spec.k, engine.max_model_len]
+            quant, torch.get_num_threads(), engine.spec.method, engine.spec.k, engine.max_model_len,
+            _draft_forward(engine)]
+
+
+def _draft_forward(engine) -> str:
+    """What runs the draft's forward: its cost per drafted token is measured here, and differs severalfold."""
+    from ..models.draft_vocab import VocabMappedDraft
+    from ..models.llama import LlamaForCausalLM
+
+    draft = engine.draft.model if engine.draft is not None else None
+    if isinstance(draft, VocabMappedDraft):
+        draft = draft.inner
+    if isinstance(draft, LlamaForCausalLM) and draft.one_call and draft.one_call_forward() is not None:
+        return "one-call"
+    return "-"
 
 
 def cached_calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> bool:

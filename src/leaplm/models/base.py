@@ -26,6 +26,8 @@ class ModelCapabilities:
     trees: bool = False            # forward(..., tree_mask, position_offsets): tree proposals (suffix, lookahead)
     hidden_states: bool = False    # forward_hidden(...) -> Scored: the target's features (EAGLE, Medusa heads)
     layer_subsets: bool = False    # forward(..., layers=[...]): some layers only (layer-skip drafting)
+    greedy_chain: bool = False     # greedy_chain(ids, k, cache, real): k greedy drafts of one row in one call, or
+                                   # None when this model cannot (models/one_call.py)
 
 
 @dataclass

@@ -59,7 +59,8 @@ class VocabMappedDraft(torch.nn.Module):
     device = property(lambda self: self.inner.device)
     dtype = property(lambda self: self.inner.dtype)
     # the inner model's, but no forward_hidden: the hidden states are not this adapter's to give
-    capabilities = property(lambda self: dataclasses.replace(self.inner.capabilities, hidden_states=False))
+    capabilities = property(lambda self: dataclasses.replace(self.inner.capabilities, hidden_states=False,
+                                                             greedy_chain=False))
 
     def new_cache(self, batch_size: int = 1, max_len: int | None = None):
         return self.inner.new_cache(batch_size, max_len)

@@ -210,7 +210,8 @@ class LayerWeights:
 class LlamaForCausalLM(nn.Module):
     """Implements leaplm's CausalLM protocol (see models/base.py)."""
 
-    capabilities = ModelCapabilities(batch=True, trees=True, hidden_states=True, layer_subsets=True)
+    capabilities = ModelCapabilities(batch=True, trees=True, hidden_states=True, layer_subsets=True,
+                                     greedy_chain=True)
 
     def __init__(self, a: LlamaArgs):
         super().__init__()
@@ -233,6 +234,9 @@ class LlamaForCausalLM(nn.Module):
         # the token embedding kept in a GGUF file's blocks (quant/formats.QuantizedWeight [V, hid]; models/
         # gguf_kernel.py): a forward dequantizes the rows it looks up; None: embed_tokens.weight holds it
         self.embed_quantized = None
+        # forward() over chains in one C++ call (models/one_call.py) where it applies; the loader asks it for drafts
+        self.one_call = False
+        self._one_call = False               # the built OneCallForward, None when it does not apply
 
     @staticmethod
     def rope_table(a: LlamaArgs, device=None) -> torch.Tensor:
@@ -245,6 +249,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         self._fast = self._norms = None    # .to() / .half() replace the tensors we hold references to
+        self._one_call = False
         out = super()._apply(fn, *args, **kwargs)
         if not self.rope_cis.is_complex():  # a dtype cast drops the imaginary part: rebuild the table
             self.rope_cis = self.rope_table(self.args, self.rope_cis.device)
@@ -291,6 +296,21 @@ class LlamaForCausalLM(nn.Module):
             self._fused = build_fused(self)
         return self._fused
 
+    def one_call_forward(self):
+        """The whole forward in one C++ call (models/one_call.py), or None when it does not apply."""
+        if self._one_call is False:
+            from .one_call import build_one_call
+
+            self._one_call = build_one_call(self)
+        return self._one_call
+
+    def greedy_chain(self, ids: list[int], k: int, cache, real: int) -> list[int] | None:
+        """k greedy drafts of a batch-1 cache's row in one C++ call (models/one_call.py), or None when the one-call
+        forward does not apply: ids fed after the cache's length, each argmax over the first `real` logits fed
+        next; the cache then holds ids and the first k - 1 drafts (its length is not moved)."""
+        run = self.one_call_forward() if self.one_call else None
+        return None if run is None else run.greedy_chain(ids, k, cache, real)
+
     # --- protocol ----------------------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
@@ -326,6 +346,10 @@ class LlamaForCausalLM(nn.Module):
         position_offsets [T] are node depths; layers: the subset of layers to run (layer-skip drafting).
         Writes K/V at each row's [length, length + T) without moving the length (see KVCache).
         """
+        if self.one_call and tree_mask is None and position_offsets is None and layers is None:
+            run = self.one_call_forward()
+            if run is not None:
+                return run(input_ids, cache, last_only)
         return self.forward_hidden(input_ids, cache, tree_mask=tree_mask, position_offsets=position_offsets,
                                    layers=layers, last_only=last_only).logits
 

@@ -18,7 +18,7 @@ from ..devices import available_memory
 from ..quant.formats import GGUF_TYPES
 from .base import LoadedModel
 from .draft_vocab import VocabMappedDraft, has_draft_vocab, read_d2t
-from .llama import native_blockers
+from .llama import LlamaForCausalLM, native_blockers
 from .registry import native_family
 from .tokens import bos_to_add
 
@@ -421,5 +421,8 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
     n_params = sum(p.numel() for p in model.parameters())
     if quantization is not None:
         _quantize(model, quantization, device, field)
+    native = model.inner if isinstance(model, VocabMappedDraft) else model
+    if field == "draft" and isinstance(native, LlamaForCausalLM):
+        native.one_call = True     # a draft's forward in one C++ call where it applies (models/one_call.py says why)
     log.info("loaded %s (%s, %.1fM parameters, %s)", name, mt, n_params / 1e6, dtype)
     return LoadedModel(model, tok, str(path), name, cfg, eos_ids, n_params, bos_to_add(tok))

@@ -105,6 +105,10 @@ class DraftRows:
             catchup.append(time.perf_counter() - t)
             feeds.append(toks[cached:])
             ks.append(max(1, min(ctx.k, self.max_len - len(toks) - 1)))
+        if len(proposers) == 1 and self._plain_greedy(ctxs[0]):
+            chain = self.model.greedy_chain(feeds[0], ks[0], self._view(proposers[0].slot), self._real())
+            if chain is not None:                    # the k drafts in one call: no Python between the forwards
+                return [self._done(proposers[0], ctxs[0], ks[0], chain, None, catchup[0])]
         # one forward over slots [0, hi): the drafting slots in place, the others fed padding past their length
         slots = [p.slot for p in proposers]
         hi = max(slots) + 1 if len(proposers) > 1 else None
@@ -129,15 +133,28 @@ class DraftRows:
                 if presence[j] is not None:
                     presence[j][t] = True
             cur = [[d[-1]] if d else [] for d in drafts]
-        out = []
-        for j, (p, ctx) in enumerate(zip(proposers, ctxs)):
-            # the slot now holds toks + d_1..d_{k-1}
-            p.n_ctx, p.k = len(ctx.tokens), ks[j]
-            p.cached = p.n_ctx                     # every committed token seen (observe adds accepted drafts)
-            cache.lengths[p.slot] = p.n_ctx + ks[j] - 1
-            q = torch.stack(qs[j]) if qs[j] else None                   # [K, V] when the verifier reads it
-            out.append(Proposal(torch.tensor(drafts[j], device=self.out_device), q, catchup_s=catchup[j]))
-        return out
+        return [self._done(p, ctx, ks[j], drafts[j], torch.stack(qs[j]) if qs[j] else None, catchup[j])
+                for j, (p, ctx) in enumerate(zip(proposers, ctxs))]
+
+    def _done(self, p: "DraftModelProposer", ctx: ProposeContext, k: int, drafts: list[int],
+              q: torch.Tensor | None, catchup_s: float) -> Proposal:
+        """Slot p's proposal of `drafts` (q [k, V] when the verifier reads it); the slot now holds the context and
+        d_1..d_{k-1}."""
+        p.n_ctx, p.k = len(ctx.tokens), k
+        p.cached = p.n_ctx                     # every committed token seen (observe adds accepted drafts)
+        self.cache.lengths[p.slot] = p.n_ctx + k - 1
+        return Proposal(torch.tensor(drafts, device=self.out_device), q, catchup_s=catchup_s)
+
+    def _plain_greedy(self, ctx: ProposeContext) -> bool:
+        """A row whose drafts are the argmax of the draft's logits over the real tokens (processor.greedy without
+        a penalty), which the model may draft in one call."""
+        return (self.model.capabilities.greedy_chain and ctx.generator is None and not ctx.wants_q
+                and (ctx.presence is None or ctx.params.repetition_penalty == 1.0))
+
+    def _real(self) -> int:
+        """Rows of the draft's logits a draft token may be (fit_vocab's: the others are -inf or cut)."""
+        Vd, Vt = self.model.vocab_size, self.vocab_size
+        return Vd if Vd == Vt else min(self.real_tokens or min(Vd, Vt), Vd, Vt)
 
     def guesses(self, p: "DraftModelProposer", tokens: list[int], first: int = 0) -> Guesses | None:
         """Slot p's catching up on committed tokens, every position's logits kept from the guess of tokens[first]

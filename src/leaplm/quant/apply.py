@@ -96,6 +96,7 @@ def quantize_model(model, quantization: str, gguf_path: str | None = None, backe
                     len(rep.kept) + len(rep.quantized), params[name].dtype, name, why)
     _free_fp_weights(model, rep.quantized)
     model._fast = None
+    model._one_call = False
     log.info("quantization %s: %d linear weights quantized (%d from the GGUF file as stored), %.1f MB read per "
              "forward, %s kernel", quantization, len(rep.quantized), len(rep.from_file), rep.weight_bytes / 1e6,
              rep.backend)
