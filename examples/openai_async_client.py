@@ -75,6 +75,10 @@ async def stream_completion(client: AsyncOpenAI, model: str, prompt: str, *, max
                         stream_options={"include_usage": True})
                     async with stream:                     # leaving the block closes the HTTP stream
                         async for chunk in stream:
+                            # chunks already buffered are read without yielding to the event loop, where the
+                            # timeout's cancellation is delivered: a slow reader checks the deadline itself
+                            if time.perf_counter() - t0 > deadline_s:
+                                raise TimeoutError
                             if chunk.choices:
                                 piece = chunk.choices[0].text
                                 if piece:

@@ -26,8 +26,9 @@ def gguf_server(tmp_path_factory):
     target, draft = write_pair(d, eos="<|endoftext|>")
     files = [str(export_gguf(src, str(d / f"{name}.gguf"), "q8_0").path)
              for name, src in (("target", target), ("draft", draft))]
+    # every step's tokens sent at its end (no coalescing): the chunks' arrival times show the two streams overlap
     srv = ServerProcess(files[0], files[1], "--method", "draft", "--k", "4", "--max-batch", "4",
-                        "--backend", "llamacpp")
+                        "--backend", "llamacpp", "--stream-interval-ms", "0")
     try:
         srv.wait_ready()
         yield srv

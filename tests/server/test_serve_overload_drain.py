@@ -13,7 +13,7 @@ import pytest
 from serverkit import API_KEY, MODEL, InProcessServer, ServerProcess
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
-# one token per step (speculation off) and 1000 of them: each runs for a second or more
+# one token per step (speculation off) and 1000 of them: 0.2-0.4 s each on the tiny pair, well beyond the drain timeout
 LONG = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
         "stream": True, "speculative": {"method": "none"}}
 SHORT = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
@@ -30,8 +30,8 @@ def wait_for(cond, timeout: float = 20.0, what: str = "") -> None:
 
 @pytest.fixture(scope="module")
 def small_server(tiny_pair):
-    """One row, two waiting places, a drain timeout of half a second."""
-    srv = InProcessServer(*tiny_pair, max_batch=1, max_queue=2, drain_timeout_s=0.5)
+    """One row, two waiting places, a drain timeout of 50 ms."""
+    srv = InProcessServer(*tiny_pair, max_batch=1, max_queue=2, drain_timeout_s=0.05)
     try:
         srv.wait_ready()
         yield srv
@@ -96,7 +96,7 @@ def test_overload_gets_fast_429_with_retry_after(small_server):
 
 
 def test_drain_timeout_aborts_what_is_left(small_server):
-    """Runs last on small_server: a drain (what SIGTERM starts) with a 0.5 s timeout while one request runs and
+    """Runs last on small_server: a drain (what SIGTERM starts) with a 50 ms timeout while one request runs and
     two wait."""
     srv = small_server
 
