@@ -460,3 +460,27 @@ def test_a_context_s_threads_are_set_and_the_engine_s_thread_check_times_them(fi
     finally:
         torch.set_num_threads(before)
     assert check is not None and check.threads == 2 and check.s_threads > 0 and check.s_one > 0
+
+
+def test_repacked_layouts_stay_off_where_libllama_would_run_its_amx_layout(files, monkeypatch):
+    """libllama's AMX weight layout (an extra buffer type, on a CPU with AMX) crashes llama_decode; where its
+    system info reports AMX_INT8 = 1 the model loads without the extra buffer types and still decodes."""
+    import llama_cpp
+
+    from leaplm.models.llamacpp.model import LlamaCppLM, repack_runs_here
+
+    real = llama_cpp.llama_print_system_info()
+    amx = real.replace(b"AMX_INT8 = 1 | ", b"") + b"AMX_INT8 = 1 | "
+    plain = real.replace(b"AMX_INT8 = 1 | ", b"")
+    from leaplm.models.llamacpp.caches import LlamaCppCache
+
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: plain)
+    assert repack_runs_here(llama_cpp)
+    assert LlamaCppLM(files["target-q8_0"], threads=1).repack
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: amx)
+    assert not repack_runs_here(llama_cpp)
+    lm = LlamaCppLM(files["target-q8_0"], threads=1)
+    assert not lm.repack
+    ids = torch.arange(3, 12).reshape(1, 9)                              # [1, 9]
+    logits = lm(ids, LlamaCppCache(lm, 1, 16))[0]
+    assert logits.shape[-1] == lm.vocab_size and torch.isfinite(logits).all()

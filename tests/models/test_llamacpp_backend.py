@@ -309,18 +309,20 @@ def test_a_cached_check_decides_the_backend_before_loading(files, tmp_path, monk
 
     from leaplm import startup_cache
     from leaplm.models.llamacpp.binding import libllama
-    from leaplm.models.llamacpp.model import KV_TYPES, variance_key
+    from leaplm.models.llamacpp.model import KV_TYPES, repack_runs_here, variance_key
 
     monkeypatch.setenv("LEAPLM_CACHE", str(tmp_path))
     monkeypatch.delenv("LEAPLM_NO_STARTUP_CACHE", raising=False)
     lc = libllama()
     n = torch.get_num_threads()
-    key = variance_key(lc, files["f32"], n + 1, KV_TYPES["auto"], True, True, lc.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+    key = variance_key(lc, files["f32"], n + 1, KV_TYPES["auto"], repack_runs_here(lc), True,
+                       lc.LLAMA_FLASH_ATTN_TYPE_ENABLED)
     startup_cache.write_json("batch-variance", key, {"variance": variance, "flash_attn": 1})
     loads = count_loads(monkeypatch)
     Engine(files["f32"], method="ngram", k=4)
     assert loads[0] == "llamacpp"                           # another thread count's entry: measured here
-    key = variance_key(lc, files["f32"], n, KV_TYPES["auto"], True, True, lc.LLAMA_FLASH_ATTN_TYPE_ENABLED)
+    key = variance_key(lc, files["f32"], n, KV_TYPES["auto"], repack_runs_here(lc), True,
+                       lc.LLAMA_FLASH_ATTN_TYPE_ENABLED)
     startup_cache.write_json("batch-variance", key, {"variance": variance, "flash_attn": 1})
     loads.clear()
     eng = Engine(files["f32"], method="ngram", k=4)

@@ -22,6 +22,14 @@ log = logging.getLogger(__name__)
 KV_TYPES = {"auto": 1, "float16": 1, "float32": 0, "bfloat16": 30}
 
 
+def repack_runs_here(lc) -> bool:
+    """Whether llama.cpp's extra buffer types (its repacked CPU weight layouts) can be used in this process. Where
+    libllama was built with AMX and the CPU runs it (its system info says AMX_INT8 = 1), those layouts include the
+    AMX one, and llama_decode then dies with SIGSEGV in ggml_backend_amx_mul_mat (seen on SmolLM2's Q4_1 file
+    and on small Q8_0 files, Xeon with AMX): a crash that no exception reports, so the layouts stay off there."""
+    return b"AMX_INT8 = 1" not in lc.llama_print_system_info()
+
+
 class LlamaCppLM:
     """A GGUF file loaded by libllama, behind the CausalLM protocol (models/base.py)."""
 
@@ -46,6 +54,11 @@ class LlamaCppLM:
         self.path = str(path)
         self.kv_type = KV_TYPES[kv_cache_dtype]
         self.threads = threads
+        if repack and not repack_runs_here(lc):
+            log.info("%s: llama.cpp's repacked weight layouts are off: on a CPU with AMX they include its AMX "
+                     "layout, whose matrix product crashes the process (SIGSEGV in ggml_backend_amx_mul_mat)",
+                     self.path)
+            repack = False
         self.repack = repack
         self._tensors: dict[str, torch.Tensor] = {}          # dequantized tensors heads read (embedding, head)
         self.quantized: dict[str, object] = {}               # libllama runs the file's own types: none of leaplm's
@@ -357,7 +370,7 @@ def known_batch_variance(path: str, kv_cache_dtype: str = "auto", threads: int |
     if kv_cache_dtype not in KV_TYPES:
         return None                            # LlamaCppLM names the field
     hit = startup_cache.read_json("batch-variance", variance_key(
-        lc, path, threads, KV_TYPES[kv_cache_dtype], True, True, lc.LLAMA_FLASH_ATTN_TYPE_ENABLED))
+        lc, path, threads, KV_TYPES[kv_cache_dtype], repack_runs_here(lc), True, lc.LLAMA_FLASH_ATTN_TYPE_ENABLED))
     return float(hit["variance"]) if hit is not None and isinstance(hit.get("variance"), (int, float)) else None
 
 
