@@ -196,6 +196,68 @@ def test_simd_and_scalar_paths_agree_bit_for_bit(fmt):
 
 
 @pytest.fixture
+def every_block_on_tiles():
+    """The AMX path's tile products for every block size and format (where this machine runs the AMX path);
+    the tuned sizes restored after the test."""
+    ext = load()
+    if ext is None or ext.path != 3:
+        pytest.skip(f"the AMX path does not run on this machine ({ext.why if ext else 'no extension'})")
+    before = {int4: ext.module.amx_tokens(int4) for int4 in (False, True)}
+    for int4 in (False, True):
+        ext.module.set_amx_tokens(int4, list(range(1, 33)))
+    yield ext
+    for int4, tokens in before.items():
+        ext.module.set_amx_tokens(int4, tokens)
+
+
+@needs_ext
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tile_products_give_the_scalar_paths_bits_at_every_block_size(fmt, every_block_on_tiles):
+    """Every tile width (1..16 tokens, and 17..32 as two tiles), an odd number of row groups (the last one on
+    the AVX-512 instructions) and an odd number of blocks (the pipeline's last stage half full): the same bits as
+    the scalar path and as the AVX-512 VNNI path."""
+    ext = every_block_on_tiles
+    qw, x, _ = case(fmt, 32, N=45, K=224, seed=5)
+    x[3] *= 1e-20
+    x[4] *= 1e20
+    for T in range(1, 33):
+        xt = x[:T].contiguous()
+        tiles = run_path(ext, qw, xt, 3)
+        assert torch.equal(tiles, run_path(ext, qw, xt, 0)), T
+        assert torch.equal(tiles, run_path(ext, qw, xt, 2)), T
+
+
+def test_amx_tuning_keeps_the_block_sizes_the_tiles_run_faster():
+    """tune_amx times both forms at every size and keeps those where the tiles' median is lower (an injected
+    clock: tiles faster from 12 tokens for int8, from 20 for int4)."""
+    from leaplm.kernels.build import AMX_TOKENS, tune_amx
+
+    class Module:
+        def __init__(self):
+            self.tokens = {False: [], True: []}
+            self.calls = []
+
+        def set_amx_tokens(self, int4, tokens):
+            self.tokens[int4] = list(tokens)
+
+        def qlinear(self, x, qp, sp, mp, bias, n, path):
+            self.calls.append((mp is not None, x.shape[0], bool(self.tokens[mp is not None])))
+
+    module = Module()
+    faster_from = {False: 12, True: 20}
+
+    def timer(fn):
+        before = len(module.calls)
+        fn()
+        int4, T, tiles = module.calls[before]
+        return 1.0 if tiles and T >= faster_from[int4] else 1.1 if tiles else 1.05
+
+    got = tune_amx(module, reps=3, timer=timer)
+    assert got == {"int8": [T for T in AMX_TOKENS if T >= 12], "int4": [T for T in AMX_TOKENS if T >= 20]}
+    assert module.tokens == {False: got["int8"], True: got["int4"]}          # left set to the answer
+
+
+@pytest.fixture
 def threads():
     """Sets torch's thread count for one test (the suite runs at 1) and restores it."""
     before = torch.get_num_threads()
@@ -271,32 +333,45 @@ def test_extension_and_fallback_agree(fmt):
 
 
 class FakeModule:
-    """Stands in for the compiled module in the path chooser: path 2 dies with SIGILL, path 1 returns `wrong`
-    results when asked to, the scalar path the reference."""
+    """Stands in for the compiled module in the path chooser: paths 3 (AMX) and 2 die with SIGILL (or path 3
+    alone is refused, as where the operating system withholds the tile registers), path 1 returns `wrong` results
+    when asked to, the scalar path the reference."""
 
-    def __init__(self, path1_wrong=False, path1_dies=False):
-        self.path1_wrong, self.path1_dies = path1_wrong, path1_dies
+    def __init__(self, path1_wrong=False, path1_dies=False, amx_refused=False):
+        self.path1_wrong, self.path1_dies, self.amx_refused = path1_wrong, path1_dies, amx_refused
+
+    def set_amx_tokens(self, int4, tokens):
+        pass
 
     def qlinear(self, x, qp, sp, mp, bias, n, path):
         import os
 
-        if path == 2 or (path == 1 and self.path1_dies):
+        if path == 3 and self.amx_refused:
+            raise RuntimeError("path 3 (AMX): the operating system does not grant the tile registers")
+        if path >= 2 and not self.amx_refused or (path == 1 and self.path1_dies):
             os.kill(os.getpid(), signal.SIGILL)
         y = torch.zeros(x.shape[0], n)
         return y + 1 if (path == 1 and self.path1_wrong) else y
 
 
 def test_path_chooser_survives_a_faulting_path():
+    assert probe_path(FakeModule(), 3) == "died with SIGILL"
     assert probe_path(FakeModule(), 2) == "died with SIGILL"
     path, why = choose_path(FakeModule())
     assert path == 1 and "AVX2" in why
+
+
+def test_path_chooser_passes_over_amx_where_the_tiles_are_refused():
+    assert probe_path(FakeModule(amx_refused=True), 3) == "failed"
+    path, why = choose_path(FakeModule(amx_refused=True))
+    assert path == 2 and "AVX-512 VNNI" in why
 
 
 def test_path_chooser_falls_back_to_scalar_and_says_why():
     path, why = choose_path(FakeModule(path1_wrong=True))
     assert path == 0 and "scalar" in why and "SIGILL" in why and "disagreed" in why
     path, why = choose_path(FakeModule(path1_dies=True))
-    assert path == 0 and why.count("SIGILL") == 2
+    assert path == 0 and why.count("SIGILL") == 3
 
 
 def test_unknown_backend_is_refused():

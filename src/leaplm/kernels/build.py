@@ -4,7 +4,7 @@ The build runs once per source version, torch version and flags (under TORCH_EXT
 ~/.cache/torch_extensions); later processes import the built library directly. Without a compiler, or with LEAPLM_NO_EXTENSION=1, `load()` returns None and
 callers use the pure-PyTorch path, saying so in the log.
 
-The SIMD path (AVX-512 VNNI, else AVX2, else scalar) is chosen by running each once in a forked child on small
+The SIMD path (AMX, else AVX-512 VNNI, else AVX2, else scalar) is chosen by running each once in a forked child on small
 problems, compared bit for bit with the scalar path: cpuid flags alone are not trusted (some VMs advertise
 instructions that raise SIGILL).
 """
@@ -25,8 +25,8 @@ HEADERS = [Path(__file__).with_name("pool.h")]      # included by SOURCE, copied
 CFLAGS = ["-O3"]
 
 
-PATHS = {0: "scalar", 1: "AVX2", 2: "AVX-512 VNNI"}     # the kernel's `path` argument -> name
-SIMD_PATHS = (2, 1)                                        # tried in this order; the first that passes runs
+PATHS = {0: "scalar", 1: "AVX2", 2: "AVX-512 VNNI", 3: "AMX"}   # the kernel's `path` argument -> name
+SIMD_PATHS = (3, 2, 1)                                       # tried in this order; the first that passes runs
 
 
 @dataclass
@@ -34,6 +34,7 @@ class Extension:
     module: object          # the compiled module: module.qlinear(x, qp, sp, mp, bias, n, path) over PackedWeights
     path: int               # the fastest path that ran correctly here (a key of PATHS)
     why: str                # how the path was chosen, for logs and `leaplm bench --roofline`
+    amx_tokens: dict[str, list[int]] | None = None   # AMX path: the block sizes run as tile products (tune_amx)
 
     @property
     def path_name(self) -> str:
@@ -148,7 +149,27 @@ def _build() -> Extension:
     path, why = cached_path(module, tag)
     if path == 0:
         log.warning("quantized linear: %s", why)
-    return Extension(module, path, why)
+    amx_tokens = None
+    if path == 3:
+        amx_tokens = cached_amx_tuning(module, tag)
+        for fmt, tokens in amx_tokens.items():
+            module.set_amx_tokens(fmt == "int4", tokens)
+        why += "; tile products for blocks of " + "; ".join(f"{spans(t) or 'none'} tokens ({fmt})"
+                                                            for fmt, t in amx_tokens.items())
+    return Extension(module, path, why, amx_tokens)
+
+
+def spans(tokens: list[int]) -> str:
+    """[2, 3, 4, 8, 16, 17] -> '2-4, 8, 16-17'"""
+    out, run = [], []
+    for t in sorted(tokens):
+        if run and t != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(t)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
 
 
 def cached_path(module, tag: str) -> tuple[int, str]:
@@ -173,6 +194,74 @@ def choose_path(module, paths=SIMD_PATHS) -> tuple[int, str]:
             return path, f"{PATHS[path]} path (probed: runs and matches the scalar path bit for bit)"
         failures.append(f"{PATHS[path]} {verdict}")
     return 0, "scalar path (no SIMD path passed its start-up check: " + "; ".join(failures) + ")"
+
+
+# Block sizes tune_amx times. Below 8 tokens the tiles' fixed cost per block (unpacking, a tile store and its reload
+# per 32 weights) was never repaid in a whole forward (SmolLM2 Q4_1, Xeon, 2 threads), though a weight held in
+# the caches sometimes measured faster there.
+AMX_TOKENS = tuple(range(8, 33))
+
+
+def cached_amx_tuning(module, tag: str) -> dict[str, list[int]]:
+    """tune_amx's answer, measured once per machine, build and thread count (startup_cache.py)."""
+    import torch
+
+    from .. import startup_cache
+
+    k = startup_cache.key("amx-tokens", tag, torch.get_num_threads(), startup_cache.code_identity(__file__))
+    hit = startup_cache.read_json("amx-tokens", k)
+    if hit is not None and all(isinstance(hit.get(f), list) for f in ("int8", "int4")):
+        return {"int8": hit["int8"], "int4": hit["int4"]}
+    tuned = tune_amx(module)
+    module.profile_reset()                         # its calls are not the user's (LEAPLM_KERNEL_PROFILE=1)
+    startup_cache.write_json("amx-tokens", k, tuned)
+    return tuned
+
+
+def tune_amx(module, reps: int = 5, timer=None) -> dict[str, list[int]]:
+    """The block sizes whose linears run faster as AMX tile products than as AVX-512 VNNI instructions, per
+    weight format: both timed on a small model's layer (weights of 960, 576, 3072 and 576 rows) at every size of
+    AMX_TOKENS, interleaved, medians of `reps` after a warm-up round. Both give the same bits, so only the speed
+    depends on the answer. `timer(fn) -> seconds` replaces the clock (tests)."""
+    import statistics
+    import time
+
+    import torch
+
+    def clock(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    timer = timer or clock
+    g = torch.Generator().manual_seed(0)
+    shapes = ((960, 576), (576, 576), (3072, 576), (576, 1536))          # q/k/v, o, gate/up, down: [N, K]
+    out = {}
+    for fmt, width in (("int8", 256), ("int4", 128)):
+        int4 = fmt == "int4"
+        layer = []
+        for N, K in shapes:
+            q = torch.randint(0, 256, (N // 8, K // 32, width), dtype=torch.uint8, generator=g)
+            s = torch.rand(N // 8, K // 32, 8, generator=g)
+            m = torch.randn(N // 8, K // 32, 8, generator=g) if int4 else None
+            layer.append((q, s, m, N, {T: torch.randn(T, K, generator=g) for T in AMX_TOKENS}))
+
+        def run(T: int) -> None:
+            for q, s, m, N, xs in layer:
+                module.qlinear(xs[T], q, s, m, None, N, 3)
+
+        times: dict[tuple[int, bool], list[float]] = {(T, amx): [] for T in AMX_TOKENS for amx in (False, True)}
+        for rep in range(reps + 1):
+            for T in AMX_TOKENS:
+                for amx in (False, True):
+                    module.set_amx_tokens(int4, [T] if amx else [])
+                    took = timer(lambda: run(T))
+                    if rep:
+                        times[(T, amx)].append(took)
+        out[fmt] = [T for T in AMX_TOKENS
+                    if statistics.median(times[(T, True)]) < statistics.median(times[(T, False)])]
+        module.set_amx_tokens(int4, out[fmt])
+    return out
 
 
 @dataclass
@@ -217,6 +306,9 @@ def probe_path(module, path: int) -> str | None:
 
             faulthandler.disable()                 # a fault is an answer here, not a crash to report
             torch.set_num_threads(1)
+            if path == 3:                          # tile products at every block size: every tile width runs
+                module.set_amx_tokens(True, list(range(1, 33)))
+                module.set_amx_tokens(False, list(range(1, 33)))
             run = lambda x, p, path: module.qlinear(x, p.q, p.scale, p.minv, None, p.rows, path)
             ok = all(torch.equal(run(x, p, path), run(x, p, 0)) for x, p in probe_problems())
             code = 0 if ok else 3

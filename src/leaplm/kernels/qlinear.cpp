@@ -35,6 +35,10 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -45,8 +49,29 @@ constexpr int RG = 8;            // rows per packed group
 // measured slower with pairs than with single groups (2 threads, T = 1: 4.66 against 3.64 ms), from 8 faster
 // (T = 16: 15.0 against 17.8 ms).
 constexpr int PAIR_MIN_T = 8;
+// The block sizes T (bit T, 1..32) whose linears the AMX path runs as tile products, per weight format ([0] int8,
+// [1] int4); the others as the AVX-512 VNNI path's instructions. The bits are the same either way, so the build's
+// start-up tuning (kernels/build.py, tune_amx) sets what it measured faster on this machine; until then, tile
+// products only for whole tiles (16 and 32 tokens).
+std::atomic<uint64_t> AMX_TOKENS[2] = {(1ull << 16) | (1ull << 32), (1ull << 16) | (1ull << 32)};
 
-enum Path : int { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2 };
+bool amx_for(bool int4, int T) { return (AMX_TOKENS[int4].load(std::memory_order_relaxed) >> T) & 1; }
+
+enum Path : int { SCALAR = 0, AVX2 = 1, AVX512VNNI = 2, AMX = 3 };   // AMX: AVX-512 VNNI, and tiles for blocks
+
+// Linux hands AMX's tile registers to a process only when it asks (arch_prctl), once; elsewhere, and where it
+// refuses, path 3 is refused at the entry points (the path probe then picks AVX-512 VNNI).
+bool amx_permitted() {
+#if defined(__linux__) && defined(__x86_64__)
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
 
 // ---- region timers ----------------------------------------------------------------------------------------------
 // With LEAPLM_KERNEL_PROFILE=1 in the environment when the library loads, the layer loop and qlinear sum the wall
@@ -223,7 +248,8 @@ void quantize_act(const float* x, int T, int64_t K, Act& out, int path = 0) {
   Span span(R_QUANT);
 #if defined(__x86_64__)
   if (path > 0) {
-    quantize_act_simd(x, T, K, out, path == 2 && T >= PAIR_MIN_T);   // block-major: read by the pairs of groups alone
+    // the block-major copy: read by the pairs of row groups and the tile products alone
+    quantize_act_simd(x, T, K, out, (path >= AVX512VNNI && T >= PAIR_MIN_T) || (path == AMX && (amx_for(false, T) || amx_for(true, T))));
     return;
   }
 #endif
@@ -368,6 +394,21 @@ inline void block_dot2_avx2(const __m256i* u, const int8_t* qa, int32_t, int32_t
   hi = _mm256_madd_epi16(s[1], ones);
 }
 
+// A block's weights and scales PREFETCH_BYTES ahead of the one being read. A forward streams every weight once,
+// and one core's demand misses alone keep too few lines in flight to reach the memory's bandwidth (SmolLM2
+// Q4_1, one token, 2 threads: 5.6 ms a forward without, 4.0 ms with, on a Xeon whose caches do not hold the
+// 112 MB). A prefetch past the end of the weights is harmless: it never faults.
+constexpr int64_t PREFETCH_BYTES = 4096;
+
+__attribute__((target("avx2"))) LEAPLM_INLINE void prefetch_ahead(const W& w, int64_t q_at, int64_t s_at) {
+  const char* q = reinterpret_cast<const char*>(w.q + q_at) + PREFETCH_BYTES;
+  for (int64_t b = 0; b < w.block_bytes(); b += 64) _mm_prefetch(q + b, _MM_HINT_T0);
+  // scales and minimums: 32 bytes per block against the integers' 128 or 256, so a fraction of the distance
+  const int64_t ahead = PREFETCH_BYTES * int64_t(sizeof(float)) * RG / w.block_bytes();
+  _mm_prefetch(reinterpret_cast<const char*>(w.s + s_at) + ahead, _MM_HINT_T0);
+  if (w.m) _mm_prefetch(reinterpret_cast<const char*>(w.m + s_at) + ahead, _MM_HINT_T0);
+}
+
 #define LEAPLM_GROUP_BODY_HALF(DOT2)                                                                            \
   const int G = w.G;                                                                                            \
   const int64_t K = act.K;                                                                                      \
@@ -376,6 +417,7 @@ inline void block_dot2_avx2(const __m256i* u, const int8_t* qa, int32_t, int32_t
   const __m256i k128 = _mm256_set1_epi8(char(0x80));                                                            \
   for (int g = ga; g < gb; ++g) {                                                                               \
     __m256i u[8];                                                                                               \
+    prefetch_ahead(w, (grp * G + g) * w.block_bytes(), (grp * G + g) * 2 * RG);                                \
     load_block(w, w.q + (grp * G + g) * w.block_bytes(), u);                                                    \
     for (int c = 0; c < 8; ++c) u[c] = _mm256_xor_si256(u[c], k128);                                           \
     const float* sp = w.s + (grp * G + g) * 2 * RG;                                                             \
@@ -399,6 +441,7 @@ inline void block_dot2_avx2(const __m256i* u, const int8_t* qa, int32_t, int32_t
   const __m256i k128 = _mm256_set1_epi8(char(0x80));                                                            \
   for (int g = ga; g < gb; ++g) {                                                                               \
     __m256i u[8];                                                                                               \
+    prefetch_ahead(w, (grp * G + g) * w.block_bytes(), (grp * G + g) * RG);                                    \
     load_block(w, w.q + (grp * G + g) * w.block_bytes(), u);                                                    \
     if (!w.int4)                                                                                                \
       for (int c = 0; c < 8; ++c) u[c] = _mm256_xor_si256(u[c], k128);                                         \
@@ -448,6 +491,49 @@ void store_group(const W& w, const Act& act, int64_t grp, const float* accs, flo
   for (; t + 8 <= act.T; t += 8) store_tokens<8>(w, act, grp, t, accs, y);
   if (t < act.T) store_tail<7>(act.T - t, w, act, grp, t, accs, y);
 }
+
+#if defined(__x86_64__)
+// store_tokens for row groups grp and grp + 1 at once (16 lanes: each lane's min-term chain and final add are the
+// 8-lane form's, so the same bits), from their sums lo, hi [T, 8]
+template <int TN>
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl")))
+void store_pair_tokens(const W& w, const Act& act, int64_t grp, int t0, const float* lo, const float* hi, float* y) {
+  const int G = w.G;
+  __m512 mt[TN];
+  for (int t = 0; t < TN; ++t) mt[t] = _mm512_setzero_ps();
+  if (w.m) {
+    const float* m0 = w.m + grp * G * RG;
+    for (int g = 0; g < G; ++g) {
+      const __m512 mv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(m0 + g * RG)),
+                                           _mm256_loadu_ps(m0 + (G + g) * RG), 1);
+      for (int t = 0; t < TN; ++t) mt[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(act.sa[(t0 + t) * G + g]), mt[t]);
+    }
+  }
+  const int64_t n0 = grp * RG;
+  const int rows = int(std::min<int64_t>(2 * RG, w.N - n0));
+  for (int t = 0; t < TN; ++t) {
+    const __m512 acc = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_load_ps(lo + 8 * (t0 + t))),
+                                          _mm256_load_ps(hi + 8 * (t0 + t)), 1);
+    alignas(64) float out[16];
+    _mm512_store_ps(out, _mm512_add_ps(acc, mt[t]));
+    std::memcpy(y + (t0 + t) * w.ldy + n0, out, sizeof(float) * rows);
+  }
+}
+
+template <int TN>
+inline void store_pair_tail(int rem, const W& w, const Act& act, int64_t grp, int t0, const float* lo,
+                            const float* hi, float* y) {
+  if constexpr (TN >= 1) {
+    if (rem == TN) store_pair_tokens<TN>(w, act, grp, t0, lo, hi, y);
+    else store_pair_tail<TN - 1>(rem, w, act, grp, t0, lo, hi, y);
+  }
+}
+
+// y for every token of row groups grp and grp + 1
+void store_pair(const W& w, const Act& act, int64_t grp, const float* lo, const float* hi, float* y) {
+  for (int t = 0; t < act.T; t += 16) store_pair_tail<16>(std::min(16, act.T - t), w, act, grp, t, lo, hi, y);
+}
+#endif
 
 // Tokens t0 .. t0 + TT - 1 of one row group over blocks ga .. gb - 1, continuing the fp32 sums in accp [TT, 8].
 template <int TT>
@@ -547,6 +633,8 @@ void pair_vnni(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, 
   for (int g = ga; g < gb; ++g) {
     const uint8_t* lo = w.q + (grp * G + g) * bb;
     const uint8_t* hi = lo + int64_t(G) * bb;                 // the same block of the next row group
+    prefetch_ahead(w, (grp * G + g) * bb, (grp * G + g) * RG);
+    prefetch_ahead(w, ((grp + 1) * G + g) * bb, ((grp + 1) * G + g) * RG);
     __m512i u[8];
 #define LEAPLM_BOTH(off)                                                                               \
   _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + (off)))), \
@@ -614,8 +702,196 @@ void pair_simd(const W& w, const Act& act, int64_t grp, float* y) {
     for (; t + TMAX <= act.T; t += TMAX) pair_tile<TMAX>(w, act, grp, t, ga, gb, lo + 8 * t, hi + 8 * t);
     if (t < act.T) pair_tail<TMAX - 1>(act.T - t, w, act, grp, t, ga, gb, lo + 8 * t, hi + 8 * t);
   }
-  store_group(w, act, grp, lo, y);
-  store_group(w, act, grp + 1, hi, y);
+  store_pair(w, act, grp, lo, hi, y);
+}
+
+// ---- AMX (Intel's tile matrix unit) ---------------------------------------------------------------------------
+// Two row groups (16 rows) and up to 16 tokens per tile product: C [tokens, 16 rows] int32 = A [tokens, 32] int8
+// (the activations of block g, block-major) x B (the 16 rows' 32 weights of block g in 8 rows of 16 x 4 bytes).
+// One tdpbssd / tdpbsud is the whole block's P[g] for every (token, row) pair, exact int32, so the fp32 part that
+// follows is pair_vnni's, in the same order (fma(float(P), s * a, acc) block by block): the same bits.
+
+// ldtilecfg's 64-byte operand: tiles 0/3 A [tt, 32 bytes], 1/4 B [8, 64 bytes], 2/5 C [tt, 64 bytes] (two sets,
+// so that block g + 1's product runs while block g's fp32 part does)
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tile loads, stores and configuration in asm of our own: gcc 12's intrinsics tell the compiler neither that
+// tileloadd reads the bytes just stored to a buffer nor that tilestored writes one (nor that ldtilecfg reads all
+// 64 bytes of its operand), so it may drop or move those stores and loads.
+#define LEAPLM_TILE_LOAD(t, base, stride) \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"(int64_t(stride)) : "memory")
+#define LEAPLM_TILE_STORE(t, base, stride) \
+  asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"(int64_t(stride)) : "memory")
+
+__attribute__((target("amx-tile"))) inline void load_tile_config(const TileConfig& c) {
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// The tiles of one thread for the span of a region of work, configured for one token count at a time: the
+// thread's configuration as it was found (libllama's AMX code, for one, configures a thread's tiles once and
+// expects to find them so) is saved first and restored at the end, or the tiles released if none was loaded.
+class TileScope {
+ public:
+  __attribute__((target("amx-tile"))) TileScope() { asm volatile("sttilecfg %0" : "=m"(saved_)); }
+  __attribute__((target("amx-tile"))) ~TileScope() {
+    if (saved_.palette != 0) load_tile_config(saved_);
+    else _tile_release();
+  }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+
+  // tiles 0/3 A [tt, 32 bytes], 1/4 B [8, 64 bytes], 2/5 C [tt, 64 bytes]
+  __attribute__((target("amx-tile"))) void use(int tt) {
+    if (tt_ == tt) return;
+    TileConfig c;
+    for (int s = 0; s < 2; ++s) {
+      c.rows[3 * s] = uint8_t(tt), c.colsb[3 * s] = QK;
+      c.rows[3 * s + 1] = 8, c.colsb[3 * s + 1] = 64;
+      c.rows[3 * s + 2] = uint8_t(tt), c.colsb[3 * s + 2] = 64;
+    }
+    load_tile_config(c);
+    tt_ = tt;
+  }
+
+  // every tile [16, 64 bytes] (int8_peak)
+  __attribute__((target("amx-tile"))) void use_square() {
+    TileConfig c;
+    for (int i = 0; i < 8; ++i) c.rows[i] = 16, c.colsb[i] = 64;
+    load_tile_config(c);
+    tt_ = -1;
+  }
+
+ private:
+  TileConfig saved_;
+  int tt_ = 0;
+};
+
+// B for block g of row groups grp and grp + 1 in tile rows of 64 bytes: row c = chunk c (elements 4c .. 4c+3) of
+// the 8 rows of grp, then of grp + 1; int4 nibbles unpacked to bytes 0..15, int8 bytes as stored (signed)
+template <bool INT4>
+__attribute__((target("avx2,avx512f,avx512bw,avx512dq,avx512vl")))
+LEAPLM_INLINE void tile_rows(const uint8_t* lo, const uint8_t* hi, uint8_t* b) {
+#define LEAPLM_BOTH(off)                                                                               \
+  _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + (off)))), \
+                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + (off))), 1)
+  if constexpr (INT4) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = LEAPLM_BOTH(32 * c);
+      _mm512_store_si512(b + 64 * c, _mm512_and_si512(v, nib));
+      _mm512_store_si512(b + 64 * (c + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+    }
+  } else {
+    for (int c = 0; c < 8; ++c) _mm512_store_si512(b + 64 * c, LEAPLM_BOTH(32 * c));
+  }
+#undef LEAPLM_BOTH
+}
+
+// acc[t] (16 rows of token t0 + t) += float(C[t]) * (s * a[t]) for one block, C as tdp*d stored it
+template <int TT>
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl")))
+LEAPLM_INLINE void tile_fma(__m512* acc, const int32_t* c, const float* sp, int64_t next_group, const float* ag) {
+  const __m512 sv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(sp)), _mm256_loadu_ps(sp + next_group), 1);
+  for (int t = 0; t < TT; ++t)
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * t)), _mm512_mul_ps(sv, _mm512_set1_ps(ag[t])),
+                             acc[t]);
+}
+
+// The tile product of one block: B's rows (unpacked before, in b) with A's tokens, C stored to c; tile set S
+// (0: tiles 0-2, 1: tiles 3-5), so that two blocks' products are in flight at once
+template <bool INT4, int S>
+__attribute__((target("amx-tile,amx-int8")))
+LEAPLM_INLINE void tile_product(const uint8_t* b, const int8_t* a, int32_t* c) {
+  if constexpr (S == 0) {
+    LEAPLM_TILE_LOAD(1, b, 64);
+    LEAPLM_TILE_LOAD(0, a, QK);
+    _tile_zero(2);
+    if constexpr (INT4) _tile_dpbsud(2, 0, 1);
+    else _tile_dpbssd(2, 0, 1);
+    LEAPLM_TILE_STORE(2, c, 64);
+  } else {
+    LEAPLM_TILE_LOAD(4, b, 64);
+    LEAPLM_TILE_LOAD(3, a, QK);
+    _tile_zero(5);
+    if constexpr (INT4) _tile_dpbsud(5, 3, 4);
+    else _tile_dpbssd(5, 3, 4);
+    LEAPLM_TILE_STORE(5, c, 64);
+  }
+}
+
+constexpr int AMX_CHUNK = 2;     // blocks per stage of pair_amx's pipeline
+
+// Tokens t0 .. t0 + TT - 1 of row groups grp and grp + 1 over every block, in chunks of AMX_CHUNK blocks and
+// three stages a chunk apart: chunk c + 1's weights are unpacked to bytes, chunk c's tile products run, chunk
+// c - 1's fp32 part reads their results. A tile load reads bytes stored a stage earlier and the fp32 part reads
+// tiles stored a stage earlier, so neither waits on a store just issued (a tile load is not fed from pending
+// stores; it waits until they are written); the fp32 part still runs block by block in order.
+template <int TT, bool INT4>
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,amx-tile,amx-int8")))
+void pair_amx(const W& w, const Act& act, int64_t grp, int t0, float* acc_lo, float* acc_hi, TileScope& tiles) {
+  const int G = w.G, T = act.T;
+  tiles.use(TT);
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  alignas(64) uint8_t bbuf[2][AMX_CHUNK][8 * 64];                       // chunk c's B rows in bbuf[c % 2]
+  alignas(64) int32_t cbuf[2][AMX_CHUNK][16 * 16];                      // chunk c's C tiles in cbuf[c % 2]
+  const int64_t bb = w.block_bytes(), next = int64_t(G) * bb, sn = int64_t(G) * RG;
+  const int8_t* qa = act.qab.data() + int64_t(t0) * QK;               // block g's tokens at qa + g * T * 32
+  const uint8_t* wq = w.q + grp * G * bb;                               // block g of grp at wq + g * bb
+  const float* sp = w.s + grp * G * RG;                                 // block g's scales at sp + g * 8
+  const float* ab = act.ab.data() + t0;                                 // block g's token scales at ab + g * T
+  const int chunks = (G + AMX_CHUNK - 1) / AMX_CHUNK;
+  auto blocks_in = [G](int c) { return std::min(AMX_CHUNK, G - c * AMX_CHUNK); };
+  for (int c = -1; c <= chunks; ++c) {
+    if (c + 1 < chunks) {
+      const int g0 = (c + 1) * AMX_CHUNK, n = blocks_in(c + 1);
+      for (int i = 0; i < n; ++i) {
+        const int64_t g = grp * G + g0 + i;
+        prefetch_ahead(w, g * bb, g * RG);
+        prefetch_ahead(w, (g + G) * bb, (g + G) * RG);
+        tile_rows<INT4>(wq + (g0 + i) * bb, wq + (g0 + i) * bb + next, bbuf[(c + 1) & 1][i]);
+      }
+    }
+    if (c >= 0 && c < chunks) {
+      const int g0 = c * AMX_CHUNK, n = blocks_in(c);
+      for (int i = 0; i < n; i += 2) {
+        tile_product<INT4, 0>(bbuf[c & 1][i], qa + int64_t(g0 + i) * T * QK, cbuf[c & 1][i]);
+        if (i + 1 < n) tile_product<INT4, 1>(bbuf[c & 1][i + 1], qa + int64_t(g0 + i + 1) * T * QK, cbuf[c & 1][i + 1]);
+      }
+    }
+    if (c >= 1) {
+      const int g0 = (c - 1) * AMX_CHUNK, n = blocks_in(c - 1);
+      for (int i = 0; i < n; ++i) {
+        const int g = g0 + i;
+        tile_fma<TT>(acc, cbuf[(c - 1) & 1][i], sp + g * RG, sn, ab + int64_t(g) * T);
+      }
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    _mm256_store_ps(acc_lo + 8 * t, _mm512_castps512_ps256(acc[t]));
+    _mm256_store_ps(acc_hi + 8 * t, _mm512_extractf32x8_ps(acc[t], 1));
+  }
+}
+
+template <int TT>
+inline void amx_tail(int rem, const W& w, const Act& act, int64_t grp, int t0, float* lo, float* hi, TileScope& tiles) {
+  if constexpr (TT >= 1) {
+    if (rem != TT) return amx_tail<TT - 1>(rem, w, act, grp, t0, lo, hi, tiles);
+    if (w.int4) pair_amx<TT, true>(w, act, grp, t0, lo, hi, tiles);
+    else pair_amx<TT, false>(w, act, grp, t0, lo, hi, tiles);
+  }
+}
+
+// Row groups grp and grp + 1 (int8 and int4 formats) on AMX, in token tiles of 16: the bits of pair_simd
+void pair_amx_simd(const W& w, const Act& act, int64_t grp, float* y, TileScope& tiles) {
+  alignas(64) float lo[MAX_T * 8], hi[MAX_T * 8];
+  for (int t = 0; t < act.T; t += 16)
+    amx_tail<16>(std::min(16, act.T - t), w, act, grp, t, lo + 8 * t, hi + 8 * t, tiles);
+  store_pair(w, act, grp, lo, hi, y);
 }
 #endif
 
@@ -628,10 +904,19 @@ int64_t group_grain(int64_t groups) {
 }
 
 void run_groups(const W& w, const Act& act, int path, int64_t g0, int64_t g1, float* y) {
+#if defined(__x86_64__)
+  if (path == AMX && !w.half && amx_for(w.int4, act.T) && amx_permitted()) {
+    TileScope tiles;
+    int64_t grp = g0;
+    for (; grp + 1 < g1; grp += 2) pair_amx_simd(w, act, grp, y, tiles);
+    if (grp < g1) group_simd<true>(w, act, grp, y);
+    return;
+  }
+#endif
   for (int64_t grp = g0; grp < g1; ++grp) {
 #if defined(__x86_64__)
-    if (path == AVX512VNNI && !w.half && act.T >= PAIR_MIN_T && grp + 1 < g1) { pair_simd(w, act, grp++, y); continue; }
-    if (path == AVX512VNNI) { group_simd<true>(w, act, grp, y); continue; }
+    if (path >= AVX512VNNI && !w.half && act.T >= PAIR_MIN_T && grp + 1 < g1) { pair_simd(w, act, grp++, y); continue; }
+    if (path >= AVX512VNNI) { group_simd<true>(w, act, grp, y); continue; }
     if (path == AVX2) { group_simd<false>(w, act, grp, y); continue; }
 #endif
     group_scalar(w, act, grp, y);
@@ -682,7 +967,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::
   if (int4)
     TORCH_CHECK(mp->is_contiguous() && mp->scalar_type() == torch::kFloat && mp->numel() == NG * G * RG,
                 "mp: fp32 [N/8, G, 8]");
-  TORCH_CHECK(path >= SCALAR && path <= AVX512VNNI, "path: 0 scalar, 1 AVX2, 2 AVX-512 VNNI");
+  TORCH_CHECK(path >= SCALAR && path <= AMX, "path: 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX");
+  TORCH_CHECK(path != AMX || amx_permitted(), "path 3 (AMX): the operating system does not grant the tile registers");
 #if !defined(__x86_64__)
   path = SCALAR;
 #endif
@@ -742,20 +1028,48 @@ __attribute__((target("avx2,fma"))) int64_t peak_avx2(int64_t iters) {
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) int64_t peak_vnni(int64_t iters) {
   LEAPLM_PEAK_BODY(LEAPLM_STEP_VNNI)
 }
+
+// AMX: four independent 16 x 16 int32 products of 16 x 64 int8 tiles per round (4 x 16384 multiply-adds)
+__attribute__((target("amx-tile,amx-int8"))) int64_t peak_amx(int64_t iters) {
+  if (!amx_permitted()) return 0;
+  TileScope tiles;
+  tiles.use_square();
+  alignas(64) int8_t a[16 * 64], b[16 * 64];
+  alignas(64) int32_t out[16 * 16];
+  std::memset(a, 1, sizeof a), std::memset(b, 2, sizeof b);
+  LEAPLM_TILE_LOAD(4, a, 64);
+  LEAPLM_TILE_LOAD(5, a, 64);
+  LEAPLM_TILE_LOAD(6, b, 64);
+  LEAPLM_TILE_LOAD(7, b, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t it = 0; it < iters; ++it) {
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  }
+  LEAPLM_TILE_STORE(0, out, 64);
+  return out[0];
+}
 #endif
 
 // Multiply-adds per second over all threads (int8 x int8 -> int32) for `path`, measured over `iters` rounds.
 double int8_peak(int64_t path, int64_t iters) {
-  TORCH_CHECK(path == AVX2 || path == AVX512VNNI, "int8_peak: path 1 (AVX2) or 2 (AVX-512 VNNI)");
+  TORCH_CHECK(path == AVX2 || path == AVX512VNNI || path == AMX, "int8_peak: path 1 (AVX2), 2 (AVX-512 VNNI) or 3 (AMX)");
 #if defined(__x86_64__)
   const int threads = at::get_num_threads();
   const auto t0 = std::chrono::steady_clock::now();
   std::atomic<int64_t> sink{0};
   leaplm_pool::parallel_for(threads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) sink += path == AVX512VNNI ? peak_vnni(iters) : peak_avx2(iters);
+    for (int64_t i = b; i < e; ++i)
+      sink += path == AMX ? peak_amx(iters) : path == AVX512VNNI ? peak_vnni(iters) : peak_avx2(iters);
   });
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return double(threads) * iters * 16 * 32 / s;
+  if (path == AMX && !amx_permitted()) return 0.0;
+  return double(threads) * iters * (path == AMX ? 4 * 16 * 16 * 64 : 16 * 32) / s;
 #else
   return 0.0;
 #endif
@@ -1182,6 +1496,7 @@ class Decoder {
  public:
   Decoder(int64_t H, int64_t Hkv, int64_t D, int64_t hid, int64_t inter, double eps, int64_t path)
       : H(H), Hkv(Hkv), D(D), hid(hid), inter(inter), eps(float(eps)), path(int(path)) {
+    TORCH_CHECK(path != AMX || amx_permitted(), "path 3 (AMX): the operating system does not grant the tile registers");
     TORCH_CHECK(D % 8 == 0 && hid % 8 == 0 && inter % 8 == 0 && H % Hkv == 0,
                 "decoder: head_dim, hidden and intermediate sizes multiples of 8");
   }
@@ -1500,6 +1815,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("n"), pybind11::arg("grain"), pybind11::arg("us"), pybind11::arg("throw_at") = -1, nogil());
   m.def("quantize_activations", &quantize_activations, "per-token, per-32-block int8 activations (qa, a)",
         pybind11::arg("x"), pybind11::arg("path") = 0, nogil());
+  m.def("set_amx_tokens", [](bool int4, std::vector<int64_t> tokens) {
+          uint64_t mask = 0;
+          for (int64_t t : tokens) {
+            TORCH_CHECK(t >= 1 && t <= MAX_T, "set_amx_tokens: block sizes 1..", MAX_T, ", got ", t);
+            mask |= 1ull << t;
+          }
+          AMX_TOKENS[int4] = mask;
+        },
+        "the block sizes whose linears the AMX path runs as tile products, for int4 or int8 weights (the bits do "
+        "not depend on it)", pybind11::arg("int4"), pybind11::arg("tokens"));
+  m.def("amx_tokens", [](bool int4) {
+          std::vector<int64_t> out;
+          for (int t = 1; t <= MAX_T; ++t) if (amx_for(int4, t)) out.push_back(t);
+          return out;
+        }, pybind11::arg("int4"));
   m.def("profile", &profile, "the region timers' sums {region: (ms, calls)} (LEAPLM_KERNEL_PROFILE=1), else {}");
   m.def("profile_reset", &profile_reset, "clear the region timers");
   pybind11::class_<Decoder>(m, "Decoder")
