@@ -16,7 +16,6 @@ PROBES = ("getattr", "hasattr")
 ALLOWED = {
     ("engine/stats.py", "self"), ("engine/stats.py", "other"),        # a dataclass's own fields, by name
     ("engine/detok.py", "tokenizer"), ("propose/prediction.py", "tokenizer"),   # the Rust tokenizer behind a fast one
-    ("engine/startup_checks.py", "q"),                               # a quantized weight's kernel, for a cache key
 }
 
 

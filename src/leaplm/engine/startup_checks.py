@@ -27,7 +27,7 @@ def _identity(engine) -> list:
             return f"unhashable:{lm.path}"
 
     model = engine.model
-    quant = sorted({getattr(q, "backend", "?") for q in model.quantized.values()})
+    quant = sorted({q.backend for q in model.quantized.values()})   # QuantizedLinear / SplitLinear
     return [ident(engine.target), ident(engine.draft), engine.backend, str(model.dtype),
             quant, torch.get_num_threads(), engine.spec.method, engine.spec.k, engine.max_model_len,
             _draft_forward(engine)]
