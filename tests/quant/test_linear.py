@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from leaplm.kernels.build import PATHS, choose_path, load, probe_path, unavailable_reason
 from leaplm.quant.formats import BLOCK, QuantizedWeight, dequantize, quantize
-from leaplm.quant.linear import QuantizedLinear, pack
+from leaplm.quant.linear import QuantizedLinear, pack, unpack
 
 EPS = torch.finfo(torch.float32).eps
 FORMATS = ["int8", "int4", "int6"]                # int6: GGUF Q6_K's form, a scale per 16 weights
@@ -202,6 +202,21 @@ def every_block_on_tiles():
     ext = load()
     if ext is None or ext.path != 3:
         pytest.skip(f"the AMX path does not run on this machine ({ext.why if ext else 'no extension'})")
+    before = {int4: ext.module.amx_tokens(int4) for int4 in (False, True)}
+    for int4 in (False, True):
+        ext.module.set_amx_tokens(int4, list(range(1, 33)))
+    yield ext
+    for int4, tokens in before.items():
+        ext.module.set_amx_tokens(int4, tokens)
+
+
+@pytest.fixture
+def every_block_on_tiles_if_amx():
+    """every_block_on_tiles where the AMX path runs, else nothing to set."""
+    ext = load()
+    if ext is None or ext.path != 3:
+        yield ext
+        return
     before = {int4: ext.module.amx_tokens(int4) for int4 in (False, True)}
     for int4 in (False, True):
         ext.module.set_amx_tokens(int4, list(range(1, 33)))
@@ -407,8 +422,9 @@ def test_unpack_inverts_pack(fmt):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 def test_pack_gguf_equals_packing_the_blocks_read_as_weights(qtype):
-    """Fused tensors (16 + 8 + 24 rows), one of them reordered: the same bytes as from_gguf_blocks, cat_rows and
-    pack; rows that do not split into groups of 8 are left to that path (None)."""
+    """Fused tensors (16 + 8 + 24 rows), one of them reordered: the same integers as from_gguf_blocks, cat_rows and
+    pack, and the same scales and minimums kept in fp16 as the file holds them (equal once widened, so the
+    kernel's products are the same); rows that do not split into groups of 8 are left to that path (None)."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
@@ -425,9 +441,40 @@ def test_pack_gguf_equals_packing_the_blocks_read_as_weights(qtype):
     parts = [from_gguf_blocks(r, qtype, (r.shape[0], K)) for r in raws]
     want = pack(cat_rows([parts[0].rows(perm)] + parts[1:]))
     assert have.rows == want.rows == 48
-    for a, b in ((have.q, want.q), (have.scale, want.scale), (have.minv, want.minv)):
-        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+    assert have.q.dtype == want.q.dtype and torch.equal(have.q, want.q)
+    assert have.scale.dtype == torch.float16 and torch.equal(have.scale.float(), want.scale)
+    assert (have.minv is None) == (want.minv is None) == (qtype == "Q8_0")
+    if have.minv is not None:
+        assert have.minv.dtype == torch.float16 and torch.equal(have.minv.float(), want.minv)
+    assert torch.equal(unpack(have).scale, unpack(want).scale)
     assert pack_gguf([raws[0][:12], raws[1]], qtype) is None
+
+
+@needs_ext
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_fp16_scales_give_the_fp32_scales_bits_on_every_path(qtype, every_block_on_tiles_if_amx):
+    """A GGUF tensor packed with its fp16 scales and the same packed with them widened to fp32: the same bits on
+    every path and block size (the kernel widens them exactly before any product)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    from leaplm.quant.linear import PackedWeight, pack_gguf
+
+    rng = np.random.default_rng(2)
+    K = 160
+    p16 = pack_gguf([gguf_quantize(rng.standard_normal((40, K)).astype(np.float32), GGMLQuantizationType[qtype])],
+                    qtype)
+    p32 = PackedWeight(p16.q, p16.scale.float(), None if p16.minv is None else p16.minv.float(), p16.rows)
+    ext = load()
+    x = torch.randn(32, K, generator=torch.Generator().manual_seed(3))
+    run = lambda p, xt, path: ext.module.qlinear(xt, p.q, p.scale, p.minv, None, p.rows, path)   # noqa: E731
+    for T in range(1, 33):
+        xt = x[:T].contiguous()
+        ref = run(p32, xt, 0)
+        for path in usable_paths():
+            assert torch.equal(run(p16, xt, path), ref), (T, path)
+            assert torch.equal(run(p32, xt, path), ref), (T, path)
 
 
 @needs_ext

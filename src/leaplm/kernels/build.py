@@ -268,8 +268,8 @@ def tune_amx(module, reps: int = 5, timer=None) -> dict[str, list[int]]:
 class ProbeWeight:
     """A weight in the kernel's row-group layout (quant/linear.py PackedWeight): what the probe passes it."""
     q: object               # uint8 [groups, blocks, 256] (int8, int6) | [groups, blocks, 128] (int4 nibbles)
-    scale: object           # fp32 [groups, blocks, 8] | int6: [groups, blocks, 16] (a scale per half block)
-    minv: object            # fp32 [groups, blocks, 8] for int4, None for int8
+    scale: object           # fp32 or fp16 [groups, blocks, 8] | int6: fp32 [groups, blocks, 16] (a scale per half block)
+    minv: object            # [groups, blocks, 8] in scale's type for int4, None for int8
     rows: int
 
 
@@ -288,6 +288,8 @@ def probe_problems() -> list[tuple[object, ProbeWeight]]:
                 q = ((q.view(torch.int8) >> 2).view(torch.uint8)).contiguous()
             scale, minv = torch.rand(2, 3, scales, generator=g), torch.randn(2, 3, 8, generator=g)
             out.append((x, ProbeWeight(q, scale, minv if int4 else None, 13)))
+            if scales == 8:                    # fp16 scales and minimums, as GGUF Q8_0 / Q4_0 / Q4_1 hold them
+                out.append((x, ProbeWeight(q, scale.half(), minv.half() if int4 else None, 13)))
     return out
 
 

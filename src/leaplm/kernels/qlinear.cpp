@@ -180,23 +180,14 @@ void quantize_act_base(const float* x, int T, int64_t K, Act& out) { quantize_ac
 // The same operations as quantize_act_body, 8 lanes at a time: |x| max per lane (lane l holds elements l, l + 8,
 // l + 16, l + 24, as the body's lanes[j % 8]), the max over lanes, the scale, then clamp, round by the magic number
 // and convert per element (vmaxps/vminps with the constant second pick it for NaN, as std::max/min do).
-__attribute__((target("avx2"))) void quantize_act_simd(const float* x, int T, int64_t K, Act& out, bool both) {
+// tokens t0 .. t1 - 1 of quantize_act_simd (out sized for all T)
+__attribute__((target("avx2,f16c"))) void quantize_rows_simd(const float* x, int T, int t0, int t1, int64_t K,
+                                                              Act& out, bool both) {
   const int G = int(K / QK);
-  out.T = T, out.K = K, out.G = G;
-  out.qa.resize(size_t(T) * K);
-  out.a.resize(size_t(T) * G);
-  out.sa.resize(size_t(T) * G);
-  out.sq.resize(size_t(T) * G);
-  out.sq16.resize(size_t(T) * G);
-  if (both) {
-    out.qab.resize(size_t(T) * K);
-    out.ab.resize(size_t(T) * G);
-    out.sqb.resize(size_t(T) * G);
-  }
   const __m256 sign = _mm256_set1_ps(-0.f), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f),
                magic = _mm256_set1_ps(12582912.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int t = 0; t < T; ++t)
+  for (int t = t0; t < t1; ++t)
     for (int g = 0; g < G; ++g) {
       const float* xb = x + t * K + g * QK;
       __m256 v[4];
@@ -242,6 +233,24 @@ __attribute__((target("avx2"))) void quantize_act_simd(const float* x, int T, in
       }
     }
 }
+
+// On the calling thread: split across the kernel's threads, the 121 calls of a SmolLM2 forward took longer (8
+// tokens: 1.10 against 0.49 ms a forward), the pool's hand-offs costing more than the work they share.
+void quantize_act_simd(const float* x, int T, int64_t K, Act& out, bool both) {
+  const int G = int(K / QK);
+  out.T = T, out.K = K, out.G = G;
+  out.qa.resize(size_t(T) * K);
+  out.a.resize(size_t(T) * G);
+  out.sa.resize(size_t(T) * G);
+  out.sq.resize(size_t(T) * G);
+  out.sq16.resize(size_t(T) * G);
+  if (both) {
+    out.qab.resize(size_t(T) * K);
+    out.ab.resize(size_t(T) * G);
+    out.sqb.resize(size_t(T) * G);
+  }
+  quantize_rows_simd(x, T, 0, T, K, out, both);
+}
 #endif
 
 void quantize_act(const float* x, int T, int64_t K, Act& out, int path = 0) {
@@ -259,15 +268,24 @@ void quantize_act(const float* x, int T, int64_t K, Act& out, int path = 0) {
 // One packed weight matrix.
 struct W {
   const uint8_t* q;      // int8: [N/8, G, 8, 8, 4] (signed bytes); int4: [N/8, G, 4, 8, 4]
-  const float* s;        // [N/8, G, 8] | int6: [N/8, G, 2, 8]
-  const float* m;        // [N/8, G, 8] (int4) or null
+  const void* s;         // [N/8, G, 8] fp32, or fp16 (s16) | int6: [N/8, G, 2, 8] fp32
+  const void* m;         // [N/8, G, 8] (int4), in s's type; or null
   int64_t N;             // rows written (the packed matrix may have up to 7 zero rows more)
   int G;
   bool int4;
   bool half;             // int6: int8 integers with a scale per half block (16 weights)
   int64_t ldy;           // floats between output rows of y (N, or more when this matrix is a part of a wider y)
+  bool s16;              // scales and minimums in fp16, as a GGUF file holds Q8_0's, Q4_0's and Q4_1's: read in
+                         // fewer bytes and widened exactly, so every product is the fp32 one's
   int64_t block_bytes() const { return int4 ? 128 : 256; }   // one block of 8 rows
+  int64_t scale_bytes() const { return s16 ? 2 : 4; }
 };
+
+// scale or minimum i of `base` (w.s or w.m) as fp32 (an fp16 one widened: exact)
+inline float scale_at(const W& w, const void* base, int64_t i) {
+  return w.s16 ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(base)[i])
+               : static_cast<const float*>(base)[i];
+}
 
 // ---- scalar reference ------------------------------------------------------------------------------------------
 inline int weight_at(const W& w, int64_t grp, int g, int r, int j) {   // q[8 grp + r, g, j]
@@ -292,14 +310,14 @@ void group_scalar(const W& w, const Act& act, int64_t grp, float* y) {
           int32_t p[2] = {0, 0};
           for (int j = 0; j < QK; ++j) p[j / 16] += weight_at(w, grp, g, r, j) * int32_t(qa[j]);
           const size_t sh = (grp * G + g) * 2 * RG + r;
-          acc = std::fma(float(p[0]), w.s[sh] * act.a[t * G + g], acc);
-          acc = std::fma(float(p[1]), w.s[sh + RG] * act.a[t * G + g], acc);
+          acc = std::fma(float(p[0]), scale_at(w, w.s, sh) * act.a[t * G + g], acc);
+          acc = std::fma(float(p[1]), scale_at(w, w.s, sh + RG) * act.a[t * G + g], acc);
           continue;
         }
         int32_t p = 0;
         for (int j = 0; j < QK; ++j) p += weight_at(w, grp, g, r, j) * int32_t(qa[j]);
-        acc = std::fma(float(p), w.s[sg] * act.a[t * G + g], acc);
-        if (w.m) mt = std::fma(w.m[sg], act.sa[t * G + g], mt);
+        acc = std::fma(float(p), scale_at(w, w.s, sg) * act.a[t * G + g], acc);
+        if (w.m) mt = std::fma(scale_at(w, w.m, sg), act.sa[t * G + g], mt);
       }
       y[t * w.ldy + n] = acc + mt;
     }
@@ -310,7 +328,7 @@ void group_scalar(const W& w, const Act& act, int64_t grp, float* y) {
 // ---- SIMD paths: lane r of every vector is row 8 grp + r ------------------------------------------------------
 // The weights of block g as 8 vectors of unsigned bytes, vector c holding elements 4c .. 4c+3 of the 8 rows
 // (int8: the signed bytes + 128, corrected by 128 * sum(qa) after the dot product; int4: the nibbles as stored).
-__attribute__((target("avx2,fma"))) inline void load_block(const W& w, const uint8_t* b, __m256i* u) {
+__attribute__((target("avx2,fma,f16c"))) inline void load_block(const W& w, const uint8_t* b, __m256i* u) {
   if (w.int4) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
@@ -324,7 +342,7 @@ __attribute__((target("avx2,fma"))) inline void load_block(const W& w, const uin
 }
 
 // P[r] = sum_c sum_i u[c][r, i] * qa[4c + i] for the 8 rows (exact int32).
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 inline __m256i block_dot_vnni(const __m256i* u, const int8_t* qa, bool int4, int32_t sq) {
   const int32_t* q4 = reinterpret_cast<const int32_t*>(qa);
   __m256i p = _mm256_setzero_si256();
@@ -341,7 +359,7 @@ inline __m256i block_dot_vnni(const __m256i* u, const int8_t* qa, bool int4, int
 // AVX2 has no u8 x s8 dot product into int32: maddubs (pairs into int16) then madd (pairs into int32). int4:
 // 8 maddubs results add in int16 without overflow (8 * 2 * 15 * 127 < 2^15); int8: the sign of the weight moves
 // onto the activation (|w| * sign(a, w)) and each chunk widens to int32 at once.
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 inline __m256i block_dot_avx2(const __m256i* u, const int8_t* qa, bool int4, int32_t sq) {
   const int32_t* q4 = reinterpret_cast<const int32_t*>(qa);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -362,7 +380,7 @@ inline __m256i block_dot_avx2(const __m256i* u, const int8_t* qa, bool int4, int
 
 // int6: the two halves' products (chunks 0 .. 3 hold elements 0 .. 15, chunks 4 .. 7 elements 16 .. 31), exact
 // int32; u as for int8 (the signed bytes + 128), each half corrected by 128 * its sum of qa.
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 inline void block_dot2_vnni(const __m256i* u, const int8_t* qa, int32_t sq, int32_t sq16, __m256i& lo, __m256i& hi) {
   const int32_t* q4 = reinterpret_cast<const int32_t*>(qa);
   __m256i a = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u[0], _mm256_set1_epi32(q4[0]));
@@ -377,7 +395,7 @@ inline void block_dot2_vnni(const __m256i* u, const int8_t* qa, int32_t sq, int3
 
 // int6 on AVX2: the sign moves onto the activation as for int8; |w| <= 32, so a half's 4 maddubs results add in
 // int16 without overflow (4 * 2 * 32 * 127 < 2^15) before one madd widens them.
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 inline void block_dot2_avx2(const __m256i* u, const int8_t* qa, int32_t, int32_t, __m256i& lo, __m256i& hi) {
   const int32_t* q4 = reinterpret_cast<const int32_t*>(qa);
   const __m256i ones = _mm256_set1_epi16(1), k128 = _mm256_set1_epi8(char(0x80));
@@ -400,13 +418,26 @@ inline void block_dot2_avx2(const __m256i* u, const int8_t* qa, int32_t, int32_t
 // 112 MB). A prefetch past the end of the weights is harmless: it never faults.
 constexpr int64_t PREFETCH_BYTES = 4096;
 
-__attribute__((target("avx2"))) LEAPLM_INLINE void prefetch_ahead(const W& w, int64_t q_at, int64_t s_at) {
+__attribute__((target("avx2,f16c"))) LEAPLM_INLINE void prefetch_ahead(const W& w, int64_t q_at, int64_t s_at) {
   const char* q = reinterpret_cast<const char*>(w.q + q_at) + PREFETCH_BYTES;
   for (int64_t b = 0; b < w.block_bytes(); b += 64) _mm_prefetch(q + b, _MM_HINT_T0);
-  // scales and minimums: 32 bytes per block against the integers' 128 or 256, so a fraction of the distance
-  const int64_t ahead = PREFETCH_BYTES * int64_t(sizeof(float)) * RG / w.block_bytes();
-  _mm_prefetch(reinterpret_cast<const char*>(w.s + s_at) + ahead, _MM_HINT_T0);
-  if (w.m) _mm_prefetch(reinterpret_cast<const char*>(w.m + s_at) + ahead, _MM_HINT_T0);
+  // scales and minimums: 16 or 32 bytes per block against the integers' 128 or 256, so a fraction of the distance
+  const int64_t sb = w.scale_bytes(), ahead = PREFETCH_BYTES * sb * RG / w.block_bytes();
+  _mm_prefetch(static_cast<const char*>(w.s) + s_at * sb + ahead, _MM_HINT_T0);
+  if (w.m) _mm_prefetch(static_cast<const char*>(w.m) + s_at * sb + ahead, _MM_HINT_T0);
+}
+
+// 8 scales or minimums of `base` (w.s or w.m) from index i, as fp32
+__attribute__((target("avx2,f16c"))) LEAPLM_INLINE __m256 load8(const W& w, const void* base, int64_t i) {
+  if (w.s16)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+  return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+}
+
+// the 16 of row groups grp and grp + 1 (their block g at i and i + next)
+__attribute__((target("avx2,f16c,avx512f,avx512dq"))) LEAPLM_INLINE __m512 load16(const W& w, const void* base, int64_t i,
+                                                                                   int64_t next) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(load8(w, base, i)), load8(w, base, i + next), 1);
 }
 
 #define LEAPLM_GROUP_BODY_HALF(DOT2)                                                                            \
@@ -420,7 +451,7 @@ __attribute__((target("avx2"))) LEAPLM_INLINE void prefetch_ahead(const W& w, in
     prefetch_ahead(w, (grp * G + g) * w.block_bytes(), (grp * G + g) * 2 * RG);                                \
     load_block(w, w.q + (grp * G + g) * w.block_bytes(), u);                                                    \
     for (int c = 0; c < 8; ++c) u[c] = _mm256_xor_si256(u[c], k128);                                           \
-    const float* sp = w.s + (grp * G + g) * 2 * RG;                                                             \
+    const float* sp = static_cast<const float*>(w.s) + (grp * G + g) * 2 * RG;   /* int6: fp32 scales */          \
     const __m256 slo = _mm256_loadu_ps(sp), shi = _mm256_loadu_ps(sp + RG);                                     \
     for (int t = 0; t < TT; ++t) {                                                                              \
       const int tg = (t0 + t) * G + g;                                                                          \
@@ -445,7 +476,7 @@ __attribute__((target("avx2"))) LEAPLM_INLINE void prefetch_ahead(const W& w, in
     load_block(w, w.q + (grp * G + g) * w.block_bytes(), u);                                                    \
     if (!w.int4)                                                                                                \
       for (int c = 0; c < 8; ++c) u[c] = _mm256_xor_si256(u[c], k128);                                         \
-    const __m256 sv = _mm256_loadu_ps(w.s + (grp * G + g) * RG);                                                \
+    const __m256 sv = load8(w, w.s, (grp * G + g) * RG);                                                        \
     for (int t = 0; t < TT; ++t) {                                                                              \
       const int tg = (t0 + t) * G + g;                                                                          \
       const __m256i p = DOT(u, act.qa.data() + (t0 + t) * K + g * QK, w.int4, act.sq[tg]);                      \
@@ -458,14 +489,14 @@ __attribute__((target("avx2"))) LEAPLM_INLINE void prefetch_ahead(const W& w, in
 // dot products, TN tokens' chains side by side (each is a chain of dependent FMAs: one at a time would wait on the
 // FMA latency at every block)
 template <int TN>
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 void store_tokens(const W& w, const Act& act, int64_t grp, int t0, const float* accs, float* y) {
   const int G = w.G;
   __m256 mt[TN];
   for (int t = 0; t < TN; ++t) mt[t] = _mm256_setzero_ps();
   if (w.m)
     for (int g = 0; g < G; ++g) {
-      const __m256 mv = _mm256_loadu_ps(w.m + (grp * G + g) * RG);
+      const __m256 mv = load8(w, w.m, (grp * G + g) * RG);
       for (int t = 0; t < TN; ++t) mt[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(act.sa[(t0 + t) * G + g]), mt[t]);
     }
   const int64_t n0 = grp * RG;
@@ -496,16 +527,14 @@ void store_group(const W& w, const Act& act, int64_t grp, const float* accs, flo
 // store_tokens for row groups grp and grp + 1 at once (16 lanes: each lane's min-term chain and final add are the
 // 8-lane form's, so the same bits), from their sums lo, hi [T, 8]
 template <int TN>
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl")))
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,f16c")))
 void store_pair_tokens(const W& w, const Act& act, int64_t grp, int t0, const float* lo, const float* hi, float* y) {
   const int G = w.G;
   __m512 mt[TN];
   for (int t = 0; t < TN; ++t) mt[t] = _mm512_setzero_ps();
   if (w.m) {
-    const float* m0 = w.m + grp * G * RG;
     for (int g = 0; g < G; ++g) {
-      const __m512 mv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(m0 + g * RG)),
-                                           _mm256_loadu_ps(m0 + (G + g) * RG), 1);
+      const __m512 mv = load16(w, w.m, (grp * G + g) * RG, int64_t(G) * RG);
       for (int t = 0; t < TN; ++t) mt[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(act.sa[(t0 + t) * G + g]), mt[t]);
     }
   }
@@ -537,25 +566,25 @@ void store_pair(const W& w, const Act& act, int64_t grp, const float* lo, const 
 
 // Tokens t0 .. t0 + TT - 1 of one row group over blocks ga .. gb - 1, continuing the fp32 sums in accp [TT, 8].
 template <int TT>
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 void group_avx2(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* accp) {
   LEAPLM_GROUP_BODY(block_dot_avx2)
 }
 
 template <int TT>
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 void group_vnni(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* accp) {
   LEAPLM_GROUP_BODY(block_dot_vnni)
 }
 
 template <int TT>
-__attribute__((target("avx2,fma")))
+__attribute__((target("avx2,fma,f16c")))
 void group_avx2_half(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* accp) {
   LEAPLM_GROUP_BODY_HALF(block_dot2_avx2)
 }
 
 template <int TT>
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 void group_vnni_half(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* accp) {
   LEAPLM_GROUP_BODY_HALF(block_dot2_vnni)
 }
@@ -622,7 +651,7 @@ LEAPLM_INLINE __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
 // tokens; the arithmetic per (row, token) is the single group's (exact int32 block products, then
 // fma(float(P), s * a, acc) block by block), so the bits are the same.
 template <int TT, bool INT4>
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
 void pair_vnni(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* acc_lo, float* acc_hi) {
   const int G = w.G, T = act.T;
   __m512 acc[TT];
@@ -651,8 +680,7 @@ void pair_vnni(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, 
       for (int c = 0; c < 8; ++c) u[c] = _mm512_xor_si512(LEAPLM_BOTH(32 * c), k128);
     }
 #undef LEAPLM_BOTH
-    const float* sp = w.s + (grp * G + g) * RG;
-    const __m512 sv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(sp)), _mm256_loadu_ps(sp + G * RG), 1);
+    const __m512 sv = load16(w, w.s, (grp * G + g) * RG, int64_t(G) * RG);
     const int8_t* qb = act.qab.data() + (int64_t(g) * T + t0) * QK;   // token t's block at qb + 32 t
     const float* ag = act.ab.data() + int64_t(g) * T + t0;
     const int32_t* sg = act.sqb.data() + int64_t(g) * T + t0;
@@ -773,7 +801,7 @@ class TileScope {
 // B for block g of row groups grp and grp + 1 in tile rows of 64 bytes: row c = chunk c (elements 4c .. 4c+3) of
 // the 8 rows of grp, then of grp + 1; int4 nibbles unpacked to bytes 0..15, int8 bytes as stored (signed)
 template <bool INT4>
-__attribute__((target("avx2,avx512f,avx512bw,avx512dq,avx512vl")))
+__attribute__((target("avx2,avx512f,avx512bw,avx512dq,avx512vl,f16c")))
 LEAPLM_INLINE void tile_rows(const uint8_t* lo, const uint8_t* hi, uint8_t* b) {
 #define LEAPLM_BOTH(off)                                                                               \
   _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + (off)))), \
@@ -793,9 +821,8 @@ LEAPLM_INLINE void tile_rows(const uint8_t* lo, const uint8_t* hi, uint8_t* b) {
 
 // acc[t] (16 rows of token t0 + t) += float(C[t]) * (s * a[t]) for one block, C as tdp*d stored it
 template <int TT>
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl")))
-LEAPLM_INLINE void tile_fma(__m512* acc, const int32_t* c, const float* sp, int64_t next_group, const float* ag) {
-  const __m512 sv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(sp)), _mm256_loadu_ps(sp + next_group), 1);
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,f16c")))
+LEAPLM_INLINE void tile_fma(__m512* acc, const int32_t* c, const __m512 sv, const float* ag) {
   for (int t = 0; t < TT; ++t)
     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * t)), _mm512_mul_ps(sv, _mm512_set1_ps(ag[t])),
                              acc[t]);
@@ -831,7 +858,7 @@ constexpr int AMX_CHUNK = 2;     // blocks per stage of pair_amx's pipeline
 // tiles stored a stage earlier, so neither waits on a store just issued (a tile load is not fed from pending
 // stores; it waits until they are written); the fp32 part still runs block by block in order.
 template <int TT, bool INT4>
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,amx-tile,amx-int8")))
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,amx-tile,amx-int8,f16c")))
 void pair_amx(const W& w, const Act& act, int64_t grp, int t0, float* acc_lo, float* acc_hi, TileScope& tiles) {
   const int G = w.G, T = act.T;
   tiles.use(TT);
@@ -842,7 +869,6 @@ void pair_amx(const W& w, const Act& act, int64_t grp, int t0, float* acc_lo, fl
   const int64_t bb = w.block_bytes(), next = int64_t(G) * bb, sn = int64_t(G) * RG;
   const int8_t* qa = act.qab.data() + int64_t(t0) * QK;               // block g's tokens at qa + g * T * 32
   const uint8_t* wq = w.q + grp * G * bb;                               // block g of grp at wq + g * bb
-  const float* sp = w.s + grp * G * RG;                                 // block g's scales at sp + g * 8
   const float* ab = act.ab.data() + t0;                                 // block g's token scales at ab + g * T
   const int chunks = (G + AMX_CHUNK - 1) / AMX_CHUNK;
   auto blocks_in = [G](int c) { return std::min(AMX_CHUNK, G - c * AMX_CHUNK); };
@@ -867,7 +893,7 @@ void pair_amx(const W& w, const Act& act, int64_t grp, int t0, float* acc_lo, fl
       const int g0 = (c - 1) * AMX_CHUNK, n = blocks_in(c - 1);
       for (int i = 0; i < n; ++i) {
         const int g = g0 + i;
-        tile_fma<TT>(acc, cbuf[(c - 1) & 1][i], sp + g * RG, sn, ab + int64_t(g) * T);
+        tile_fma<TT>(acc, cbuf[(c - 1) & 1][i], load16(w, w.s, (grp * G + g) * RG, sn), ab + int64_t(g) * T);
       }
     }
   }
@@ -962,11 +988,13 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::
   TORCH_CHECK(qp.is_contiguous() && qp.scalar_type() == torch::kUInt8 && qp.numel() == NG * G * (int4 ? 128 : 256),
               "qp: packed uint8 [N/8, G, ", int4 ? 128 : 256, "]");
   const bool half = !int4 && sp.numel() == 2 * NG * G * RG;        // int6: a scale per half block
-  TORCH_CHECK(sp.is_contiguous() && sp.scalar_type() == torch::kFloat && (half || sp.numel() == NG * G * RG),
-              "sp: fp32 [N/8, G, 8] (int6: [N/8, G, 2, 8])");
+  const bool s16 = sp.scalar_type() == torch::kHalf;
+  TORCH_CHECK(sp.is_contiguous() && (sp.scalar_type() == torch::kFloat || (s16 && !half)) &&
+                  (half || sp.numel() == NG * G * RG),
+              "sp: fp32 or fp16 [N/8, G, 8] (int6: fp32 [N/8, G, 2, 8])");
   if (int4)
-    TORCH_CHECK(mp->is_contiguous() && mp->scalar_type() == torch::kFloat && mp->numel() == NG * G * RG,
-                "mp: fp32 [N/8, G, 8]");
+    TORCH_CHECK(mp->is_contiguous() && mp->scalar_type() == sp.scalar_type() && mp->numel() == NG * G * RG,
+                "mp: [N/8, G, 8] in sp's type");
   TORCH_CHECK(path >= SCALAR && path <= AMX, "path: 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX");
   TORCH_CHECK(path != AMX || amx_permitted(), "path 3 (AMX): the operating system does not grant the tile registers");
 #if !defined(__x86_64__)
@@ -975,8 +1003,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::
   Span span(R_QLINEAR);
   Act act;
   quantize_act(x.data_ptr<float>(), int(T), K, act, int(path));
-  const W w{qp.data_ptr<uint8_t>(), sp.data_ptr<float>(), int4 ? mp->data_ptr<float>() : nullptr, N, int(G), int4,
-            half, N};
+  const W w{qp.data_ptr<uint8_t>(), sp.data_ptr(), int4 ? mp->data_ptr() : nullptr, N, int(G), int4, half, N, s16};
   auto y = torch::empty({T, N}, x.options());
   float* yp = y.data_ptr<float>();
   leaplm_pool::parallel_for(NG, group_grain(NG),
@@ -1021,11 +1048,11 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::
 #define LEAPLM_STEP_AVX2(c) _mm256_add_epi32(c, _mm256_madd_epi16(_mm256_maddubs_epi16(w, c), ones))
 #define LEAPLM_STEP_VNNI(c) _mm256_dpbusd_epi32(c, w, a)
 
-__attribute__((target("avx2,fma"))) int64_t peak_avx2(int64_t iters) {
+__attribute__((target("avx2,fma,f16c"))) int64_t peak_avx2(int64_t iters) {
   LEAPLM_PEAK_BODY(LEAPLM_STEP_AVX2)
 }
 
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) int64_t peak_vnni(int64_t iters) {
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) int64_t peak_vnni(int64_t iters) {
   LEAPLM_PEAK_BODY(LEAPLM_STEP_VNNI)
 }
 
@@ -1167,7 +1194,7 @@ LEAPLM_INLINE float dot8(const float* a, const float* b, int64_t n) {   // n a m
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) LEAPLM_INLINE __m256 exp8(__m256 x) {
+__attribute__((target("avx2,f16c"))) LEAPLM_INLINE __m256 exp8(__m256 x) {
   const __m256 magic = _mm256_set1_ps(12582912.f);
   const __m256 v = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
   __m256 r = _mm256_add_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)), magic);
@@ -1184,14 +1211,14 @@ __attribute__((target("avx2"))) LEAPLM_INLINE __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-__attribute__((target("avx2"))) void exp_avx2(float* x, int64_t n) {
+__attribute__((target("avx2,f16c"))) void exp_avx2(float* x, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
   for (; i < n; ++i) x[i] = exp1(x[i]);
 }
 
 // dot8's lane_sum of the 8 lanes of v, by the same tree
-__attribute__((target("avx2"))) LEAPLM_INLINE float lane_sum8(__m256 v) {
+__attribute__((target("avx2,f16c"))) LEAPLM_INLINE float lane_sum8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));   // 0+4, 1+5, 2+6, 3+7
   const __m128 u = _mm_add_ps(s, _mm_movehl_ps(s, s));                                   // (0+4)+(2+6), (1+5)+(3+7)
   return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
@@ -1229,11 +1256,11 @@ void silu_mul_base(const float* gu, int64_t m0, int64_t m1, int64_t inter, float
   silu_mul_body(gu, m0, m1, inter, out, exp_base);
 }
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) void add_norm_avx2(float* x, const float* d, const float* w, int64_t m0, int64_t m1,
+__attribute__((target("avx2,f16c"))) void add_norm_avx2(float* x, const float* d, const float* w, int64_t m0, int64_t m1,
                                                    int64_t n, float eps, float* y) {
   add_norm_body(x, d, w, m0, m1, n, eps, y);
 }
-__attribute__((target("avx2"))) void silu_mul_avx2(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
+__attribute__((target("avx2,f16c"))) void silu_mul_avx2(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
   silu_mul_body(gu, m0, m1, inter, out, exp_avx2);
 }
 #else
@@ -1278,7 +1305,7 @@ void attend_base(const float* q, const float* kb, const float* vb, const int64_t
 #if defined(__x86_64__)
 // attend_base's arithmetic in 8-lane vectors: the scores 4 keys at a time (independent chains), the weighted
 // values 32 dimensions at a time over all keys (4 independent chains per key), o kept in registers.
-__attribute__((target("avx2"))) void attend_avx2(const float* q, const float* kb, const float* vb, const int64_t* keys,
+__attribute__((target("avx2,f16c"))) void attend_avx2(const float* q, const float* kb, const float* vb, const int64_t* keys,
                                                  int64_t n, int64_t D, float scale, float* p, float* dst) {
   int64_t k = 0;
   for (; k + 4 <= n; k += 4) {
@@ -1385,8 +1412,8 @@ void dense_rows_base(const float* x, int64_t M, int64_t K, const WT* w, const fl
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) LEAPLM_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2"))) LEAPLM_INLINE __m256 load8(const uint16_t* p) {
+__attribute__((target("avx2,f16c"))) LEAPLM_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,f16c"))) LEAPLM_INLINE __m256 load8(const uint16_t* p) {
   const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
@@ -1394,7 +1421,7 @@ __attribute__((target("avx2"))) LEAPLM_INLINE __m256 load8(const uint16_t* p) {
 // the same sums as dense_rows_body, lane l of a 256-bit vector holding lane l's accumulator (multiply, then add:
 // the scalar path's bits), eight weight rows at a time, each read once for all M tokens from L1
 template <typename WT>
-__attribute__((target("avx2"))) void dense_rows_avx2(const float* x, int64_t M, int64_t K, const WT* w,
+__attribute__((target("avx2,f16c"))) void dense_rows_avx2(const float* x, int64_t M, int64_t K, const WT* w,
                                                      const float* b, int64_t n0, int64_t n1, int64_t N, float* y) {
   int64_t n = n0;
   alignas(32) float lanes[8];
@@ -1467,8 +1494,9 @@ struct PackedPart {
   int64_t rows;
   W view(int64_t K, int64_t ldy) const {
     const bool int4 = m.numel() > 0;
-    return W{q.data_ptr<uint8_t>(), s.data_ptr<float>(), int4 ? m.data_ptr<float>() : nullptr, rows, int(K / QK),
-             int4, !int4 && s.numel() == 2 * ((rows + RG - 1) / RG) * (K / QK) * RG, ldy};
+    return W{q.data_ptr<uint8_t>(), s.data_ptr(), int4 ? m.data_ptr() : nullptr, rows, int(K / QK),
+             int4, !int4 && s.numel() == 2 * ((rows + RG - 1) / RG) * (K / QK) * RG, ldy,
+             s.scalar_type() == torch::kHalf};
   }
 };
 
@@ -1517,6 +1545,9 @@ class Decoder {
                   rows[i].size() == qp[i].size(), "add_layer: linear ", i, ": one (q, s, m, rows) per part");
       int64_t total = 0;
       for (size_t j = 0; j < qp[i].size(); ++j) {
+        const auto st = sp[i][j].scalar_type();
+        TORCH_CHECK((st == torch::kFloat || st == torch::kHalf) && (mp[i][j].numel() == 0 || mp[i][j].scalar_type() == st),
+                    "add_layer: linear ", i, ": scales fp32 or fp16, minimums in the scales' type");
         p[i].parts.push_back(PackedPart{qp[i][j].contiguous(), sp[i][j].contiguous(), mp[i][j].contiguous(), rows[i][j]});
         total += rows[i][j];
       }

@@ -34,8 +34,9 @@ class PackedWeight:
     """A QuantizedWeight's integers and scales in the kernel's row-group layout (kernels/qlinear.cpp): the same
     numbers, reordered so that 8 rows' 4 consecutive weights are 32 contiguous bytes."""
     q: torch.Tensor              # uint8 [N8 / 8, G, 256] (int8, int6: the signed bytes) | [N8 / 8, G, 128] (int4)
-    scale: torch.Tensor          # fp32 [N8 / 8, G, 8] | int6: [N8 / 8, G, 2 * 8] (the first half's 8, the second's)
-    minv: torch.Tensor | None    # fp32 [N8 / 8, G, 8] for int4, None for int8
+    scale: torch.Tensor          # fp32 [N8 / 8, G, 8] | int6: [N8 / 8, G, 2 * 8] (the first half's 8, the second's);
+                                 # fp16 where a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks hold them so (pack_gguf)
+    minv: torch.Tensor | None    # [N8 / 8, G, 8] in scale's type for int4, None for int8
     rows: int                    # N (N8 = N rounded up to a multiple of 8; the padding rows are zero)
 
 
@@ -60,7 +61,7 @@ def unpack(p: PackedWeight) -> QuantizedWeight:
     chunks = width // (GROUP * 4)
     q = (p.q.view(torch.int32).reshape(NG, G, chunks, GROUP).permute(0, 3, 1, 2).contiguous()
          .view(torch.uint8).reshape(NG * GROUP, G * chunks * 4)[:p.rows])            # [N, K | K / 2]
-    lay = lambda t: t.transpose(1, 2).reshape(NG * GROUP, -1)[:p.rows].contiguous()  # noqa: E731  [N, G']
+    lay = lambda t: t.float().transpose(1, 2).reshape(NG * GROUP, -1)[:p.rows].contiguous()  # noqa: E731  [N, G']
     if p.minv is not None:
         return QuantizedWeight("int4", q.contiguous(), lay(p.scale), lay(p.minv))
     fmt = "int6" if p.scale.shape[1] == 2 * G else "int8"                             # int6: a scale per 16
@@ -77,8 +78,10 @@ GGUF_BLOCKS = {"Q8_0": [("d", "<f2"), ("q", "<u4", (8,))],
 def pack_gguf(raws: list, ggml_type: str, rows: list | None = None) -> PackedWeight | None:
     """The PackedWeight of GGUF Q8_0 / Q4_0 / Q4_1 tensors stacked along their output rows (fused q/k/v, gate/up),
     moved from the file's blocks (raw uint8 views [N_i, bytes per row]) straight into the kernel's layout: one
-    copy of the integers, none of them widened; the scales widened from fp16 (exact). The same numbers as
-    pack(cat_rows([from_gguf_blocks(...)])). `rows`: per tensor, None or an index [N_i] reordering its rows.
+    copy of the integers, none of them widened; the scales (and minimums) kept in fp16 as the file holds them, so a
+    forward reads the file's bytes per weight (the kernel widens them exactly, so the products are those of
+    pack(cat_rows([from_gguf_blocks(...)])), whose scales are fp32). `rows`: per tensor, None or an index [N_i]
+    reordering its rows.
 
     None for other types (Q5_0, the K-quants) and when the rows do not split into whole groups of 8 per tensor:
     the caller packs those through QuantizedWeight."""
@@ -96,8 +99,8 @@ def pack_gguf(raws: list, ggml_type: str, rows: list | None = None) -> PackedWei
     G = blocks[0].shape[1]
     NG, words = N // GROUP, blk["q"].shape[0]
     q = np.empty((NG, G, words, GROUP), np.uint32)                           # [NG, G, chunks, 8 rows]
-    scale = np.empty((NG, G, GROUP), np.float32)
-    minv = None if ggml_type == "Q8_0" else np.empty((NG, G, GROUP), np.float32)
+    scale = np.empty((NG, G, GROUP), np.float16)
+    minv = None if ggml_type == "Q8_0" else np.empty((NG, G, GROUP), np.float16)
     at = 0
     for b in blocks:
         n = b.shape[0] // GROUP
@@ -108,7 +111,12 @@ def pack_gguf(raws: list, ggml_type: str, rows: list | None = None) -> PackedWei
             minv[at:at + n] = g["m"].transpose(0, 2, 1)
         at += n
     if ggml_type == "Q4_0":
-        minv = -8 * scale                      # w = (q - 8) d: the minimum from_gguf_blocks computes, in fp32
+        # w = (q - 8) d: the minimum from_gguf_blocks computes in fp32; -8 d is exact in fp16 unless it overflows
+        minv = -8 * scale.astype(np.float32)
+        if np.isfinite(minv.astype(np.float16)).all():
+            minv = minv.astype(np.float16)
+        else:
+            scale = scale.astype(np.float32)
     return PackedWeight(torch.from_numpy(q.view(np.uint8).reshape(NG, G, words * GROUP * 4)),
                         torch.from_numpy(scale), None if minv is None else torch.from_numpy(minv), N)
 
