@@ -73,6 +73,33 @@ def test_roofline_cli_refuses_bad_quantization(checkpoint):
     assert res.exit_code == 2 and "--quantization" in res.output
 
 
+def test_roofline_compares_with_llamacpp_only(checkpoint):
+    """--baselines with --roofline means llama-bench's one-token forward; 'hf' there is refused, not ignored."""
+    res = CliRunner().invoke(app, ["bench", "--roofline", "--model", checkpoint("llama3_rope"), "--baselines", "hf"])
+    assert res.exit_code == 2 and "--baselines" in res.output and "llamacpp" in res.output
+
+
+def test_one_token_pairing_alternates_rounds_and_takes_medians(checkpoint):
+    """pair_one_token: one llama-bench run per round, after that round's forwards; the figures are the rounds'
+    medians and the ratio the median of the rounds' ratios."""
+    from leaplm.bench.roofline import pair_one_token
+
+    m = load_model(checkpoint("llama3_rope")).model
+    calls = []
+    llama = iter([1.0, 100.0, 2.0])                       # ms of three llama-bench runs
+
+    def llama_ms() -> float:
+        calls.append(len(calls))
+        return next(llama)
+
+    p = pair_one_token(m, llama_ms, rounds=3, forwards=4, ctx=8, command="llama-bench ...")
+    assert calls == [0, 1, 2] and len(p.rounds) == 3 and p.command == "llama-bench ..."
+    ours = [a for a, _ in p.rounds]
+    assert [b for _, b in p.rounds] == [1.0, 100.0, 2.0] and all(a > 0 for a in ours)
+    assert p.llama_ms == 2.0 and p.leaplm_ms == pytest.approx(sorted(ours)[1], abs=1e-3)
+    assert p.ratio == pytest.approx(sorted(a / b for a, b in p.rounds)[1], abs=1e-3)
+
+
 @pytest.mark.skipif(not __import__("leaplm.models.llamacpp.binding", fromlist=["available"]).available(),
                     reason="the llamacpp extra (llama-cpp-python) is not installed")
 def test_roofline_on_libllama_has_both_engines_curves_per_type_and_the_break_even(tmp_path):

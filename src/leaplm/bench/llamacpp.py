@@ -225,6 +225,22 @@ def llama_bench_command(s: LlamaCppSetup, n_gen: int = 128, repetitions: int = 3
             "-r", str(repetitions), "-o", "json", "--repack", "0" if s.no_repack else "1"]
 
 
+def llama_bench_pp1_command(binaries: LlamaCppBinaries, model: str, threads: int, repetitions: int = 10) -> list[str]:
+    """llama-bench's prompt processing of one token (its one-token forward, the output projection included), with
+    its repacked weight layouts as it runs by default."""
+    return [str(binaries.bench), "-m", model, "-p", "1", "-n", "0", "-t", str(threads), "-r", str(repetitions),
+            "-o", "json"]
+
+
+def llama_bench_ms(cmd: list[str]) -> float:
+    """ms per token of a llama-bench run with one test (its mean tokens/s)."""
+    out, _, _ = _run(cmd, timeout=300)
+    try:
+        return 1e3 / float(json.loads(out)[0]["avg_ts"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise LlamaCppOutputError(f"llama-bench printed no result: {out[-200:]!r}") from None
+
+
 def _run(cmd: list[str], timeout: float = 900) -> tuple[str, str, float]:
     t = time.perf_counter()
     try:

@@ -17,6 +17,7 @@ Other kernels (llama.cpp's) add their curves to `Roofline.curves` under their ow
 """
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -76,6 +77,18 @@ class Roofline:
     curves_note: str = ""           # why a curve is missing, if one is
     weight_type: str = ""           # the file's own main weight type (GGUF), "" otherwise
     break_even: list["BreakEven"] = field(default_factory=list)
+    one_token_vs_llamacpp: "OneTokenPairing | None" = None    # --baselines llamacpp
+
+
+@dataclass
+class OneTokenPairing:
+    """leaplm's one-token forward against llama-bench's pp1 on the same file and threads, in alternating rounds
+    (leaplm's forwards, then one llama-bench process, ...) so both see the same machine."""
+    command: str                          # the llama-bench command of every round
+    rounds: list[tuple[float, float]]     # (leaplm ms, llama-bench pp1 ms) per round
+    leaplm_ms: float                      # medians over the rounds
+    llama_ms: float
+    ratio: float                          # median of the rounds' leaplm / llama-bench (below 1: leaplm faster)
 
 
 def bytes_per_forward(model) -> int:
@@ -102,7 +115,10 @@ def stream_bandwidth(hidden: int = 4096, reps: int = 7) -> float:
 
 
 def forward_costs(model, tokens=(1, 2, 4, 8, 12, 16), ctx: int = 64, reps: int = 15) -> list[ForwardCost]:
-    """Median ms of a forward over T new tokens after `ctx` cached ones, the T values interleaved per repeat."""
+    """Median ms of a forward over T new tokens after `ctx` cached ones, the T values interleaved per repeat in an
+    order shuffled each repeat (seeded): a forward runs slower right after a larger one (its weights and
+    activations pushed out of the caches), so a fixed order would flatter or penalize whichever T follows the
+    largest (SmolLM2 Q4_1 on a Xeon: one token 6.0 ms right after 32 tokens, 4.8 ms in a shuffled order)."""
     cache = model.new_cache(1, ctx + max(tokens) + 1)
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -112,13 +128,40 @@ def forward_costs(model, tokens=(1, 2, 4, 8, 12, 16), ctx: int = 64, reps: int =
         times: dict[int, list[float]] = {T: [] for T in tokens}
         for T in tokens:                                     # warm-up
             model(blocks[T], cache)
+        order, shuffle = list(tokens), random.Random(0).shuffle
         for _ in range(reps):
-            for T in tokens:
+            shuffle(order)
+            for T in order:
                 t = time.perf_counter()
                 model(blocks[T], cache)
                 times[T].append(time.perf_counter() - t)
     med = {T: statistics.median(v) * 1e3 for T, v in times.items()}
     return [ForwardCost(T, round(med[T], 3), round(med[T] / med[tokens[0]], 3)) for T in tokens]
+
+
+def pair_one_token(model, llama_pp1_ms, rounds: int = 7, forwards: int = 40, ctx: int = 64,
+                   command: str = "") -> OneTokenPairing:
+    """OneTokenPairing over `rounds`: each round times `forwards` one-token forwards of `model` after `ctx` cached
+    tokens (median), then calls llama_pp1_ms() (a llama-bench run; its ms per token)."""
+    cache = model.new_cache(1, ctx + 2)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    with torch.inference_mode():
+        model(torch.randint(0, model.vocab_size, (1, ctx), generator=g), cache)
+        cache.advance(ctx)
+        one = torch.randint(0, model.vocab_size, (1, 1), generator=g)
+        for _ in range(5):                                   # warm-up
+            model(one, cache)
+        for _ in range(rounds):
+            ts = []
+            for _ in range(forwards):
+                t = time.perf_counter()
+                model(one, cache)
+                ts.append(time.perf_counter() - t)
+            out.append((round(statistics.median(ts) * 1e3, 3), round(llama_pp1_ms(), 3)))
+    return OneTokenPairing(command, out, round(statistics.median(a for a, _ in out), 3),
+                           round(statistics.median(b for _, b in out), 3),
+                           round(statistics.median(a / b for a, b in out), 3))
 
 
 def method_costs(engines: dict, prompts: list[str], max_new_tokens: int, rounds: int, floor_ms: float,

@@ -127,10 +127,22 @@ def bench(
         configs = parse_methods(methods, k)
         if any(opts.get("structured") for _, _, opts in configs):
             fail(f"--methods: {SCHEMA} configurations run in the benchmark, not in --roofline")
+        llama_bins = None
+        for b in (x.strip() for x in (baselines or "").split(",") if x.strip()):
+            if b != "llamacpp":
+                fail(f"--baselines: --roofline compares with 'llamacpp' (llama-bench's one-token forward) only, "
+                     f"got {b!r}")
+            from ..bench.llamacpp import find_binaries
+
+            try:
+                llama_bins = find_binaries(llamacpp_dir)
+            except ConfigError as e:
+                fail(f"--{e.field.replace('_', '-')}: {e.message}")
         return run_roofline(model=options.model, draft=draft, configs=configs, k=k,
                             workloads=workloads, prompts=prompts, max_new_tokens=max_new_tokens, rounds=rounds,
                             dtype=options.dtype, quantization=options.quantization,
-                            json_out=json_out, fail=fail, backend=options.backend, plot=plot)
+                            json_out=json_out, fail=fail, backend=options.backend, plot=plot,
+                            llamacpp=llama_bins, llamacpp_model=llamacpp_model)
     kinds_of_baseline = [b.strip() for b in (baselines or "").split(",") if b.strip()]
     for b in kinds_of_baseline:
         if b not in ("hf", "llamacpp"):

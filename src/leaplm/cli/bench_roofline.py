@@ -13,7 +13,9 @@ from .common import wide as console
 
 
 def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens, rounds, dtype, quantization,
-                 json_out, fail, backend: str = "auto", plot=None) -> None:
+                 json_out, fail, backend: str = "auto", plot=None, llamacpp=None, llamacpp_model=None) -> None:
+    """llamacpp: llama.cpp's binaries (--baselines llamacpp): leaplm's one-token forward paired with llama-bench's
+    pp1 on the same GGUF file (llamacpp_model, default the target)."""
     from ..bench.roofline import (Roofline, break_even, bytes_per_forward, forward_costs, method_costs,
                                   stream_bandwidth)
     from ..bench.workloads import as_chat, fit_to_context, get_workload
@@ -73,6 +75,15 @@ def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens
         from ..bench.llamacpp_costs import libllama_curves
 
         rep.curves += libllama_curves(target.path, bw, macs_per_s=rep.int8_GMACs * 1e9)
+    if llamacpp is not None:
+        from ..bench.llamacpp import llama_bench_ms, llama_bench_pp1_command
+        from ..bench.roofline import pair_one_token
+
+        gguf = llamacpp_model or target.path
+        if not is_gguf(gguf):
+            fail(f"--llamacpp-model: llama-bench runs a GGUF file; {gguf} is not one")
+        cmd = llama_bench_pp1_command(llamacpp, str(gguf), torch.get_num_threads())
+        rep.one_token_vs_llamacpp = pair_one_token(m, lambda: llama_bench_ms(cmd), command=" ".join(cmd))
     prompts_all = [p for w in wl for p in w.prompts]
     rep.methods = method_costs(engines, prompts_all, max_new_tokens, rounds, floor, SamplingParams)
     if rep.weight_type:
@@ -122,6 +133,10 @@ def print_roofline(r) -> None:
         t.add_row(str(f.tokens), f"{f.ms:.2f}", f"{f.vs_one:.2f}x", f"{f.ms / r.floor_ms:.2f}x")
     console.print(t)
     print_curves(r)
+    if r.one_token_vs_llamacpp is not None:
+        p = r.one_token_vs_llamacpp
+        console.print(f"one token: leaplm {p.leaplm_ms:.2f} ms, llama-bench pp1 {p.llama_ms:.2f} ms: leaplm takes "
+                      f"{p.ratio:.2f}x llama.cpp's time (median of {len(p.rounds)} alternating rounds; {p.command})")
     t = Table(title="decode time per generated token (medians over requests; rest = host work between the stages)")
     for col in ("config", "ms/token", "propose", "score", "verify", "commit", "rest", "mean acc. len", "vs floor"):
         t.add_column(col, justify="left" if col == "config" else "right")

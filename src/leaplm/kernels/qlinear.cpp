@@ -1513,6 +1513,19 @@ struct PackedLinear {
   const float* b() const { return bias.numel() ? bias.data_ptr<float>() : nullptr; }
 };
 
+// run_layers' buffers (Decoder::run_layers)
+struct LayerScratch {
+  std::vector<float> h, qkv, att, tmp, gu, act;
+  std::vector<int64_t> keys, nkeys;
+};
+
+// v with at least n elements (grown when short; its contents are the caller's to write)
+template <typename V>
+V& grown(V& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v;
+}
+
 struct Layer {
   torch::Tensor ln1, ln2;
   PackedLinear qkv, o, gate_up, down;      // packed quantized weights (add_layer)
@@ -1663,10 +1676,19 @@ class Decoder {
     const int64_t* posp = pos.numel() ? posc.data_ptr<int64_t>() : own.data();
     auto maskc = mask.contiguous();
     auto cisc = cis.contiguous();
-    std::vector<float> h(M * hid), qkv(M * (H + 2 * Hkv) * D), att(M * H * D), tmp(M * hid), gu(M * 2 * inter),
-        act(M * inter);
+    // the calling thread's buffers, kept between forwards and grown, never shrunk: allocated and zeroed per
+    // forward, the larger ones come from fresh pages each time (a forward over 16 or 32 tokens), and the next
+    // small forward runs slower after them
+    static thread_local LayerScratch scratch;
+    auto& h = grown(scratch.h, M * hid);
+    auto& qkv = grown(scratch.qkv, M * (H + 2 * Hkv) * D);
+    auto& att = grown(scratch.att, M * H * D);
+    auto& tmp = grown(scratch.tmp, M * hid);
+    auto& gu = grown(scratch.gu, M * 2 * inter);
+    auto& act = grown(scratch.act, M * inter);
     // the key slots each query attends, in key order (the same in every layer)
-    std::vector<int64_t> keys(M * kv_len), nkeys(M);
+    auto& keys = grown(scratch.keys, M * kv_len);
+    auto& nkeys = grown(scratch.nkeys, M);
     const bool* mp = maskc.numel() ? maskc.data_ptr<bool>() : nullptr;
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = 0; t < T; ++t) {
@@ -1809,7 +1831,8 @@ class Decoder {
     const int64_t items = B * H * T;
     const int64_t grain = work > (1 << 18) ? std::max<int64_t>(1, items / (8 * int64_t(at::get_num_threads()))) : items;
     leaplm_pool::parallel_for(items, grain, [&](int64_t i0, int64_t i1) {
-      std::vector<float> p(S);
+      static thread_local std::vector<float> scores;           // a query's softmax over its keys
+      std::vector<float>& p = grown(scores, S);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / (H * T), hh = (i / T) % H, t = i % T, g = hh / rep;
         const float* kb = kp + (b * Hkv + g) * cap * D;
