@@ -116,9 +116,9 @@ def stream_bandwidth(hidden: int = 4096, reps: int = 7) -> float:
 
 def forward_costs(model, tokens=(1, 2, 4, 8, 12, 16), ctx: int = 64, reps: int = 15) -> list[ForwardCost]:
     """Median ms of a forward over T new tokens after `ctx` cached ones, the T values interleaved per repeat in an
-    order shuffled each repeat (seeded): a forward runs slower right after a larger one (its weights and
-    activations pushed out of the caches), so a fixed order would flatter or penalize whichever T follows the
-    largest (SmolLM2 Q4_1 on a Xeon: one token 6.0 ms right after 32 tokens, 4.8 ms in a shuffled order)."""
+    order shuffled each repeat (seeded), so that no T always follows the same one. A forward among larger ones
+    runs slower than the same forward repeated (SmolLM2 Q4_1 on a Xeon: one token 5.8-6.1 ms within a sweep of
+    1..32 tokens, 4.8 ms repeated alone), so ratios compare within one call, not across calls."""
     cache = model.new_cache(1, ctx + max(tokens) + 1)
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
