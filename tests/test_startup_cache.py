@@ -79,3 +79,23 @@ def test_a_broken_entry_reads_as_missing():
     sc.write_json("x", "k", {"a": 1})
     (sc.entry_dir("x", "k") / "entry.json").write_text("{not json")
     assert sc.read_json("x", "k") is None
+
+
+def test_the_calibration_key_follows_the_int8_kernels_build(checkpoint, monkeypatch):
+    """Costs measured with one build of the int8 kernel are not another's: an engine whose linears run on it keys
+    its calibration by the build (and its path and tile sizes); an engine off the kernel does not depend on it."""
+    from types import SimpleNamespace
+
+    from leaplm.engine import startup_checks
+    from leaplm.engine.engine import Engine
+    from leaplm.kernels import build
+
+    if build.load() is None:
+        pytest.skip("the int8 kernel's C++ extension is unavailable here")
+    on = Engine(checkpoint("llama3_rope"), method="ngram", k=4, quantization="int8")
+    off = Engine(checkpoint("llama3_rope"), method="ngram", k=4)
+    keys = (startup_checks._calibration_key(on, 1, 256, 2), startup_checks._calibration_key(off, 1, 256, 2))
+    assert startup_checks._kernel(off) == "-" and build.built_library().tag in startup_checks._kernel(on)
+    monkeypatch.setattr(build, "built_library", lambda: SimpleNamespace(tag="another build"))
+    assert startup_checks._calibration_key(on, 1, 256, 2) != keys[0]
+    assert startup_checks._calibration_key(off, 1, 256, 2) == keys[1]

@@ -30,7 +30,19 @@ def _identity(engine) -> list:
     quant = sorted({q.backend for q in model.quantized.values()})   # QuantizedLinear / SplitLinear
     return [ident(engine.target), ident(engine.draft), engine.backend, str(model.dtype),
             quant, torch.get_num_threads(), engine.spec.method, engine.spec.k, engine.max_model_len,
-            _draft_forward(engine)]
+            _draft_forward(engine), _kernel(engine)]
+
+
+def _kernel(engine) -> str:
+    """The int8 kernel's build, path and tile sizes where a model runs on it: a faster kernel changes every block
+    cost, so costs measured with another build are not this one's."""
+    models = [engine.model] + ([engine.draft.model] if engine.draft is not None else [])
+    if not any(q.backend == "extension" for m in models for q in m.quantized.values()):
+        return "-"
+    from ..kernels.build import built_library, load
+
+    ext = load()
+    return f"{built_library().tag}/{ext.path if ext else '-'}/{ext.amx_tokens if ext else '-'}"
 
 
 def _draft_forward(engine) -> str:

@@ -58,6 +58,7 @@ class VocabMappedDraft(torch.nn.Module):
     max_len = property(lambda self: self.inner.max_len)
     device = property(lambda self: self.inner.device)
     dtype = property(lambda self: self.inner.dtype)
+    quantized = property(lambda self: self.inner.quantized)
     # the inner model's, but no forward_hidden: the hidden states are not this adapter's to give
     capabilities = property(lambda self: dataclasses.replace(self.inner.capabilities, hidden_states=False,
                                                              greedy_chain=False))
