@@ -195,34 +195,31 @@ def test_simd_and_scalar_paths_agree_bit_for_bit(fmt):
         assert all(torch.equal(ys[0], y) for y in ys[1:]), T
 
 
-@pytest.fixture
-def every_block_on_tiles():
-    """The AMX path's tile products for every block size and format (where this machine runs the AMX path);
-    the tuned sizes restored after the test."""
-    ext = load()
-    if ext is None or ext.path != 3:
-        pytest.skip(f"the AMX path does not run on this machine ({ext.why if ext else 'no extension'})")
-    before = {int4: ext.module.amx_tokens(int4) for int4 in (False, True)}
-    for int4 in (False, True):
+def tiles_at_every_block_size(ext):
+    """Where ext runs the AMX path: its tile products at every block size and format until the generator is
+    closed, then the tuned sizes again."""
+    on = ext is not None and ext.path == 3
+    before = {int4: ext.module.amx_tokens(int4) for int4 in (False, True)} if on else {}
+    for int4 in before:
         ext.module.set_amx_tokens(int4, list(range(1, 33)))
     yield ext
     for int4, tokens in before.items():
         ext.module.set_amx_tokens(int4, tokens)
+
+
+@pytest.fixture
+def every_block_on_tiles():
+    """The AMX path's tile products for every block size and format (skipped where the AMX path does not run)."""
+    ext = load()
+    if ext is None or ext.path != 3:
+        pytest.skip(f"the AMX path does not run on this machine ({ext.why if ext else 'no extension'})")
+    yield from tiles_at_every_block_size(ext)
 
 
 @pytest.fixture
 def every_block_on_tiles_if_amx():
-    """every_block_on_tiles where the AMX path runs, else nothing to set."""
-    ext = load()
-    if ext is None or ext.path != 3:
-        yield ext
-        return
-    before = {int4: ext.module.amx_tokens(int4) for int4 in (False, True)}
-    for int4 in (False, True):
-        ext.module.set_amx_tokens(int4, list(range(1, 33)))
-    yield ext
-    for int4, tokens in before.items():
-        ext.module.set_amx_tokens(int4, tokens)
+    """every_block_on_tiles where the AMX path runs, else the machine's own paths as they are."""
+    yield from tiles_at_every_block_size(load())
 
 
 @needs_ext

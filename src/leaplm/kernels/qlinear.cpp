@@ -132,7 +132,8 @@ struct Act {
 
 #define LEAPLM_INLINE __attribute__((always_inline)) inline
 
-LEAPLM_INLINE void quantize_act_body(const float* x, int T, int64_t K, Act& out) {
+// out's arrays sized for T tokens of K (both: the block-major copy too)
+inline void size_act(Act& out, int T, int64_t K, bool both) {
   const int G = int(K / QK);
   out.T = T, out.K = K, out.G = G;
   out.qa.resize(size_t(T) * K);
@@ -140,6 +141,16 @@ LEAPLM_INLINE void quantize_act_body(const float* x, int T, int64_t K, Act& out)
   out.sa.resize(size_t(T) * G);
   out.sq.resize(size_t(T) * G);
   out.sq16.resize(size_t(T) * G);
+  if (both) {
+    out.qab.resize(size_t(T) * K);
+    out.ab.resize(size_t(T) * G);
+    out.sqb.resize(size_t(T) * G);
+  }
+}
+
+LEAPLM_INLINE void quantize_act_body(const float* x, int T, int64_t K, Act& out) {
+  const int G = int(K / QK);
+  size_act(out, T, K, false);
   for (int t = 0; t < T; ++t)
     for (int g = 0; g < G; ++g) {
       const float* xb = x + t * K + g * QK;
@@ -180,14 +191,15 @@ void quantize_act_base(const float* x, int T, int64_t K, Act& out) { quantize_ac
 // The same operations as quantize_act_body, 8 lanes at a time: |x| max per lane (lane l holds elements l, l + 8,
 // l + 16, l + 24, as the body's lanes[j % 8]), the max over lanes, the scale, then clamp, round by the magic number
 // and convert per element (vmaxps/vminps with the constant second pick it for NaN, as std::max/min do).
-// tokens t0 .. t1 - 1 of quantize_act_simd (out sized for all T)
-__attribute__((target("avx2,f16c"))) void quantize_rows_simd(const float* x, int T, int t0, int t1, int64_t K,
-                                                              Act& out, bool both) {
+// On the calling thread: split across the kernel's threads, the 121 calls of a SmolLM2 forward took longer (8
+// tokens: 1.10 against 0.49 ms a forward), the pool's hand-offs costing more than the work they share.
+__attribute__((target("avx2,f16c"))) void quantize_act_simd(const float* x, int T, int64_t K, Act& out, bool both) {
   const int G = int(K / QK);
+  size_act(out, T, K, both);
   const __m256 sign = _mm256_set1_ps(-0.f), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f),
                magic = _mm256_set1_ps(12582912.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int t = t0; t < t1; ++t)
+  for (int t = 0; t < T; ++t)
     for (int g = 0; g < G; ++g) {
       const float* xb = x + t * K + g * QK;
       __m256 v[4];
@@ -234,23 +246,6 @@ __attribute__((target("avx2,f16c"))) void quantize_rows_simd(const float* x, int
     }
 }
 
-// On the calling thread: split across the kernel's threads, the 121 calls of a SmolLM2 forward took longer (8
-// tokens: 1.10 against 0.49 ms a forward), the pool's hand-offs costing more than the work they share.
-void quantize_act_simd(const float* x, int T, int64_t K, Act& out, bool both) {
-  const int G = int(K / QK);
-  out.T = T, out.K = K, out.G = G;
-  out.qa.resize(size_t(T) * K);
-  out.a.resize(size_t(T) * G);
-  out.sa.resize(size_t(T) * G);
-  out.sq.resize(size_t(T) * G);
-  out.sq16.resize(size_t(T) * G);
-  if (both) {
-    out.qab.resize(size_t(T) * K);
-    out.ab.resize(size_t(T) * G);
-    out.sqb.resize(size_t(T) * G);
-  }
-  quantize_rows_simd(x, T, 0, T, K, out, both);
-}
 #endif
 
 void quantize_act(const float* x, int T, int64_t K, Act& out, int path = 0) {
