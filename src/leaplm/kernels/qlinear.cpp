@@ -641,6 +641,30 @@ LEAPLM_INLINE __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
   return acc;
 }
 
+// Block g of row groups grp (at lo) and grp + 1 (at hi) as 8 vectors, vector c holding elements 4c .. 4c+3 of
+// grp's 8 rows in its low half and of grp + 1's in its high half: int4, the nibbles as bytes 0..15 (low nibbles in
+// u[0..3], high ones in u[4..7]); int8, the signed bytes as stored
+__attribute__((target("avx2,avx512f,avx512bw,avx512dq,avx512vl,f16c")))
+LEAPLM_INLINE __m512i both_halves(const uint8_t* lo, const uint8_t* hi, int off) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + off))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + off)), 1);
+}
+
+template <bool INT4>
+__attribute__((target("avx2,avx512f,avx512bw,avx512dq,avx512vl,f16c")))
+LEAPLM_INLINE void load_pair(const uint8_t* lo, const uint8_t* hi, __m512i* u) {
+  if constexpr (INT4) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = both_halves(lo, hi, 32 * c);
+      u[c] = _mm512_and_si512(v, nib);
+      u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    }
+  } else {
+    for (int c = 0; c < 8; ++c) u[c] = both_halves(lo, hi, 32 * c);
+  }
+}
+
 // Two row groups (16 rows) in 512-bit vectors: lane r of the low half is row 8 grp + r, of the high half row
 // 8 (grp + 1) + r. Each activation broadcast feeds 16 rows' dot products and each unpacked weight vector all TT
 // tokens; the arithmetic per (row, token) is the single group's (exact int32 block products, then
@@ -660,21 +684,11 @@ void pair_vnni(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, 
     prefetch_ahead(w, (grp * G + g) * bb, (grp * G + g) * RG);
     prefetch_ahead(w, ((grp + 1) * G + g) * bb, ((grp + 1) * G + g) * RG);
     __m512i u[8];
-#define LEAPLM_BOTH(off)                                                                               \
-  _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + (off)))), \
-                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + (off))), 1)
-    if constexpr (INT4) {
-      const __m512i nib = _mm512_set1_epi8(0x0F);
-      for (int c = 0; c < 4; ++c) {
-        const __m512i v = LEAPLM_BOTH(32 * c);
-        u[c] = _mm512_and_si512(v, nib);
-        u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-      }
-    } else {
+    load_pair<INT4>(lo, hi, u);
+    if constexpr (!INT4) {
       const __m512i k128 = _mm512_set1_epi8(char(0x80));
-      for (int c = 0; c < 8; ++c) u[c] = _mm512_xor_si512(LEAPLM_BOTH(32 * c), k128);
+      for (int c = 0; c < 8; ++c) u[c] = _mm512_xor_si512(u[c], k128);
     }
-#undef LEAPLM_BOTH
     const __m512 sv = load16(w, w.s, (grp * G + g) * RG, int64_t(G) * RG);
     const int8_t* qb = act.qab.data() + (int64_t(g) * T + t0) * QK;   // token t's block at qb + 32 t
     const float* ag = act.ab.data() + int64_t(g) * T + t0;
@@ -798,20 +812,9 @@ class TileScope {
 template <bool INT4>
 __attribute__((target("avx2,avx512f,avx512bw,avx512dq,avx512vl,f16c")))
 LEAPLM_INLINE void tile_rows(const uint8_t* lo, const uint8_t* hi, uint8_t* b) {
-#define LEAPLM_BOTH(off)                                                                               \
-  _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + (off)))), \
-                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + (off))), 1)
-  if constexpr (INT4) {
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    for (int c = 0; c < 4; ++c) {
-      const __m512i v = LEAPLM_BOTH(32 * c);
-      _mm512_store_si512(b + 64 * c, _mm512_and_si512(v, nib));
-      _mm512_store_si512(b + 64 * (c + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
-    }
-  } else {
-    for (int c = 0; c < 8; ++c) _mm512_store_si512(b + 64 * c, LEAPLM_BOTH(32 * c));
-  }
-#undef LEAPLM_BOTH
+  __m512i u[8];
+  load_pair<INT4>(lo, hi, u);
+  for (int c = 0; c < 8; ++c) _mm512_store_si512(b + 64 * c, u[c]);
 }
 
 // acc[t] (16 rows of token t0 + t) += float(C[t]) * (s * a[t]) for one block, C as tdp*d stored it
