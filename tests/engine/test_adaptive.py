@@ -598,3 +598,28 @@ def test_probes_that_cost_more_than_predicted_stay_within_the_budget(a, shape):
     floor = 1 - BatchAdaptiveK(BatchCostModel()).probe_budget - 0.005
     assert simulate(truths, shape, noise, None, overrun=3.0) >= floor * k0
     assert simulate(truths, shape, noise, None, overrun=3.0, measured=False) < floor * k0
+
+
+
+@pytest.mark.parametrize("deepen", [True, False])
+def test_a_deeper_k_priced_near_the_chosen_one_is_asked_every_eighth_drafting_step(deepen):
+    """A draft row whose positions past 3 are priced low (an early miss there) on the embedded target's block costs
+    (a cheap block at T = 4): the best K is 3, and the best-priced deeper K within `near` of it. With deepening,
+    every deepen_every-th drafting step asks that deeper K, so the positions past 3 are measured again;
+    the other steps ask K = 3, and the deeper steps cost at most `near` of a step each. Without it (the flag a
+    copying proposer's row carries: it proposes before K is chosen), K = 3 throughout. A deeper K priced far
+    below the chosen one is never asked."""
+    by_k = [1.0, 1.8, 2.45, 2.95, 3.0, 3.15, 3.2, 3.25, 3.3]
+    ctl = BatchAdaptiveK(costs_from(demo_step, ns=(1,)))
+    row = RowSpec(8, 0.7, 0.01 * 8.5e-3, tokens_by_k=by_k, deepen=deepen)
+    assert ctl.best([row]) == 3
+    deeper = max(range(4, 9), key=lambda k: ctl.rate([row], k))
+    assert ctl.rate([row], deeper) >= ctl.rate([row], 3) * (1 - ctl.probes.near)
+    chosen = [ctl.choose([row]) for _ in range(32)]
+    if deepen:
+        assert chosen == ([3] * 7 + [deeper]) * 4
+    else:
+        assert chosen == [3] * 32
+    far = RowSpec(8, 0.7, 0.5 * 8.5e-3, tokens_by_k=[1.0, 1.9, 2.7, 3.4] + [3.4] * 5, deepen=True)
+    assert all(ctl.rate([far], k) < ctl.rate([far], 3) * (1 - ctl.probes.near) for k in range(4, 9))
+    assert [ctl.choose([far]) for _ in range(16)] == [3] * 16

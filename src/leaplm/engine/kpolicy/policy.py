@@ -136,7 +136,8 @@ class KPolicy:
         return RowSpec(cap, r.acceptance.rate, self.estimates.propose_cost(method, drafting.get(method, 1)),
                        self._spread(r, now), extra_tokens=r.extra_tokens, tokens_by_k=r.acceptance.tokens_by_k(cap),
                        match=r.acceptance.match, tokens_by_k_after_hit=r.acceptance.tokens_by_k_after_hit(cap),
-                       catchup_now_s=now, remaining=tokens_left(r.req))
+                       catchup_now_s=now, remaining=tokens_left(r.req), deepen=not r.proposer.bursty
+                       if r.proposer is not None else False)
 
     def catchup_now_s(self, r: Row) -> float:
         """Seconds a draft model needs to prefill what it has not seen (a row that has not drafted yet: its whole
