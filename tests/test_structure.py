@@ -1,7 +1,8 @@
 """The shape of the code that keeps the step readable and the model contract explicit, read from the source:
 engine/step.py stays under 300 lines, nothing in engine/ or propose/ probes an object with getattr/hasattr (models
 declare what they can do in ModelCapabilities, models/base.py), each model class's declared capabilities match
-the methods it has, and the trainers share one loop (training/loop.py)."""
+the methods it has, the trainers share one loop (training/loop.py), and no source file, the C++ kernel's included,
+is longer than 600 lines."""
 from __future__ import annotations
 
 import ast
@@ -97,3 +98,31 @@ def test_the_trainers_share_one_loop():
         if rel != "training/loop.py":
             found += [f"{rel}:{line}: {name}" for line, name in loop_work(path.read_text())]
     assert not found, "optimizer steps and schedules belong to training/loop.py:\n" + "\n".join(found)
+
+
+# one file, one job: a source file past this many lines holds several jobs that belong in files of their own
+MAX_SOURCE_LINES = 600
+SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".inc")
+
+
+def oversized(root: Path, limit: int) -> list[str]:
+    """'path: lines' of every source file under root longer than limit lines."""
+    out = []
+    for path in sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file()):
+        n = len(path.read_text(errors="replace").splitlines())
+        if n > limit:
+            out.append(f"{path.relative_to(root).as_posix()}: {n}")
+    return out
+
+
+def test_the_size_finder_sees_a_long_file(tmp_path):
+    """The negative control: a file one line past the limit is found, one at the limit is not."""
+    (tmp_path / "long.cpp").write_text("x\n" * 11)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "ok.py").write_text("x\n" * 10)
+    assert oversized(tmp_path, 10) == ["long.cpp: 11"]
+
+
+def test_no_source_file_holds_more_than_one_files_worth():
+    found = oversized(SRC, MAX_SOURCE_LINES)
+    assert not found, f"split these by job (at most {MAX_SOURCE_LINES} lines a file):\n" + "\n".join(found)

@@ -11,7 +11,8 @@ import torch
 
 from leaplm.config import ConfigError, SamplingParams
 from leaplm.engine.engine import Engine
-from leaplm.training.chat_distill import ChatBatch, chat_loss, cut_layers
+from leaplm.training.chat_distill import ChatBatch, chat_loss
+from leaplm.training.chat_draft_init import cut_layers
 from leaplm.training.draft_run import DraftRunConfig, train_draft
 
 TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
@@ -66,7 +67,7 @@ def test_cut_draft_starts_as_the_targets_first_layers(run_dir, chat_target):
     # a 0-step run keeps the copied weights: layer 0 equals the target's (up to the fp16 of the saved draft)
     # (checked on a fresh build, the trained one has moved)
     from leaplm.models.draft_vocab import read_d2t
-    from leaplm.training.chat_distill import build_cut_draft
+    from leaplm.training.chat_draft_init import build_cut_draft
 
     d2t = read_d2t(run_dir / "draft")
     draft = build_cut_draft(chat_target, 1, d2t, eos_target=0)
@@ -83,7 +84,7 @@ def test_cut_draft_starts_as_the_targets_first_layers(run_dir, chat_target):
 def test_cut_from_a_gguf_file_equals_the_cut_from_its_checkpoint(run_dir, chat_target, tmp_path):
     from leaplm.models.draft_vocab import read_d2t
     from leaplm.models.gguf_export import export_gguf
-    from leaplm.training.chat_distill import build_cut_draft
+    from leaplm.training.chat_draft_init import build_cut_draft
 
     gguf = export_gguf(chat_target, str(tmp_path / "t.gguf"), "f32").path      # q, k rows permuted as llama.cpp's
     d2t = read_d2t(run_dir / "draft")

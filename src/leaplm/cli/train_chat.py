@@ -73,7 +73,7 @@ def distill_chat_cmd(
                                                    "its tokenizer and embedding."),
     logits_dir: Path = typer.Option(..., "--logits-dir", help="Shards written by `train chatdata`."),
     out_dir: Path = typer.Option(..., "--out", help="Run and draft directory (rerun to resume)."),
-    shape: str = typer.Option(_dd("shape"), help="Draft shape (training/chat_distill.py DRAFT_SHAPES)."),
+    shape: str = typer.Option(_dd("shape"), help="Draft shape (training/chat_draft_init.py DRAFT_SHAPES)."),
     draft_vocab: int = typer.Option(_dd("draft_vocab"), "--draft-vocab", min=2,
                                     help="Draft vocabulary rows: the target tokens with most mass, + 1 'other'."),
     steps: int = typer.Option(_dd("steps"), min=1),

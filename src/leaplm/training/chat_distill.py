@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -23,32 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
+from .chat_draft_init import CUT_PREFIX, DRAFT_SHAPES, build_draft, cut_layers, target_embedding
+from .chat_shards import ChatRow, ChatShards, choose_vocab, coverage, text_token_mass
 from .distill import DistillStepLog
 from .loop import Checkpoint, LoopConfig, Schedule, StepResult, Trainer, adamw
 
 log = logging.getLogger(__name__)
 
-# narrow llamas; the LM head and embedding are N x hidden (tied)
-DRAFT_SHAPES: dict[str, dict] = {
-    "chat-2x256": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=1),
-    "chat-1x256": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=1, num_attention_heads=4,
-                       num_key_value_heads=1),
-    "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                 num_key_value_heads=1),
-}
-# "cut-N": the target's own first N layers, final norm and (tied) embedding rows of the draft vocabulary, copied
-# from the target and then distilled: a draft that starts close to the target's early representation
-CUT_PREFIX = "cut-"
 LOSSES = ("kl", "tv")
-
-
-def cut_layers(shape: str) -> int | None:
-    """N of a "cut-N" shape, else None."""
-    if not shape.startswith(CUT_PREFIX):
-        return None
-    n = shape[len(CUT_PREFIX):]
-    return int(n) if n.isdigit() and int(n) >= 1 else None
 
 
 @dataclass
@@ -98,216 +80,6 @@ class ChatDistillConfig:
             raise ConfigError("temperatures", f"must be values in (0, 10], got {self.temperatures}")
         if not Path(self.logits_dir).is_dir():
             raise ConfigError("logits_dir", f"{self.logits_dir!r} is not a directory")
-
-
-# ---- shards ------------------------------------------------------------------------------------------------
-
-@dataclass
-class ChatRow:
-    ids: torch.Tensor                  # [P + N] int64, prompt + answer
-    prompt_len: int
-    topk_ids: torch.Tensor             # [N, k] int64 target ids
-    topk_logp: torch.Tensor            # [N, k] fp32
-
-
-@dataclass
-class ChatShards:
-    train: list[ChatRow]
-    valid: list[ChatRow]
-    temperatures: dict[str, int] = field(default_factory=dict)   # shard temperature -> rows
-
-    @classmethod
-    def load(cls, directory: str | Path, valid_every: int = 10) -> "ChatShards":
-        from safetensors import safe_open
-
-        paths = sorted(Path(directory).glob("chat-*.safetensors"))
-        if not paths:
-            raise FileNotFoundError(f"logits_dir: no chat-*.safetensors shards in {str(directory)!r}")
-        held = {i for i in range(len(paths)) if i % valid_every == valid_every - 1} or \
-            ({len(paths) - 1} if len(paths) > 1 else set())
-        out = cls([], [])
-        for i, p in enumerate(paths):
-            with safe_open(str(p), "pt") as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != "chat-v1":
-                    raise ValueError(f"logits_dir: {p.name} is not a chat shard (format {meta.get('format')!r})")
-                t = {k: f.get_tensor(k) for k in ("input_ids", "prompt_len", "answer_len", "topk_ids", "topk_logp")}
-            out.temperatures[meta["temperature"]] = out.temperatures.get(meta["temperature"], 0) + len(t["prompt_len"])
-            for r in range(len(t["prompt_len"])):
-                P, N = int(t["prompt_len"][r]), int(t["answer_len"][r])
-                if N < 1:
-                    continue
-                row = ChatRow(t["input_ids"][r, : P + N].long(), P, t["topk_ids"][r, :N].long(),
-                              t["topk_logp"][r, :N].float())
-                (out.valid if i in held else out.train).append(row)
-        if not out.train:
-            raise ValueError(f"logits_dir: {directory} has no training rows")
-        return out
-
-    def answer_tokens(self, rows: list[ChatRow] | None = None) -> int:
-        return sum(r.topk_ids.shape[0] for r in (self.train if rows is None else rows))
-
-
-def choose_vocab(rows: list[ChatRow], n: int, target_vocab: int, text_mass: torch.Tensor | None = None) -> torch.Tensor:
-    """d2t [n] int64: -1 (row 0, "other"), then the n - 1 target tokens with the most target probability mass
-    over the answers' top k (the emitted tokens counted once more), most first; text_mass ([V], sums to 1)
-    adds a text corpus' frequencies at half the answers' weight (ranks the tokens the few answers never used)."""
-    mass = torch.zeros(target_vocab, dtype=torch.float64)
-    for r in rows:
-        mass.index_add_(0, r.topk_ids.reshape(-1), r.topk_logp.exp().reshape(-1).double())
-        mass.index_add_(0, r.ids[r.prompt_len:], torch.ones(len(r.ids) - r.prompt_len, dtype=torch.float64))
-    mass = mass / mass.sum().clamp(min=1e-12)
-    if text_mass is not None:
-        mass = mass + 0.5 * text_mass
-    top = mass.topk(min(n - 1, target_vocab)).indices
-    return torch.cat([torch.tensor([-1]), top])
-
-
-def text_token_mass(stream_ids: torch.Tensor, target_vocab: int) -> torch.Tensor:
-    """[V] float64 token frequencies of a text corpus, summing to 1."""
-    c = torch.bincount(stream_ids.long(), minlength=target_vocab)[:target_vocab].double()
-    return c / c.sum().clamp(min=1)
-
-
-def coverage(rows: list[ChatRow], d2t: torch.Tensor) -> float:
-    """Fraction of emitted answer tokens inside the draft vocabulary (the most a draft can ever match)."""
-    keep = set(d2t[d2t >= 0].tolist())
-    toks = [t for r in rows for t in r.ids[r.prompt_len:].tolist()]
-    return sum(t in keep for t in toks) / max(1, len(toks))
-
-
-# ---- the draft ---------------------------------------------------------------------------------------------
-
-def target_embedding(model: str) -> torch.Tensor:
-    """[V, hidden] fp32 input embedding of the target (GGUF token_embd, or embed_tokens of a checkpoint)."""
-    from ..models.gguf import is_gguf
-
-    if is_gguf(model):
-        from gguf import GGUFReader
-        from gguf.quants import dequantize
-
-        t = next(t for t in GGUFReader(model).tensors if t.name == "token_embd.weight")
-        return torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
-    from ..models.loading import read_state_dict
-
-    sd = read_state_dict(Path(model))
-    key = next(k for k in sd if k.endswith("embed_tokens.weight"))
-    return sd[key].float()
-
-
-# llama.cpp tensor names -> Hugging Face names of one layer
-_GGUF_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-
-
-def _llama_cpp_unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """[rows, cols] llama.cpp's interleaved rotary pairs -> Hugging Face's rotate-half rows, per head (the inverse of
-    models/gguf_export.llama_cpp_permute)."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def target_checkpoint(model: str, n_layers: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(Hugging Face config dict, fp32 state dict with Hugging Face names) of the target; with n_layers, only the
-    embedding, the final norm and layers 0..n_layers-1 (a GGUF file dequantizes only those tensors)."""
-    from ..models.gguf import is_gguf
-
-    if is_gguf(model):
-        from gguf import GGUFReader
-        from gguf.quants import dequantize
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-        cfg = _full_config(load_gguf_checkpoint(model, return_tensors=False)["config"])
-        heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-        sd = {}
-        for t in GGUFReader(model).tensors:
-            name = t.name.rsplit(".", 1)[0]
-            if name == "token_embd":
-                key = "model.embed_tokens.weight"
-            elif name == "output_norm":
-                key = "model.norm.weight"
-            elif name.startswith("blk."):
-                _, i, kind = name.split(".", 2)
-                if kind not in _GGUF_LAYER or (n_layers is not None and int(i) >= n_layers):
-                    continue
-                key = f"model.layers.{i}.{_GGUF_LAYER[kind]}.weight"
-            else:
-                continue
-            w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
-            if name.endswith("attn_q"):
-                w = _llama_cpp_unpermute(w, heads)
-            elif name.endswith("attn_k"):
-                w = _llama_cpp_unpermute(w, kv)
-            sd[key] = w
-        return cfg, sd
-    from ..models.loading import read_state_dict
-
-    sd = {k if k.startswith(("model.", "lm_head")) else f"model.{k}": v.float()
-          for k, v in read_state_dict(Path(model)).items()}
-    return json.loads((Path(model) / "config.json").read_text()), sd
-
-
-def _full_config(cfg: dict) -> dict:
-    """The full Hugging Face config dict (defaults filled in) of a config dict read from a GGUF file."""
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(**cfg).to_dict()
-
-
-def build_cut_draft(model: str, n_layers: int, d2t: torch.Tensor, eos_target: int):
-    """A HF llama over len(d2t) rows made of the target's first n_layers layers, its final norm and its
-    embedding rows d2t (row 0, "other", = the mean row), tied as input embedding and LM head."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tcfg, sd = target_checkpoint(model, n_layers)
-    if tcfg.get("model_type", "llama") != "llama":
-        raise ConfigError("shape", f"{CUT_PREFIX}N needs a llama target, got model_type {tcfg.get('model_type')!r}")
-    total = int(tcfg["num_hidden_layers"])
-    if n_layers >= total:
-        raise ConfigError("shape", f"{CUT_PREFIX}{n_layers}: the target has only {total} layers")
-    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
-            "max_position_embeddings", "head_dim", "rope_parameters", "rope_theta", "hidden_act")
-    t2d_eos = int((d2t == eos_target).nonzero()[0]) if bool((d2t == eos_target).any()) else 0
-    conf = LlamaConfig(vocab_size=len(d2t), tie_word_embeddings=True, num_hidden_layers=n_layers,
-                       bos_token_id=t2d_eos, eos_token_id=t2d_eos, **{k: tcfg[k] for k in keep if k in tcfg})
-    draft = LlamaForCausalLM(conf)
-    emb = sd["model.embed_tokens.weight"]                               # [V, H]
-    rows = emb[d2t.clamp(min=0)].clone()                                # [N, H]
-    rows[0] = emb.mean(0)
-    own = {"model.embed_tokens.weight": rows, "model.norm.weight": sd["model.norm.weight"]}
-    own |= {k: v for k, v in sd.items() if k.startswith("model.layers.") and int(k.split(".")[2]) < n_layers}
-    missing, unexpected = draft.load_state_dict(own, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight" and "rotary_emb" not in k]
-    if missing or unexpected:
-        raise ValueError(f"shape: cannot cut the target: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    draft.tie_weights()
-    return draft
-
-
-def build_draft(cfg: ChatDistillConfig, d2t: torch.Tensor, target_emb: torch.Tensor | None, eos_target: int):
-    """A fresh HF llama over len(d2t) rows, embedding = PCA projection of the target's rows (scaled to the
-    usual init std); a "cut-N" shape starts from the target's own first N layers instead."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(cfg.seed)
-    if (n := cut_layers(cfg.shape)) is not None:
-        return build_cut_draft(cfg.model, n, d2t, eos_target)
-    shape = DRAFT_SHAPES[cfg.shape]
-    t2d_eos = int((d2t == eos_target).nonzero()[0]) if bool((d2t == eos_target).any()) else 0
-    conf = LlamaConfig(vocab_size=len(d2t), tie_word_embeddings=True, max_position_embeddings=8192,
-                       rope_theta=100000.0, rms_norm_eps=1e-5, bos_token_id=t2d_eos, eos_token_id=t2d_eos, **shape)
-    draft = LlamaForCausalLM(conf)
-    h = shape["hidden_size"]
-    rows = target_emb[d2t.clamp(min=0)]                               # [N, H_target]
-    rows[0] = target_emb.mean(0)
-    centered = rows - rows.mean(0)
-    _, _, v = torch.pca_lowrank(centered, q=min(h, centered.shape[1]), center=False)
-    proj = centered @ v                                                # [N, <= h]
-    emb = torch.zeros(len(d2t), h)
-    emb[:, : proj.shape[1]] = proj / proj.std() * conf.initializer_range
-    with torch.no_grad():
-        draft.model.embed_tokens.weight.copy_(emb)
-    return draft
 
 
 # ---- the loss ----------------------------------------------------------------------------------------------
@@ -440,7 +212,7 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
     log.info("chat shards: %d train rows (%d answer tokens), %d valid rows; temperatures %s; draft vocabulary "
              "%d covers %.3f of held-out answer tokens", len(shards.train), shards.answer_tokens(),
              len(shards.valid), shards.temperatures, len(d2t), cov)
-    draft = build_draft(cfg, d2t, None if cut_layers(cfg.shape) else target_embedding(cfg.model), tok.eos_token_id)
+    draft = build_draft(cfg.shape, cfg.model, cfg.seed, d2t, None if cut_layers(cfg.shape) else target_embedding(cfg.model), tok.eos_token_id)
     n_params = sum(p.numel() for p in draft.parameters())
     with (out / "train_config.json").open("w") as f:
         json.dump(asdict(cfg) | {"kind": "distill-chat", "target_dir": cfg.model, "n_params": n_params,

@@ -35,7 +35,7 @@ class DraftRunConfig:
     (docs/drafts-and-heads.md)."""
     target: str                                   # GGUF file or checkpoint directory of the target
     out_dir: str
-    shape: str = "cut-2"                          # chat_distill.DRAFT_SHAPES or cut-N
+    shape: str = "cut-2"                          # chat_draft_init.DRAFT_SHAPES or cut-N
     draft_vocab: int = 4096
     # stage 1: data
     n_prompts: int = 320
