@@ -8,7 +8,7 @@ tune.py            leaplm tune
 train.py           leaplm train tokenizer|pretrain|distill|ondata|card; heads.py: train eagle|medusa|export-head|
                    ship-head; train_chat.py: train chatdata|distill-chat
 evaluate.py        leaplm eval perplexity|acceptance
-models.py          leaplm models, models fetch, models export-gguf
+models.py          leaplm models, models fetch, models export-gguf; synth.py: models synth
 aliases.py         the spellings vLLM and llama.cpp users type, mapped onto leaplm's options
 common.py          consoles, errors, progress bars, torch threads
 
@@ -40,13 +40,14 @@ def add_commands(app: typer.Typer, only: str | None = None) -> None:
         app.command("serve")(serve)
         return
     # heads and train_chat add their commands to train's group when imported
-    from . import bench, bench_serve, evaluate, generate, heads, models, serve, train, train_chat, tune  # noqa: F401
+    from . import bench, bench_serve, evaluate, generate, heads, models, serve, synth, train, train_chat, tune  # noqa: F401
 
     app.command("generate")(generate.generate)
     app.command("serve")(serve.serve)
     bench.bench_app.command("serve")(bench_serve.bench_serve)
     app.add_typer(bench.bench_app, name="bench")
     app.command("tune")(tune.tune)
+    models.models_app.command("synth")(synth.synth)
     app.add_typer(models.models_app, name="models")
     app.add_typer(train.train_app, name="train", help="Train the tokenizer, pretrain and distill models.")
     app.add_typer(evaluate.eval_app, name="eval", help="Evaluate perplexity and draft acceptance.")
