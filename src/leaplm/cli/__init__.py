@@ -3,7 +3,7 @@
 generate.py        leaplm generate (startup.py: its --startup report)
 serve.py           leaplm serve (and python -m leaplm.server)
 bench.py           leaplm bench, bench memory; bench_serve.py, bench_roofline.py and bench_llamacpp.py: bench serve,
-                   bench --roofline, bench --baselines llamacpp
+                   bench --roofline, bench --baselines llamacpp; bench_project.py: bench project
 tune.py            leaplm tune
 train.py           leaplm train tokenizer|pretrain|distill|ondata|card; heads.py: train eagle|medusa|export-head|
                    ship-head; train_chat.py: train chatdata|distill-chat
@@ -40,11 +40,13 @@ def add_commands(app: typer.Typer, only: str | None = None) -> None:
         app.command("serve")(serve)
         return
     # heads and train_chat add their commands to train's group when imported
-    from . import bench, bench_serve, evaluate, generate, heads, models, serve, synth, train, train_chat, tune  # noqa: F401
+    from . import (bench, bench_project, bench_serve, evaluate, generate, heads, models, serve, synth,  # noqa: F401
+                   train, train_chat, tune)
 
     app.command("generate")(generate.generate)
     app.command("serve")(serve.serve)
     bench.bench_app.command("serve")(bench_serve.bench_serve)
+    bench.bench_app.command("project")(bench_project.bench_project)
     app.add_typer(bench.bench_app, name="bench")
     app.command("tune")(tune.tune)
     models.models_app.command("synth")(synth.synth)
