@@ -192,3 +192,16 @@ def test_the_command_refuses_unknown_shapes_and_formats(tmp_path):
     r = CliRunner().invoke(app, ["models", "synth", "Llama-3.2-1B", "--format", "Q2_K", "--out",
                                  str(tmp_path / "x.gguf")])
     assert r.exit_code != 0 and "--format" in r.output
+
+
+def test_generate_refuses_a_synthetic_file_unless_allowed(synth_file):
+    from typer.testing import CliRunner
+
+    from leaplm.cli import app
+
+    path = str(synth_file("llama", "Q8_0").path)
+    args = ["generate", "--model", path, "--method", "none", "--max-new-tokens", "3", "--ignore-eos", "hello"]
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+    assert r.exit_code != 0 and "synthetic: for benchmarks only" in r.output and "--allow-synthetic" in r.output
+    r = CliRunner().invoke(app, args + ["--allow-synthetic", "--json"], env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output

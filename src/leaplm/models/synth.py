@@ -281,12 +281,12 @@ def is_synthetic(fields: dict) -> bool:
     return bool(fields.get(SYNTHETIC_KEY, False))
 
 
-def refuse_synthetic(path: str, allow: bool, field: str = "model") -> None:
+def refuse_synthetic(path: str | None, allow: bool, field: str = "model") -> None:
     """ConfigError when `path` is a synthetic GGUF file and `allow` is False: its text is noise from random
     weights. Benchmarks pass allow=True (they time the shape, not the words)."""
     from .gguf import is_gguf, parse_gguf
 
-    if allow or not is_gguf(path) or not Path(path).expanduser().is_file():
+    if allow or not path or not is_gguf(path) or not Path(path).expanduser().is_file():
         return
     g = parse_gguf(Path(path).expanduser(), field)
     if is_synthetic(g.fields):
