@@ -13,7 +13,7 @@ import torch
 
 from gguf_writer import write_tiny_gguf
 from leaplm.config import ConfigError, SamplingParams
-from leaplm.models.gguf import dequantize_tensor, parse_gguf
+from leaplm.models.gguf import parse_gguf
 from leaplm.models.llamacpp.binding import available
 from leaplm.models.synth import (BLOCK_TYPES, DEFAULT_STD, matrix_type, plan_tensors, random_blocks,
                                  refuse_synthetic, use_more_bits, write_synthetic_gguf)
