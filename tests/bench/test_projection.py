@@ -37,7 +37,7 @@ def test_the_formula_on_a_hand_computed_case(tmp_path):
     flat = CostCurve("m", "flat", (1, 8), (1.0, 1.0), 10.0, 0.0)
     assert projected_speedup(flat, Trace("ngram", "w", 2.5, 5.0))[0] == pytest.approx(2.5)
     # an override of the proposer's cost replaces the trace's
-    assert projected_speedup(c, Trace("draft", "w", 3.0, 5.0, 0.5), propose_ms=2.0)[0] == pytest.approx(33 / 25.0)
+    assert projected_speedup(c, Trace("draft", "w", 3.0, 5.0, propose_ms=0.5), propose_ms=2.0)[0] == pytest.approx(33 / 25.0)
 
 
 def test_a_block_outside_the_measured_curve_is_refused(tmp_path):
@@ -72,16 +72,30 @@ def test_traces_from_a_bench_json(tmp_path):
                 "draft_tokens": drafted}
     p = tmp_path / "b.json"
     p.write_text(json.dumps({
+        "settings": {"k": 4},
         "summaries": [{"config": "ngram", "workload": "code", "speedup": 1.7}],
         "samples": [sample("none", "code", 64, 64, 0), sample("ngram", "code", 60, 20, 70),
-                    sample("ngram", "code", 40, 20, 90)]}))
+                    sample("ngram", "code", 40, 20, 90), sample("draft k=8", "code", 50, 10, 80)]}))
+    ngram, draft = load_traces(p)
+    # tau = 100 / 40; K = 4 (settings); f = 160 drafted / (40 forwards x 4)
+    assert (ngram.method, ngram.workload, ngram.tau, ngram.block, ngram.drafting, ngram.propose_ms,
+            ngram.measured_speedup) == ("ngram", "code", 2.5, 5.0, 1.0, 0.0, 1.7)
+    # K = 8 from the name; f = 80 / (10 x 8) = 1; no summary: no measured speedup
+    assert (draft.tau, draft.block, draft.drafting, draft.measured_speedup) == (5.0, 9.0, 1.0, None)
+    p.write_text(json.dumps({"settings": {"k": 4}, "summaries": [],
+                             "samples": [sample("suffix", "edit", 30, 20, 40)]}))
     (t,) = load_traces(p)
-    # tau = 100 / 40; T = 1 + 160 / 40
-    assert (t.method, t.workload, t.tau, t.block, t.propose_ms, t.measured_speedup) == (
-        "ngram", "code", 2.5, 5.0, 0.0, 1.7)
+    assert t.drafting == pytest.approx(0.5)            # 40 / (20 x 4): half the steps drafted
     p.write_text(json.dumps({"rows": []}))
     with pytest.raises(ConfigError, match="neither a roofline JSON"):
         load_traces(p)
+
+
+def test_steps_that_draft_nothing_cost_a_one_token_forward(tmp_path):
+    c = load_curve(roofline(tmp_path / "r.json", [method("none", 11.0, score_ms=10.0)]))
+    # f = 0.5: step cost 0.5 x 1.8 + 0.5 = 1.4; tau 1.5, p 0: 1.5 x 11 / (14 + 1)
+    s, r = projected_speedup(c, Trace("ngram k=4", "w", tau=1.5, block=5.0, drafting=0.5))
+    assert r == pytest.approx(1.4) and s == pytest.approx(16.5 / 15)
 
 
 def consistent_run(tmp_path, name="run.json"):

@@ -7,14 +7,19 @@ cost of a T-token forward over c1, p the proposer's cost per generated token and
 (verify, commit, bookkeeping: what plain decoding spends beside its forward),
 
     plain decoding, per token     c1 + o
-    speculation, per step         c1 r(T) + p tau + o
-    projected speedup             tau (c1 + o) / (c1 r(T) + p tau + o)
+    speculation, per step         c1 (f r(T) + 1 - f) + p tau + o
+    projected speedup             tau (c1 + o) / (c1 (f r(T) + 1 - f) + p tau + o)
+
+where f is the share of steps that drafted at all: a copying proposer (ngram, suffix) with nothing to copy drafts
+no token and its step is a one-token forward. A step that drafts is taken to draft K (T = K + 1): from a run's
+totals, f = drafted tokens / (forwards x K), at most 1.
 
 The curve comes from `leaplm bench --roofline` on the target (a synthetic file of the shape: models/synth.py):
 its whole-forward costs (`forwards`) or one of its block-cost `curves`, read between measured T by linear
 interpolation; c1 and o from its plain-decoding row. tau, T and p come from traces: a roofline JSON's method rows
 (mean_accepted_length, k, propose_ms) or a `leaplm bench` JSON's samples (new tokens / target forwards, 1 + drafted
-tokens / forwards; no proposer cost there: p = 0 unless given). Acceptance is a property of the model pair and the
+tokens / forwards gives f; no proposer cost there: p = 0 unless given). A roofline row gives no drafted count:
+f = 1 there. Acceptance is a property of the model pair and the
 text, so a trace measured on a small model stands in for the large one: that is the projection's assumption.
 
 The check applies the projection to the curve and traces of one run and compares with the speedups the same run
@@ -59,7 +64,8 @@ class Trace:
     method: str                 # the run's configuration name, e.g. "ngram k=4 adaptive_k=false"
     workload: str
     tau: float                  # mean accepted length: tokens emitted per target forward
-    block: float                # T: tokens per verification forward (K + 1; a mean under adaptive K)
+    block: float                # T = K + 1: tokens in a forward that verifies a draft
+    drafting: float = 1.0       # f: share of steps that drafted (the rest are one-token forwards)
     propose_ms: float = 0.0     # p: proposer ms per generated token (0 when the run did not split it out)
     measured_speedup: float | None = None   # what the run measured against plain decoding, when it did
     source: str = ""
@@ -73,7 +79,8 @@ class Projection:
     workload: str
     tau: float
     block: float
-    cost_ratio: float           # r(T)
+    drafting: float             # f
+    cost_ratio: float           # f r(T) + 1 - f
     propose_ms: float
     speedup: float              # projected
     measured_speedup: float | None = None
@@ -94,14 +101,14 @@ class ProjectionReport:
 
     def to_dict(self) -> dict:
         return {"tolerance": self.tolerance, "max_error": self.max_error, "passed": self.passed,
-                "formula": "speedup = tau (c1 + o) / (c1 r(K+1) + p tau + o)",
+                "formula": "speedup = tau (c1 + o) / (c1 (f r(K+1) + 1 - f) + p tau + o)",
                 "rows": [asdict(r) for r in self.rows]}
 
 
 def projected_speedup(curve: CostCurve, trace: Trace, propose_ms: float | None = None) -> tuple[float, float]:
-    """(speedup, r(T)) of one trace on one curve; see the module docstring."""
+    """(speedup, cost ratio of a step f r(T) + 1 - f) of one trace on one curve; see the module docstring."""
     p = trace.propose_ms if propose_ms is None else propose_ms
-    r = curve.at(trace.block)
+    r = trace.drafting * curve.at(trace.block) + 1 - trace.drafting
     c1, o = curve.one_ms, curve.host_ms
     return trace.tau * (c1 + o) / (c1 * r + p * trace.tau + o), r
 
@@ -167,7 +174,7 @@ def load_traces(path: str | Path) -> list[Trace]:
                 continue
             measured = float(plain["ms_per_token"]) / float(m["ms_per_token"]) if plain else None
             out.append(Trace(m["config"], "roofline", float(m["mean_accepted_length"]), 1.0 + k,
-                             float(m.get("propose_ms", 0.0)), measured, src))
+                             propose_ms=float(m.get("propose_ms", 0.0)), measured_speedup=measured, source=src))
         return out
     if "samples" not in d or "summaries" not in d:
         raise ConfigError("traces", f"{path}: neither a roofline JSON (methods) nor a bench JSON (samples)")
@@ -181,7 +188,11 @@ def load_traces(path: str | Path) -> list[Trace]:
                                                                             "draft_tokens"))
         if config == "none" or not fwd or not drafted:
             continue
-        out.append(Trace(config, workload, new / fwd, 1.0 + drafted / fwd, 0.0, speed.get((config, workload)), src))
+        k = _k_of(config, int(d.get("settings", {}).get("k") or 0))
+        if k <= 0:
+            raise ConfigError("traces", f"{path}: no K for {config!r} (neither k=N in its name nor settings.k)")
+        out.append(Trace(config, workload, new / fwd, 1.0 + k, drafting=min(1.0, drafted / (fwd * k)),
+                         measured_speedup=speed.get((config, workload)), source=src))
     return out
 
 
@@ -202,7 +213,7 @@ def project(curves: list[CostCurve], traces: list[Trace], propose_ms: dict[str, 
             s, r = projected_speedup(c, t, p)
             measured = t.measured_speedup if tolerance is not None else None   # another model's, otherwise
             err = s / measured - 1 if measured else None
-            rep.rows.append(Projection(c.model, c.label, t.method, t.workload, t.tau, t.block, r,
+            rep.rows.append(Projection(c.model, c.label, t.method, t.workload, t.tau, t.block, t.drafting, r,
                                        t.propose_ms if p is None else p, s, measured, err))
     errs = [abs(r.error) for r in rep.rows if r.error is not None]
     if tolerance is not None:

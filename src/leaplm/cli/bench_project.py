@@ -46,13 +46,14 @@ def bench_project(
         rep = project(curves, ts, overrides, tolerance if check else None)
     except ConfigError as e:
         fail(f"--{e.field}: {e.message}")
-    t = Table(title="projected speedup = tau (c1 + o) / (c1 r(K+1) + p tau + o)")
-    cols = ["shape", "method", "workload", "tau", "K+1", "r(K+1)", "p ms", "projected"]
+    t = Table(title="projected speedup = tau (c1 + o) / (c1 (f r(K+1) + 1 - f) + p tau + o)")
+    cols = ["shape", "method", "workload", "tau", "K+1", "f", "step cost", "p ms", "projected"]
     cols += ["measured", "error"] if check else []
     for col in cols:
         t.add_column(col)
     for r in rep.rows:
-        row = [Path(r.shape).name, r.method, r.workload, f"{r.tau:.3f}", f"{r.block:.2f}", f"{r.cost_ratio:.3f}",
+        row = [Path(r.shape).name, r.method, r.workload, f"{r.tau:.3f}", f"{r.block:g}", f"{r.drafting:.2f}",
+               f"{r.cost_ratio:.3f}",
                f"{r.propose_ms:.3f}", f"{r.speedup:.3f}"]
         if check:
             row += ["-" if r.measured_speedup is None else f"{r.measured_speedup:.3f}",
