@@ -58,12 +58,15 @@ def test_a_named_block_curve_and_a_missing_one(tmp_path):
 
 def test_traces_from_a_roofline_json(tmp_path):
     p = roofline(tmp_path / "r.json", [method("none", 11.0, score_ms=10.0),
-                                       method("ngram k=4 adaptive_k=false", 5.5, tau=2.0, k=4, propose_ms=0.1),
+                                       method("ngram k=4 adaptive_k=false", 5.5, tau=2.0, k=4, propose_ms=0.1,
+                                              score_ms=9.0),
                                        method("suffix k=3", 8.0, tau=1.5)])      # k only in the name
     ts = load_traces(p)
     assert [(t.method, t.tau, t.block, t.propose_ms) for t in ts] == [
         ("ngram k=4 adaptive_k=false", 2.0, 5.0, 0.1), ("suffix k=3", 1.5, 4.0, 0.0)]
     assert [t.measured_speedup for t in ts] == [pytest.approx(2.0), pytest.approx(11 / 8)]
+    # the step's forward as the run timed it: 9 ms per token x tau 2 over plain's 10 ms; none without score times
+    assert [t.decode_ratio for t in ts] == [pytest.approx(1.8), None]
 
 
 def test_traces_from_a_bench_json(tmp_path):

@@ -69,6 +69,8 @@ class Trace:
     propose_ms: float = 0.0     # p: proposer ms per generated token (0 when the run did not split it out)
     measured_speedup: float | None = None   # what the run measured against plain decoding, when it did
     source: str = ""
+    decode_ratio: float | None = None       # the step's forward cost over plain decoding's, as the run's own
+                                            # score times say (roofline rows): what the curve should give
 
 
 @dataclass
@@ -85,6 +87,7 @@ class Projection:
     speedup: float              # projected
     measured_speedup: float | None = None
     error: float | None = None  # projected / measured - 1
+    decode_ratio: float | None = None   # check mode: the trace's own step cost (score ms x tau / plain score ms)
 
 
 @dataclass
@@ -173,8 +176,11 @@ def load_traces(path: str | Path) -> list[Trace]:
             if m["config"] == "none" or not k:
                 continue
             measured = float(plain["ms_per_token"]) / float(m["ms_per_token"]) if plain else None
-            out.append(Trace(m["config"], "roofline", float(m["mean_accepted_length"]), 1.0 + k,
-                             propose_ms=float(m.get("propose_ms", 0.0)), measured_speedup=measured, source=src))
+            tau = float(m["mean_accepted_length"])
+            ratio = (float(m["score_ms"]) * tau / float(plain["score_ms"])
+                     if plain and plain.get("score_ms") and m.get("score_ms") else None)
+            out.append(Trace(m["config"], "roofline", tau, 1.0 + k, propose_ms=float(m.get("propose_ms", 0.0)),
+                             measured_speedup=measured, source=src, decode_ratio=ratio))
         return out
     if "samples" not in d or "summaries" not in d:
         raise ConfigError("traces", f"{path}: neither a roofline JSON (methods) nor a bench JSON (samples)")
@@ -214,7 +220,8 @@ def project(curves: list[CostCurve], traces: list[Trace], propose_ms: dict[str, 
             measured = t.measured_speedup if tolerance is not None else None   # another model's, otherwise
             err = s / measured - 1 if measured else None
             rep.rows.append(Projection(c.model, c.label, t.method, t.workload, t.tau, t.block, t.drafting, r,
-                                       t.propose_ms if p is None else p, s, measured, err))
+                                       t.propose_ms if p is None else p, s, measured, err,
+                                       t.decode_ratio if tolerance is not None else None))
     errs = [abs(r.error) for r in rep.rows if r.error is not None]
     if tolerance is not None:
         if not errs:

@@ -48,7 +48,7 @@ def bench_project(
         fail(f"--{e.field}: {e.message}")
     t = Table(title="projected speedup = tau (c1 + o) / (c1 (f r(K+1) + 1 - f) + p tau + o)")
     cols = ["shape", "method", "workload", "tau", "K+1", "f", "step cost", "p ms", "projected"]
-    cols += ["measured", "error"] if check else []
+    cols += ["measured", "error", "step cost in decoding"] if check else []
     for col in cols:
         t.add_column(col)
     for r in rep.rows:
@@ -57,7 +57,8 @@ def bench_project(
                f"{r.propose_ms:.3f}", f"{r.speedup:.3f}"]
         if check:
             row += ["-" if r.measured_speedup is None else f"{r.measured_speedup:.3f}",
-                    "-" if r.error is None else f"{r.error:+.1%}"]
+                    "-" if r.error is None else f"{r.error:+.1%}",
+                    "-" if r.decode_ratio is None else f"{r.decode_ratio:.3f}"]
         t.add_row(*row)
     out.print(t)
     Path(out_path).write_text(json.dumps(rep.to_dict(), indent=1))
