@@ -1,9 +1,10 @@
 """The shapes of published models, as data, for synthetic GGUF files (models/synth.py): dimensions only, no weights.
 
-Each row is copied from the model's config.json on the Hugging Face hub (the `source` column names it); the fields
-are the ones a forward's cost depends on. RoPE scaling (Llama 3.1/3.2's "llama3" frequency scaling), Gemma's
-soft-capping-free attention scale and sliding window are part of the architecture, not of the cost of a token, and
-are written as llama.cpp's converter would where llama.cpp needs them (see synth.py).
+Each row is copied from the model's config.json on the Hugging Face hub (the `source` column names it): the
+fields a forward's cost depends on. The tensor plan built from a row (synth.plan_tensors) has exactly the published
+parameter count of each model (tests/models/test_synth.py checks it). Llama 3.1/3.2's "llama3" RoPE frequency
+scaling is not written (llama.cpp's rope_freqs tensor: it changes the rotation angles, not the cost); Gemma 3's
+sliding window is.
 """
 from __future__ import annotations
 
