@@ -205,3 +205,9 @@ def test_generate_refuses_a_synthetic_file_unless_allowed(synth_file):
     assert r.exit_code != 0 and "synthetic: for benchmarks only" in r.output and "--allow-synthetic" in r.output
     r = CliRunner().invoke(app, args + ["--allow-synthetic", "--json"], env={"COLUMNS": "300"})
     assert r.exit_code == 0, r.output
+
+
+def test_a_seed_gives_the_same_file_and_another_seed_another(tmp_path, tokenizer_gguf):
+    a, b, c = (write_synthetic_gguf(tiny("llama"), "Q4_0", tmp_path / f"{n}.gguf", tokenizer_gguf, seed=s).path
+               for n, s in (("a", 0), ("b", 0), ("c", 1)))
+    assert a.read_bytes() == b.read_bytes() != c.read_bytes()
