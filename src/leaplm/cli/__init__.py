@@ -3,12 +3,12 @@
 generate.py        leaplm generate (startup.py: its --startup report)
 serve.py           leaplm serve (and python -m leaplm.server)
 bench.py           leaplm bench, bench memory; bench_serve.py, bench_roofline.py and bench_llamacpp.py: bench serve,
-                   bench --roofline, bench --baselines llamacpp
+                   bench --roofline, bench --baselines llamacpp; bench_project.py: bench project
 tune.py            leaplm tune
 train.py           leaplm train tokenizer|pretrain|distill|ondata|card; heads.py: train eagle|medusa|export-head|
                    ship-head; train_chat.py: train chatdata|distill-chat
 evaluate.py        leaplm eval perplexity|acceptance
-models.py          leaplm models, models fetch, models export-gguf
+models.py          leaplm models, models fetch, models export-gguf; synth.py: models synth
 aliases.py         the spellings vLLM and llama.cpp users type, mapped onto leaplm's options
 common.py          consoles, errors, progress bars, torch threads
 
@@ -40,13 +40,16 @@ def add_commands(app: typer.Typer, only: str | None = None) -> None:
         app.command("serve")(serve)
         return
     # heads and train_chat add their commands to train's group when imported
-    from . import bench, bench_serve, evaluate, generate, heads, models, serve, train, train_chat, tune  # noqa: F401
+    from . import (bench, bench_project, bench_serve, evaluate, generate, heads, models, serve, synth,  # noqa: F401
+                   train, train_chat, tune)
 
     app.command("generate")(generate.generate)
     app.command("serve")(serve.serve)
     bench.bench_app.command("serve")(bench_serve.bench_serve)
+    bench.bench_app.command("project")(bench_project.bench_project)
     app.add_typer(bench.bench_app, name="bench")
     app.command("tune")(tune.tune)
+    models.models_app.command("synth")(synth.synth)
     app.add_typer(models.models_app, name="models")
     app.add_typer(train.train_app, name="train", help="Train the tokenizer, pretrain and distill models.")
     app.add_typer(evaluate.eval_app, name="eval", help="Evaluate perplexity and draft acceptance.")

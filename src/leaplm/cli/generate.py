@@ -145,6 +145,8 @@ def generate(
                                  "model) and print both side by side: speed, target forwards, identical text."),
     startup: bool = typer.Option(False, "--startup", help="Report the time to the first token and its parts "
                                  "(import, load, checks, prefill, first token) and the peak RSS (docs/startup.md)."),
+    allow_synthetic: bool = typer.Option(False, "--allow-synthetic", help="Generate from a random-weight file "
+                                         "(`leaplm models synth`): its text is noise."),
     *, options: EngineOptions,
 ):
     """Generate a continuation of PROMPT, with speculation, and report acceptance and speed."""
@@ -161,6 +163,9 @@ def generate(
             fail("prompt: give PROMPT or pipe it on stdin")
         prompt = sys.stdin.read()
     try:
+        from ..models.synth import refuse_synthetic
+
+        refuse_synthetic(options.model, allow_synthetic)
         n = check_samples(n, samples)
         check_llama_cpp_only(draft_min, n_gpu_layers)
         sc = parse_speculative_config(speculative_config)

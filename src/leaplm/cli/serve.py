@@ -65,6 +65,8 @@ def serve(
     draft_min: Optional[int] = DRAFT_MIN,
     n_gpu_layers: Optional[int] = N_GPU_LAYERS,
     log_level: str = typer.Option("info", "--log-level", help="debug|info|warning|error"),
+    allow_synthetic: bool = typer.Option(False, "--allow-synthetic", help="Serve a random-weight file "
+                                         "(`leaplm models synth`): its text is noise."),
     replicas: int = typer.Option(1, "--replicas", help="Engine replicas behind one HTTP endpoint (needs --backend ray)."),
     backend: str = typer.Option("auto", "--backend", help="What runs the model: auto | llamacpp | torch (the "
                                                           "engine in this process: docs/backends.md), or ray (Ray "
@@ -85,7 +87,9 @@ def serve(
         fail(f"{ALIAS_FLAGS.get(e.field, '--' + e.field.replace('_', '-'))}: {e.message}")
     try:                              # bad paths and files refused now, not after the server has started
         from ..models.loading import check_source
+        from ..models.synth import refuse_synthetic
 
+        refuse_synthetic(model, allow_synthetic)
         for name, field in ((model, "model"), (draft, "draft")):
             if name is not None:
                 check_source(name, field, "auto" if backend in ("local", "ray") else backend)
