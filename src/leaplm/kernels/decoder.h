@@ -1,8 +1,12 @@
 // The decoder's layer loop (Decoder): reads the residual stream x [B * T, hid] fp32, per layer packed quantized
 // linears (common.h; a linear may be several row blocks in different formats, rows side by side) or dense ones
 // (dense.h), the KV cache per layer [B', Hkv, capacity, D] fp32, positions [B, T], a mask [B, T, S] and the rope
-// table cis [P, D / 2, 2] (cos, sin per position and rotated pair (2i, 2i + 1) of a head).
+// tables cis [P, D / 2, 2], or [R, P, D / 2, 2] for R tables a layer picks from (cos, sin per position and rotated
+// pair (2i, 2i + 1) of a head). A row of q/k/v is [H q heads | Hkv k heads | Hkv v heads] of D each.
 #pragma once
+
+#include <string>
+#include <vector>
 
 #include "common.h"
 #include "dense.h"
@@ -12,8 +16,12 @@
 #include "timers.h"
 
 // A Llama-family decoder layer stack over packed quantized weights in one C++ call: RMSNorm, q/k/v, rope, the KV
-// cache write, attention, the output projection, RMSNorm, gate/up, SiLU, down, the residuals. Every token is
-// computed on its own (norms per token, linears row-independent (common.h), attention per query over its allowed
+// cache write, attention, the output projection, RMSNorm, gate/up, SiLU, down, the residuals; and, as options
+// (data: LayerOptions and the constructor's act), what newer families add: GELU-tanh in place of SiLU, an RMS norm
+// of each q and k head before rope, RMS norms of the attention and MLP outputs before their residual adds, a rope
+// table and an attention scale per layer. Norm weights are the multipliers themselves (a loader folds in any
+// offset, such as Gemma's 1 + w). Every token is
+// computed on its own (norms per token or head, linears row-independent (common.h), attention per query over its allowed
 // keys in key order), so a token's result does not depend on T, on the other rows of a batch, or on the thread
 // split. The element-wise code is compiled for the baseline instruction set (the reference, which the scalar path
 // runs) and, where a SIMD path runs, in AVX2 (exp, attention: written out in 8-lane intrinsics; norms, SiLU's
@@ -59,27 +67,66 @@ V& grown(V& v, size_t n) {
   return v;
 }
 
+// A layer's options beyond the Llama layer; a Llama layer sets none (add_layer's keyword arguments).
+struct LayerOptions {
+  torch::Tensor q_norm, k_norm;       // [D] fp32: RMS norm of each q / k head before rope; undefined: none
+  torch::Tensor post_attn, post_mlp;  // [hid] fp32: RMS norm of the attention / MLP output before its residual add
+  int64_t rope = 0;                   // which table of cis [R, P, D / 2, 2] (cis [P, D / 2, 2]: the one, 0)
+  float scale = 0.f;                  // attention scale (softmax(q k^T scale)); set by make_options
+};
+
+// a norm weight of n elements as fp32, or undefined when absent
+inline torch::Tensor norm_weight(const c10::optional<torch::Tensor>& w, int64_t n, const char* name) {
+  if (!w.has_value() || !w->defined()) return torch::Tensor();
+  TORCH_CHECK(w->numel() == n, name, ": ", n, " elements, got ", w->numel());
+  return w->contiguous().to(torch::kFloat);
+}
+
 struct Layer {
-  torch::Tensor ln1, ln2;
+  torch::Tensor ln1, ln2;             // [hid]: the norms before attention and before the MLP
   PackedLinear qkv, o, gate_up, down;      // packed quantized weights (add_layer)
   DenseLinear dqkv, dout, dgate_up, ddown; // or dense ones, fp32 or bf16 (add_dense_layer)
   bool dense = false;
+  LayerOptions opt;
 };
+
+inline const float* data_or_null(const torch::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
 class Decoder {
  public:
-  Decoder(int64_t H, int64_t Hkv, int64_t D, int64_t hid, int64_t inter, double eps, int64_t path)
+  // act: the MLP's activation, "silu" or "gelu_tanh"; eps: every RMS norm's
+  Decoder(int64_t H, int64_t Hkv, int64_t D, int64_t hid, int64_t inter, double eps, int64_t path,
+          const std::string& act = "silu")
       : H(H), Hkv(Hkv), D(D), hid(hid), inter(inter), eps(float(eps)), path(int(path)) {
     TORCH_CHECK(path != AMX || amx_permitted(), "path 3 (AMX): the operating system does not grant the tile registers");
     TORCH_CHECK(D % 8 == 0 && hid % 8 == 0 && inter % 8 == 0 && H % Hkv == 0,
                 "decoder: head_dim, hidden and intermediate sizes multiples of 8");
+    TORCH_CHECK(act == "silu" || act == "gelu_tanh", "decoder: act \"silu\" or \"gelu_tanh\", got \"", act, "\"");
+    mlp_act = act == "gelu_tanh" ? GELU_TANH : SILU;
+  }
+
+  // A layer's options from add_layer's keyword arguments: norms absent when None; scale None: 1 / sqrt(D)
+  LayerOptions make_options(const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
+                            const c10::optional<torch::Tensor>& post_attn, const c10::optional<torch::Tensor>& post_mlp,
+                            int64_t rope, c10::optional<double> scale) const {
+    LayerOptions o;
+    o.q_norm = norm_weight(q_norm, D, "q_norm");
+    o.k_norm = norm_weight(k_norm, D, "k_norm");
+    TORCH_CHECK(o.q_norm.defined() == o.k_norm.defined(), "q_norm and k_norm: both or neither");
+    o.post_attn = norm_weight(post_attn, hid, "post_attn_norm");
+    o.post_mlp = norm_weight(post_mlp, hid, "post_mlp_norm");
+    TORCH_CHECK(rope >= 0, "rope: a table index >= 0, got ", rope);
+    o.rope = rope;
+    TORCH_CHECK(!scale.has_value() || *scale > 0, "attn_scale: > 0");
+    o.scale = scale.has_value() ? float(*scale) : 1.f / std::sqrt(float(D));
+    return o;
   }
 
   // linears in the order q/k/v, o, gate/up, down: each a list of row blocks (qp, sp, mp or empty, rows), and a
   // bias or empty
   void add_layer(torch::Tensor ln1, torch::Tensor ln2, std::vector<std::vector<torch::Tensor>> qp,
                  std::vector<std::vector<torch::Tensor>> sp, std::vector<std::vector<torch::Tensor>> mp,
-                 std::vector<torch::Tensor> bias, std::vector<std::vector<int64_t>> rows) {
+                 std::vector<torch::Tensor> bias, std::vector<std::vector<int64_t>> rows, LayerOptions opt) {
     TORCH_CHECK(qp.size() == 4 && sp.size() == 4 && mp.size() == 4 && bias.size() == 4 && rows.size() == 4,
                 "add_layer: four linears");
     TORCH_CHECK(hid % QK == 0 && inter % QK == 0 && (H * D) % QK == 0,
@@ -101,13 +148,15 @@ class Decoder {
       p[i].bias = bias[i].contiguous().to(torch::kFloat);
       p[i].rows = total;
     }
-    layers.push_back(Layer{ln1.contiguous().to(torch::kFloat), ln2.contiguous().to(torch::kFloat), p[0], p[1], p[2], p[3]});
+    Layer L{ln1.contiguous().to(torch::kFloat), ln2.contiguous().to(torch::kFloat), p[0], p[1], p[2], p[3]};
+    L.opt = std::move(opt);
+    layers.push_back(L);
   }
 
   // a layer of dense weights (fp32, or bf16 where that holds them exactly): w = [q/k/v [(H + 2 Hkv) D, hid], o [hid, H D], gate/up [2 inter, hid],
   // down [hid, inter]], bias = one per linear, or empty
   void add_dense_layer(torch::Tensor ln1, torch::Tensor ln2, std::vector<torch::Tensor> w,
-                       std::vector<torch::Tensor> bias) {
+                       std::vector<torch::Tensor> bias, LayerOptions opt) {
     TORCH_CHECK(w.size() == 4 && bias.size() == 4, "add_dense_layer: four linears");
     const int64_t want[4][2] = {{(H + 2 * Hkv) * D, hid}, {hid, H * D}, {2 * inter, hid}, {hid, inter}};
     DenseLinear d[4];
@@ -120,6 +169,7 @@ class Decoder {
     Layer L{ln1.contiguous().to(torch::kFloat), ln2.contiguous().to(torch::kFloat)};
     L.dqkv = d[0], L.dout = d[1], L.dgate_up = d[2], L.ddown = d[3];
     L.dense = true;
+    L.opt = std::move(opt);
     layers.push_back(L);
   }
 
@@ -173,7 +223,8 @@ class Decoder {
 
   // x [B * T, hid] fp32 (row b * T + t); cache_k / cache_v per layer [B', Hkv, capacity, D] fp32 (B' >= B);
   // lens [B] cached tokens per row; pos [B, T] int64 positions; mask: empty (causal) or bool [B, T, S]; cis
-  // [P, D / 2, 2] fp32 (cos, sin); run: the layers to run, in order; kv_len = the keys attended (S).
+  // [P, D / 2, 2] fp32 (cos, sin), or [R, P, D / 2, 2] (layer i reads table rope_i); run: the layers to run, in
+  // order; kv_len = the keys attended (S).
   torch::Tensor forward(torch::Tensor x, int64_t B, int64_t T, std::vector<torch::Tensor> cache_k,
                         std::vector<torch::Tensor> cache_v, std::vector<int64_t> lens, torch::Tensor pos,
                         torch::Tensor mask, torch::Tensor cis, std::vector<int64_t> run, int64_t kv_len) {
@@ -191,7 +242,9 @@ class Decoder {
                   int64_t kv_len) {
     TORCH_CHECK(int64_t(lens.size()) >= B && pos.scalar_type() == torch::kLong &&
                 (pos.numel() == B * T || pos.numel() == 0), "lens, pos");
-    TORCH_CHECK(cis.scalar_type() == torch::kFloat && cis.dim() == 3 && cis.size(1) * 2 == D, "cis: [P, D/2, 2]");
+    TORCH_CHECK(cis.scalar_type() == torch::kFloat && (cis.dim() == 3 || cis.dim() == 4) && cis.size(-2) * 2 == D &&
+                cis.size(-1) == 2, "cis: fp32 [P, D/2, 2] or [R, P, D/2, 2]");
+    const int64_t tables = cis.dim() == 4 ? cis.size(0) : 1, P = cis.size(-3);
     TORCH_CHECK(mask.numel() == 0 || (mask.scalar_type() == torch::kBool && mask.numel() == B * T * kv_len),
                 "mask: bool [B, T, S]");
     TORCH_CHECK(cache_k.size() >= layers.size() && cache_v.size() >= layers.size(), "cache: one tensor per layer");
@@ -204,7 +257,7 @@ class Decoder {
         for (int64_t t = 0; t < T; ++t) own[b * T + t] = lens[b] + t;
     }
     for (int64_t b = 0; b < B; ++b)
-      TORCH_CHECK(lens[b] + T <= cis.size(0), "position ", lens[b] + T - 1, " beyond the rope table's ", cis.size(0));
+      TORCH_CHECK(lens[b] + T <= P, "position ", lens[b] + T - 1, " beyond the rope table's ", P);
     auto posc = pos.contiguous();
     const int64_t* posp = pos.numel() ? posc.data_ptr<int64_t>() : own.data();
     auto maskc = mask.contiguous();
@@ -231,10 +284,11 @@ class Decoder {
           if (mp ? mp[bt * kv_len + j] : j <= lens[b] + t) keys[bt * kv_len + n++] = j;
         nkeys[bt] = n;
       }
-    const float* pending = nullptr;          // the down projection not yet added to the residual stream
+    const float* pending = nullptr;          // the MLP's output not yet added to the residual stream
     for (int64_t li : run) {
       TORCH_CHECK(li >= 0 && li < int64_t(layers.size()), "layer ", li, " out of range");
       const Layer& L = layers[li];
+      TORCH_CHECK(L.opt.rope < tables, "layer ", li, " reads rope table ", L.opt.rope, " of ", tables);
       auto& ck = cache_k[li];
       auto& cv = cache_v[li];
       TORCH_CHECK(ck.is_contiguous() && cv.is_contiguous() && ck.scalar_type() == torch::kFloat &&
@@ -247,16 +301,17 @@ class Decoder {
       }
       {
         Span span(R_ROPE);
-        rope_and_store(qkv.data(), B, T, posp, cisc.data_ptr<float>(), lens, ck, cv);
+        rope_and_store(qkv.data(), B, T, posp, cisc.data_ptr<float>() + L.opt.rope * P * D, L.opt, lens, ck, cv);
       }
       {
         Span span(R_ATTN);
-        attention(qkv.data(), B, T, keys.data(), nkeys.data(), ck, cv, kv_len, att.data());
+        attention(qkv.data(), B, T, keys.data(), nkeys.data(), ck, cv, kv_len, L.opt.scale, att.data());
       }
       {
         Span span(R_O);
         linear(L.o, L.dout, L.dense, att.data(), M, H * D, tmp.data());
       }
+      if (L.opt.post_attn.defined()) add_norm(tmp.data(), nullptr, L.opt.post_attn.data_ptr<float>(), M, tmp.data());
       add_norm(xp, tmp.data(), L.ln2.data_ptr<float>(), M, h.data());
       {
         Span span(R_GATE_UP);
@@ -265,13 +320,14 @@ class Decoder {
       {
         Span span(R_SILU);
         over_rows(M, 8, [&](int64_t m0, int64_t m1) {
-          (path > 0 ? silu_mul_avx2 : silu_mul_base)(gu.data(), m0, m1, inter, act.data());
+          (path > 0 ? glu_avx2 : glu_base)(mlp_act, gu.data(), m0, m1, inter, act.data());
         });
       }
       {
         Span span(R_DOWN);
         linear(L.down, L.ddown, L.dense, act.data(), M, inter, tmp.data());
       }
+      if (L.opt.post_mlp.defined()) add_norm(tmp.data(), nullptr, L.opt.post_mlp.data_ptr<float>(), M, tmp.data());
       pending = tmp.data();
     }
     if (pending) {
@@ -286,6 +342,7 @@ class Decoder {
   int64_t H, Hkv, D, hid, inter;
   float eps;
   int path;
+  int mlp_act = SILU;                      // MlpAct (layer_math.h)
   std::vector<Layer> layers;
   torch::Tensor embed, norm;               // set_head's (logits() only)
   DenseLinear head;
@@ -325,9 +382,13 @@ class Decoder {
     else linear_raw(x, M, K, p.view(K), p.b(), path, y);
   }
 
-  // rotate each q and k head's pairs (2i, 2i+1) by the position's (cos, sin); write k and v to the cache slots
-  void rope_and_store(float* qkv, int64_t B, int64_t T, const int64_t* pos, const float* cis,
+  // with the layer's q/k norms, normalize each q and k head (a row of D); rotate each q and k head's pairs (2i, 2i+1)
+  // by the position's (cos, sin) in the table cis [P, D / 2, 2]; write k and v to the cache slots
+  void rope_and_store(float* qkv, int64_t B, int64_t T, const int64_t* pos, const float* cis, const LayerOptions& opt,
                       const std::vector<int64_t>& lens, torch::Tensor& ck, torch::Tensor& cv) {
+    const float* qn = data_or_null(opt.q_norm);
+    const float* kn = data_or_null(opt.k_norm);
+    auto norm_heads = path > 0 ? add_norm_avx2 : add_norm_base;
     const int64_t width = (H + 2 * Hkv) * D, cap = ck.size(2);
     float* kp = ck.data_ptr<float>();
     float* vp = cv.data_ptr<float>();
@@ -335,6 +396,10 @@ class Decoder {
       for (int64_t t = 0; t < T; ++t) {
         float* row = qkv + (b * T + t) * width;
         const float* c = cis + pos[b * T + t] * D;
+        if (qn) {
+          norm_heads(row, nullptr, qn, 0, H, D, eps, row);                   // the H q heads, in place
+          norm_heads(row + H * D, nullptr, kn, 0, Hkv, D, eps, row + H * D);   // the Hkv k heads
+        }
         for (int64_t hh = 0; hh < H + Hkv; ++hh) {
           float* v = row + hh * D;
           for (int64_t i = 0; i < D / 2; ++i) {
@@ -351,13 +416,12 @@ class Decoder {
       }
   }
 
-  // softmax(q k^T / sqrt(D)) v per (row, head, query) over the allowed keys in key order
+  // softmax(q k^T * scale) v per (row, head, query) over the allowed keys in key order
   void attention(const float* qkv, int64_t B, int64_t T, const int64_t* keys, const int64_t* nkeys,
-                 const torch::Tensor& ck, const torch::Tensor& cv, int64_t S, float* out) {
+                 const torch::Tensor& ck, const torch::Tensor& cv, int64_t S, float scale, float* out) {
     const int64_t width = (H + 2 * Hkv) * D, cap = ck.size(2), rep = H / Hkv;
     const float* kp = ck.data_ptr<float>();
     const float* vp = cv.data_ptr<float>();
-    const float scale = 1.f / std::sqrt(float(D));
     const bool wide = path > 0;
     const int64_t work = B * H * T * S * D;
     // one item per (row, head, query): the queries of a block spread evenly over the threads
@@ -379,7 +443,7 @@ class Decoder {
     });
   }
 
-  // x += d (d may be null), then h = rms_norm(x) * w, per row
+  // x += d (d may be null), then h = rms_norm(x) * w, per row of hid (h may be x: a norm in place)
   void add_norm(float* x, const float* d, const float* w, int64_t M, float* h) {
     Span span(R_NORM);
     if (path > 0) add_norm_avx2(x, d, w, 0, M, hid, eps, h);

@@ -85,13 +85,23 @@ LEAPLM_INLINE void add_norm_body(float* x, const float* d, const float* w, int64
   }
 }
 
-// silu(gate) * up per row, gate = gu[:, :inter], up = gu[:, inter:]; exp_ is exp_base or exp_avx2 (the same bits)
-LEAPLM_INLINE void silu_mul_body(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out,
-                                 void (*exp_)(float*, int64_t)) {
+// The gated MLP's activation: out = act(gate) * up per row, gate = gu[:, :inter], up = gu[:, inter:], with
+//   silu(g)      = g / (1 + e^-g)
+//   gelu_tanh(g) = g / (1 + e^(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3)   (= 0.5 g (1 + tanh u), PyTorch's
+//                  gelu(approximate="tanh"), written through the kernel's own exp so both builds give the same bits)
+// exp_ is exp_base or exp_avx2 (the same bits).
+enum MlpAct : int { SILU = 0, GELU_TANH = 1 };
+
+template <int A>
+LEAPLM_INLINE void glu_body(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out,
+                            void (*exp_)(float*, int64_t)) {
   for (int64_t m = m0; m < m1; ++m) {
     const float* g = gu + m * 2 * inter;
     float* o = out + m * inter;
-    for (int64_t i = 0; i < inter; ++i) o[i] = -g[i];
+    if constexpr (A == GELU_TANH)
+      for (int64_t i = 0; i < inter; ++i) o[i] = (g[i] + 0.044715f * (g[i] * g[i] * g[i])) * -1.59576912f;
+    else
+      for (int64_t i = 0; i < inter; ++i) o[i] = -g[i];
     exp_(o, inter);
     for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + o[i]) * g[inter + i];
   }
@@ -100,23 +110,26 @@ LEAPLM_INLINE void silu_mul_body(const float* gu, int64_t m0, int64_t m1, int64_
 void add_norm_base(float* x, const float* d, const float* w, int64_t m0, int64_t m1, int64_t n, float eps, float* y) {
   add_norm_body(x, d, w, m0, m1, n, eps, y);
 }
-void silu_mul_base(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
-  silu_mul_body(gu, m0, m1, inter, out, exp_base);
+void glu_base(int act, const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
+  if (act == GELU_TANH) glu_body<GELU_TANH>(gu, m0, m1, inter, out, exp_base);
+  else glu_body<SILU>(gu, m0, m1, inter, out, exp_base);
 }
 #if defined(__x86_64__)
 __attribute__((target("avx2,f16c"))) void add_norm_avx2(float* x, const float* d, const float* w, int64_t m0, int64_t m1,
                                                    int64_t n, float eps, float* y) {
   add_norm_body(x, d, w, m0, m1, n, eps, y);
 }
-__attribute__((target("avx2,f16c"))) void silu_mul_avx2(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
-  silu_mul_body(gu, m0, m1, inter, out, exp_avx2);
+__attribute__((target("avx2,f16c"))) void glu_avx2(int act, const float* gu, int64_t m0, int64_t m1, int64_t inter,
+                                              float* out) {
+  if (act == GELU_TANH) glu_body<GELU_TANH>(gu, m0, m1, inter, out, exp_avx2);
+  else glu_body<SILU>(gu, m0, m1, inter, out, exp_avx2);
 }
 #else
 void add_norm_avx2(float* x, const float* d, const float* w, int64_t m0, int64_t m1, int64_t n, float eps, float* y) {
   add_norm_body(x, d, w, m0, m1, n, eps, y);
 }
-void silu_mul_avx2(const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
-  silu_mul_body(gu, m0, m1, inter, out, exp_base);
+void glu_avx2(int act, const float* gu, int64_t m0, int64_t m1, int64_t inter, float* out) {
+  glu_base(act, gu, m0, m1, inter, out);
 }
 #endif
 

@@ -56,10 +56,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }, pybind11::arg("int4"));
   m.def("profile", &profile, "the region timers' sums {region: (ms, calls)} (LEAPLM_KERNEL_PROFILE=1), else {}");
   m.def("profile_reset", &profile_reset, "clear the region timers");
+  using pybind11::arg;
+  using OptTensor = c10::optional<torch::Tensor>;
+  using Parts = std::vector<std::vector<torch::Tensor>>;
+  // a layer's options (decoder.h LayerOptions), keyword arguments of add_layer and add_dense_layer: None or absent
+  // is the Llama layer's (no q/k or post norms, rope table 0, scale 1 / sqrt(head_dim))
   pybind11::class_<Decoder>(m, "Decoder")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>())
-      .def("add_layer", &Decoder::add_layer)
-      .def("add_dense_layer", &Decoder::add_dense_layer)
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, const std::string&>(),
+           arg("n_heads"), arg("n_kv_heads"), arg("head_dim"), arg("hidden"), arg("intermediate"), arg("eps"),
+           arg("path"), arg("act") = "silu")
+      .def("add_layer",
+           [](Decoder& d, torch::Tensor ln1, torch::Tensor ln2, Parts qp, Parts sp, Parts mp,
+              std::vector<torch::Tensor> bias, std::vector<std::vector<int64_t>> rows, OptTensor q_norm,
+              OptTensor k_norm, OptTensor post_attn_norm, OptTensor post_mlp_norm, int64_t rope,
+              c10::optional<double> attn_scale) {
+             d.add_layer(ln1, ln2, qp, sp, mp, bias, rows,
+                         d.make_options(q_norm, k_norm, post_attn_norm, post_mlp_norm, rope, attn_scale));
+           },
+           arg("ln1"), arg("ln2"), arg("qp"), arg("sp"), arg("mp"), arg("bias"), arg("rows"),
+           arg("q_norm") = pybind11::none(), arg("k_norm") = pybind11::none(), arg("post_attn_norm") = pybind11::none(),
+           arg("post_mlp_norm") = pybind11::none(), arg("rope") = 0, arg("attn_scale") = pybind11::none())
+      .def("add_dense_layer",
+           [](Decoder& d, torch::Tensor ln1, torch::Tensor ln2, std::vector<torch::Tensor> w,
+              std::vector<torch::Tensor> bias, OptTensor q_norm, OptTensor k_norm, OptTensor post_attn_norm,
+              OptTensor post_mlp_norm, int64_t rope, c10::optional<double> attn_scale) {
+             d.add_dense_layer(ln1, ln2, w, bias,
+                               d.make_options(q_norm, k_norm, post_attn_norm, post_mlp_norm, rope, attn_scale));
+           },
+           arg("ln1"), arg("ln2"), arg("w"), arg("bias"), arg("q_norm") = pybind11::none(),
+           arg("k_norm") = pybind11::none(), arg("post_attn_norm") = pybind11::none(),
+           arg("post_mlp_norm") = pybind11::none(), arg("rope") = 0, arg("attn_scale") = pybind11::none())
       .def("set_head", &Decoder::set_head)
       .def("forward", &Decoder::forward, nogil())
       .def("logits", &Decoder::logits, nogil())
