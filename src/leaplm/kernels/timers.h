@@ -13,7 +13,8 @@ namespace {
 // With LEAPLM_KERNEL_PROFILE=1 in the environment when the library loads, the layer loop and qlinear sum the wall
 // time of each region over every call (`profile()` reads the sums, `profile_reset()` clears them); otherwise a
 // region costs one predictable branch. A linear's region includes its activation quantization, which is also
-// counted alone under "quantize".
+// counted alone under "quantize"; "rope_cache" includes the per-head q/k norms, "norm" the post norms, and "silu"
+// is the MLP's activation, SiLU or GELU-tanh.
 enum Region : int { R_NORM, R_QUANT, R_QKV, R_ROPE, R_ATTN, R_O, R_GATE_UP, R_SILU, R_DOWN, R_RESID, R_QLINEAR, R_COUNT };
 const char* const REGION_NAMES[R_COUNT] = {"norm", "quantize", "qkv", "rope_cache", "attention", "o", "gate_up",
                                            "silu", "down", "residual", "qlinear"};
