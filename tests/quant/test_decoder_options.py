@@ -59,14 +59,16 @@ def gelu_tanh(g: torch.Tensor) -> torch.Tensor:
     return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
 
 
-def reference(x: torch.Tensor, layers: list[RefLayer], cis: torch.Tensor, act: str) -> torch.Tensor:
-    """x [T, hid] (tokens at positions 0 .. T - 1, causal) -> [T, hid] after the layers, in float64."""
+def reference(x: torch.Tensor, layers: list[RefLayer], cis: torch.Tensor, act: str, linear=None) -> torch.Tensor:
+    """x [T, hid] (tokens at positions 0 .. T - 1, causal) -> [T, hid] after the layers, in float64. linear(i, name,
+    h) stands in for h @ w.T with layer i's weight `name` (a quantized weight's own kernel)."""
     x, cis = x.double(), cis.double()
     T = x.shape[0]
     causal = torch.ones(T, T, dtype=torch.bool).tril()
-    for L in layers:
+    for i, L in enumerate(layers):
         w = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in vars(L).items()}
-        qkv = rms(x, w["ln1"]) @ w["qkv"].T
+        mm = (lambda name, h: h @ w[name].T) if linear is None else (lambda name, h: linear(i, name, h))   # noqa: E731
+        qkv = mm("qkv", rms(x, w["ln1"]))
         q = qkv[:, :H * D].view(T, H, D)
         k = qkv[:, H * D:(H + HKV) * D].view(T, HKV, D)
         v = qkv[:, (H + HKV) * D:].view(T, HKV, D)
@@ -79,11 +81,11 @@ def reference(x: torch.Tensor, layers: list[RefLayer], cis: torch.Tensor, act: s
             g = h // (H // HKV)
             s = (q[:, h] @ k[:, g].T * scale).masked_fill(~causal, float("-inf"))    # [T, T]
             heads.append(s.softmax(-1) @ v[:, g])
-        o = torch.cat(heads, -1) @ w["o"].T
+        o = mm("o", torch.cat(heads, -1))
         x = x + (rms(o, w["post_attn"]) if L.post_attn is not None else o)
-        gu = rms(x, w["ln2"]) @ w["gate_up"].T
+        gu = mm("gate_up", rms(x, w["ln2"]))
         g, u = gu[:, :INTER], gu[:, INTER:]
-        m = ((gelu_tanh(g) if act == "gelu_tanh" else g * torch.sigmoid(g)) * u) @ w["down"].T
+        m = mm("down", (gelu_tanh(g) if act == "gelu_tanh" else g * torch.sigmoid(g)) * u)
         x = x + (rms(m, w["post_mlp"]) if L.post_mlp is not None else m)
     return x
 
@@ -201,3 +203,45 @@ def test_bad_options_are_refused_by_name():
     with pytest.raises(RuntimeError, match="rope table 2 of 2"):
         d.forward(X[:2].contiguous(), 1, 2, [torch.zeros(1, HKV, P, D)], [torch.zeros(1, HKV, P, D)], [0],
                   torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool), rope_tables(), [0], 2)
+
+
+def quantized_decoder(layers: list[RefLayer], act: str, fmt: str):
+    """The layers' weights quantized to `fmt` and packed, in a Decoder (add_layer, the path quant/fused.py builds),
+    and linear(i, name, h) running layer i's packed weight `name` alone through the kernel's qlinear (the same
+    activation quantization), for the reference."""
+    from leaplm.quant.formats import quantize
+    from leaplm.quant.linear import pack
+
+    ext = load()
+    d = ext.module.Decoder(H, HKV, D, HID, INTER, EPS, ext.path, act=act)
+    empty, packed = torch.empty(0), []
+    for L in layers:
+        ps = [pack(quantize(w, fmt)) for w in (L.qkv, L.o, L.gate_up, L.down)]
+        packed.append(dict(zip(("qkv", "o", "gate_up", "down"), ps)))
+        d.add_layer(L.ln1, L.ln2, [[p.q] for p in ps], [[p.scale] for p in ps],
+                    [[empty if p.minv is None else p.minv] for p in ps], [empty] * 4, [[p.rows] for p in ps],
+                    q_norm=L.q_norm, k_norm=L.k_norm, post_attn_norm=L.post_attn, post_mlp_norm=L.post_mlp,
+                    rope=L.rope, attn_scale=L.scale)
+
+    def linear(i: int, name: str, h: torch.Tensor) -> torch.Tensor:
+        p = packed[i][name]
+        return ext.module.qlinear(h.float().contiguous(), p.q, p.scale, p.minv, None, p.rows, ext.path).double()
+
+    return d, linear
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_layers_take_the_same_options(fmt):
+    """add_layer's options over packed weights: close to the reference whose linears are the same packed weights
+    through qlinear, within test_fused.py's bound (the other operations rounded in another order, and the
+    activations' int8 roundings that this can tip: 1/127 of a block's largest, an eighth of that on the largest
+    output); the rope tables swapped is far off (negative control)."""
+    layers, cis = make_layers(7), rope_tables()
+    d, linear = quantized_decoder(layers, "gelu_tanh", fmt)
+    got = run(d, X, cis, split=7)
+    want = reference(X, layers, cis, "gelu_tanh", linear).float()
+    bound = want.abs().max().item() / 127 / 8
+    assert (got - want).abs().max().item() <= bound, (got - want).abs().max().item()
+    for L in layers:
+        L.rope = 1 - L.rope
+    assert (got - reference(X, layers, cis, "gelu_tanh", linear).float()).abs().max().item() > 10 * bound
