@@ -1,4 +1,4 @@
-"""The C++ layer loop (kernels/qlinear.cpp, `Decoder`) for a native model whose linears all run in the int8 kernel.
+"""The C++ layer loop (kernels/decoder.h, `Decoder`) for a native model whose linears all run in the int8 kernel.
 
 A forward over 1..16 tokens is a few milliseconds of matrix work on a small model; run from Python, the ~20 other
 operations of each layer (norms, rope, the cache write, attention, SiLU, residuals) cost about as much again in
