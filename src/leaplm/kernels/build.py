@@ -21,7 +21,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qlinear.cpp")
-HEADERS = [Path(__file__).with_name("pool.h")]      # included by SOURCE, copied beside it for the build
+# the kernel's parts (one job each: activations, each instruction set's block products, the driver, the layer
+# loop, ...), included by SOURCE as one translation unit and copied beside it for the build; every byte of them is
+# in the build's tag, so an edit to any part builds again
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 CFLAGS = ["-O3"]
 
 
@@ -79,7 +82,7 @@ def built_library() -> BuiltLibrary:
     import torch
     from torch._appdirs import user_cache_dir
 
-    src = b"".join(p.read_bytes() for p in (SOURCE, *HEADERS))
+    src = b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in (SOURCE, *HEADERS))
     tag = hashlib.sha1(src + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:10]
     name = f"leaplm_qlinear_{tag}"
     # torch.utils.cpp_extension's build directory (its _get_build_directory), without importing the build tools

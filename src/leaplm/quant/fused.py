@@ -1,17 +1,20 @@
-"""The C++ layer loop (kernels/qlinear.cpp, `Decoder`) for a native model whose linears all run in the int8 kernel.
+"""The C++ layer loop (kernels/decoder.h, `Decoder`) for a native model whose linears all run in the int8 kernel.
 
 A forward over 1..16 tokens is a few milliseconds of matrix work on a small model; run from Python, the ~20 other
 operations of each layer (norms, rope, the cache write, attention, SiLU, residuals) cost about as much again in
 dispatch. The layer loop runs them in one call, per token, in a fixed order: a token's result does not depend on
 how many tokens or rows share the forward, so plain decoding and verification compute it alike.
 
-It applies when every decoder linear is quantized on the extension, the model and the KV cache are fp32, the
-activation is SiLU and there is no per-head q/k norm (qwen3); otherwise the model runs its PyTorch layer loop.
+It applies when every decoder linear is quantized on the extension, the model and the KV cache are fp32 and the
+activation is SiLU or GELU-tanh; otherwise the model runs its PyTorch layer loop. What the loop computes beyond a
+Llama layer is data, built here from the model's description (decoder_options): the activation, per-head q/k norms
+(qwen3), and, per layer, post-attention and post-MLP norms, the rope table and the attention scale. This module is
+the only place that reads the model's fields for the layer loop.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,11 +23,39 @@ from .. import faults
 log = logging.getLogger(__name__)
 
 
+# hidden_act names (transformers' ACT2FN keys) -> the layer loop's activation (Decoder's act)
+LOOP_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+
+
+@dataclass
+class LayerOptions:
+    """One layer's options beyond the Llama layer: Decoder.add_layer's keyword arguments (kernels/decoder.h). Norm
+    weights are the multipliers themselves (a loader folds in any offset, such as Gemma's 1 + w)."""
+    q_norm: torch.Tensor | None = None          # [head_dim]: RMS norm of each q head before rope (qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None          # [head_dim]: the same for each k head; both or neither
+    post_attn_norm: torch.Tensor | None = None  # [hid]: RMS norm of the attention output before its residual add
+    post_mlp_norm: torch.Tensor | None = None   # [hid]: RMS norm of the MLP output before its residual add
+    rope: int = 0                               # which table of DecoderOptions.cis the layer rotates by
+    attn_scale: float | None = None             # softmax(q k^T attn_scale); None: 1 / sqrt(head_dim)
+
+    def kwargs(self) -> dict:
+        return {"q_norm": self.q_norm, "k_norm": self.k_norm, "post_attn_norm": self.post_attn_norm,
+                "post_mlp_norm": self.post_mlp_norm, "rope": self.rope, "attn_scale": self.attn_scale}
+
+
+@dataclass
+class DecoderOptions:
+    """What the layer loop computes for one model, as data."""
+    act: str                                    # "silu" | "gelu_tanh": the gated MLP's activation
+    cis: torch.Tensor                           # [P, head_dim / 2, 2] or [R, P, head_dim / 2, 2] fp32 (cos, sin)
+    layers: list[LayerOptions] = field(default_factory=list)   # one per decoder layer
+
+
 @dataclass
 class FusedLayers:
-    """The C++ decoder over a model's packed weights, and the rope table it reads."""
+    """The C++ decoder over a model's packed weights, and the rope tables it reads."""
     decoder: object              # the extension's Decoder
-    cis: torch.Tensor            # [P, head_dim / 2, 2] fp32: (cos, sin) per position and pair
+    cis: torch.Tensor            # [P, head_dim / 2, 2] fp32: (cos, sin) per position and pair ([R, P, ...]: R tables)
 
     def __call__(self, x: torch.Tensor, cache, pos: torch.Tensor, mask: torch.Tensor | None, layers,
                  kv_len: int) -> torch.Tensor:
@@ -51,13 +82,27 @@ def why_not_fused(model) -> str | None:
         return "not every decoder linear runs in the int8 kernel"
     if model.dtype != torch.float32:
         return f"the model is {model.dtype}, the layer loop computes in fp32"
-    if a.hidden_act not in ("silu", "swish"):
-        return f"hidden_act {a.hidden_act!r} (the layer loop implements SiLU)"
-    if a.qk_norm:
-        return "per-head q/k norms (qwen3)"
+    if a.hidden_act not in LOOP_ACTIVATIONS:
+        return f"hidden_act {a.hidden_act!r} (the layer loop implements SiLU and GELU-tanh)"
     if a.head_dim % 8 or a.hidden_size % 32 or a.intermediate_size % 32:
         return "head_dim not a multiple of 8 or a hidden size not a multiple of 32"
     return None
+
+
+def decoder_options(model) -> DecoderOptions:
+    """The layer loop's options for `model`, read from its description: the activation, each layer's q/k norm
+    weights when the family has them (args.qk_norm), one rope table. A family with post norms or rope tables per
+    layer (Gemma 3: post_attention_layernorm / post_feedforward_layernorm, local and global rope bases, the scale
+    query_pre_attn_scalar ** -0.5) fills post_attn_norm, post_mlp_norm, rope and attn_scale here; its pre-MLP norm
+    is add_layer's ln2."""
+    a = model.args
+    layers = []
+    for blk in model.layers:
+        at = blk.self_attn
+        layers.append(LayerOptions(q_norm=at.q_norm.weight.detach() if a.qk_norm else None,
+                                   k_norm=at.k_norm.weight.detach() if a.qk_norm else None))
+    cis = torch.view_as_real(model.rope_cis).contiguous()                      # [P, D/2, 2]
+    return DecoderOptions(LOOP_ACTIVATIONS[a.hidden_act], cis, layers)
 
 
 def build_fused(model) -> FusedLayers | None:
@@ -70,8 +115,9 @@ def build_fused(model) -> FusedLayers | None:
     a = model.args
     q = model.quantized
     ext = next(iter(q.values())).parts[0].ext
+    opts = decoder_options(model)
     dec = ext.module.Decoder(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.hidden_size,
-                             a.intermediate_size, a.rms_norm_eps, ext.path)
+                             a.intermediate_size, a.rms_norm_eps, ext.path, act=opts.act)
     empty = torch.empty(0)
     for i, blk in enumerate(model.layers):
         lins = [q[f"layers.{i}.{n}.weight"] for n in ("self_attn.qkv", "self_attn.o_proj", "mlp.gate_up",
@@ -81,7 +127,7 @@ def build_fused(model) -> FusedLayers | None:
         dec.add_layer(blk.input_layernorm.weight.detach(), blk.post_attention_layernorm.weight.detach(),
                       [[p.q for p in ps] for ps in parts], [[p.scale for p in ps] for ps in parts],
                       [[empty if p.minv is None else p.minv for p in ps] for ps in parts],
-                      [empty if b is None else b.detach() for b in biases], [[p.rows for p in ps] for ps in parts])
-    cis = torch.view_as_real(model.rope_cis).contiguous()                      # [P, D/2, 2]
-    log.info("decoder layers: C++ layer loop (%d layers, %s path)", a.num_hidden_layers, ext.path_name)
-    return FusedLayers(dec, cis)
+                      [empty if b is None else b.detach() for b in biases], [[p.rows for p in ps] for ps in parts],
+                      **opts.layers[i].kwargs())
+    log.info("decoder layers: C++ layer loop (%d layers, %s path, %s)", a.num_hidden_layers, ext.path_name, opts.act)
+    return FusedLayers(dec, opts.cis)
