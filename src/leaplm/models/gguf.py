@@ -33,12 +33,13 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
+from .arch import BY_GGUF_ARCHITECTURE
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 # general.architecture values the native model runs (llama.cpp writes mistral files as "llama")
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {g: a.name for g, a in BY_GGUF_ARCHITECTURE.items()}   # models/arch: one description a family
 # tensor types gguf.quants.dequantize handles and we test or trust (block quants and K-quants)
 TENSOR_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
