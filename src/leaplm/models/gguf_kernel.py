@@ -25,7 +25,7 @@ from ..quant.formats import GGUF_TYPES
 from .arch import BY_GGUF_ARCHITECTURE
 from .base import LoadedModel
 from .gguf import GGUFFile, GGUFInfo, dequantize_tensor, parse_gguf, read_gguf_config
-from .llama import LlamaForCausalLM, meta_model
+from .llama import meta_model
 from .native_config import args_from_hf_config, native_blockers
 
 log = logging.getLogger(__name__)

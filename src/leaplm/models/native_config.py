@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .llama import ACTIVATIONS, ROPE_TYPES, LlamaArgs, interleave_rope_rows, rope_kind
+from .native_args import ACTIVATIONS, ROPE_TYPES, LlamaArgs, interleave_rope_rows, rope_kind
 
 
 def family(cfg: dict):
@@ -49,12 +49,12 @@ def args_from_hf_config(cfg: dict) -> LlamaArgs:
     rope = cfg.get("rope_parameters") or {}
     per_type = isinstance(rope.get("full_attention"), dict)      # transformers 5: rope parameters per layer type
     full = rope["full_attention"] if per_type else rope
-    theta = cfg.get("rope_theta", full.get("rope_theta", 10000.0))
+    theta = cfg.get("rope_theta") or full.get("rope_theta", 10000.0)
     scaling = cfg.get("rope_scaling") or (full if rope_kind(full) != "default" else None)
     sw, window_layers = _window_layers(cfg, arch, n)
     layer_theta = None
     if arch.local_rope_key is not None:
-        local = cfg.get(arch.local_rope_key, (rope.get("sliding_attention") or {}).get("rope_theta", 10000.0))
+        local = cfg.get(arch.local_rope_key) or (rope.get("sliding_attention") or {}).get("rope_theta", 10000.0)
         types = cfg.get("layer_types") or [None] * n
         layer_theta = [local if t == "sliding_attention" else theta for t in types]
         if window_layers is not None and cfg.get("layer_types") is None:
