@@ -171,7 +171,7 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
     log.info("loaded %s (GGUF %s, %.1fM parameters, %s blocks as stored on the int8 kernel)", info.path,
              info.architecture, n_params / 1e6, "/".join(sorted({t.type_name for t in g.tensors.values()
                                                                   if t.type_name in KERNEL_TYPES})))
-    return LoadedModel(model, tok, str(info.path), name, cfg, eos_ids, n_params, prompt_bos(tok, cfg.get("model_type")))
+    return LoadedModel(model, tok, str(info.path), name, cfg, eos_ids, n_params, prompt_bos(tok, cfg.get("model_type"), cfg.get("bos_token_id")))
 
 
 def _refuse(info: GGUFInfo, why: str) -> None:

@@ -189,7 +189,7 @@ def load_gguf_model(name: str, device: str, dtype: str, field: str = "model",
         _quantize(model, quantization, device, field, gguf_path=str(info.path))
     log.info("loaded %s (GGUF %s, %.1fM parameters, dequantized to %s)", name, info.architecture, n_params / 1e6,
              dtype)
-    return LoadedModel(model, tok, str(info.path), name, cfg, eos_ids, n_params, prompt_bos(tok, cfg.get("model_type")))
+    return LoadedModel(model, tok, str(info.path), name, cfg, eos_ids, n_params, prompt_bos(tok, cfg.get("model_type"), cfg.get("bos_token_id")))
 
 
 def _quantize(model, quantization: str, device: str, field: str, gguf_path: str | None = None) -> None:
@@ -427,4 +427,4 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
     if field == "draft" and isinstance(native, LlamaForCausalLM):
         native.one_call = True     # a draft's forward in one C++ call where it applies (models/one_call.py says why)
     log.info("loaded %s (%s, %.1fM parameters, %s)", name, mt, n_params / 1e6, dtype)
-    return LoadedModel(model, tok, str(path), name, cfg, eos_ids, n_params, prompt_bos(tok, mt))
+    return LoadedModel(model, tok, str(path), name, cfg, eos_ids, n_params, prompt_bos(tok, mt, cfg.get("bos_token_id")))
