@@ -2,7 +2,7 @@
 or GGUF architecture."""
 from __future__ import annotations
 
-from .base import Arch, LayerNames
+from .base import Arch, LayerNames, with_gguf_implied
 from .gemma3 import GEMMA3
 from .llama import LLAMA, MISTRAL
 from .qwen2 import QWEN2
@@ -19,4 +19,10 @@ def arch_of(model_type: str | None) -> Arch | None:
     return BY_MODEL_TYPE.get(model_type or "")
 
 
-__all__ = ["Arch", "LayerNames", "FAMILIES", "BY_MODEL_TYPE", "BY_GGUF_ARCHITECTURE", "arch_of"]
+def gguf_config(architecture: str, cfg: dict) -> dict:
+    """A config dict read from a GGUF file of `architecture`, with what the family's files imply filled in."""
+    arch = BY_GGUF_ARCHITECTURE.get(architecture)
+    return cfg if arch is None else with_gguf_implied(arch, cfg)
+
+
+__all__ = ["Arch", "LayerNames", "with_gguf_implied", "FAMILIES", "BY_MODEL_TYPE", "BY_GGUF_ARCHITECTURE", "arch_of", "gguf_config"]

@@ -59,6 +59,9 @@ class Arch:
     tied_default: bool = False          # tie_word_embeddings when the config does not say
     bos_required: bool = False          # prompts must start with BOS (the model was never trained without it)
     gguf_paired_rope: bool = False      # llama.cpp's converter stores q/k rows as interleaved pairs (native layout)
+    # Hugging Face config values a GGUF file of this family implies without storing them (llama.cpp's own
+    # constants for the architecture): key -> a value, or the name of another config key to copy
+    gguf_implied: dict = field(default_factory=dict)
     # config keys whose non-default values the native model does not implement (key -> the value it implements)
     refused: dict = field(default_factory=dict)
 
@@ -68,3 +71,12 @@ LLAMA_HF = LayerNames(q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v
                       mlp_norm="post_attention_layernorm")
 LLAMA_GGUF = LayerNames(q="attn_q", k="attn_k", v="attn_v", o="attn_output", gate="ffn_gate", up="ffn_up",
                         down="ffn_down", attn_norm="attn_norm", mlp_norm="ffn_norm")
+
+
+def with_gguf_implied(arch: Arch, cfg: dict) -> dict:
+    """`cfg` (a Hugging Face config dict read from a GGUF file's metadata) with what the file implies filled in."""
+    out = dict(cfg)
+    for key, value in arch.gguf_implied.items():
+        if out.get(key) is None:
+            out[key] = out.get(value) if isinstance(value, str) else value
+    return out

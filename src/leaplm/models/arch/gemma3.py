@@ -20,5 +20,8 @@ GEMMA3 = Arch(
     qk_norm=True, post_norms=True, norm_offset=1.0, qkv_bias="config", window="layer_types",
     local_rope_key="rope_local_base_freq", attn_scale_key="query_pre_attn_scalar", act_key="hidden_activation",
     default_act="gelu_pytorch_tanh", embed_scale=True, tied_default=True, bos_required=True,
+    # llama.cpp (src/llama-model.cpp, LLM_ARCH_GEMMA3) stores neither: sliding layers at base 10000, every sixth
+    # layer global, attention scaled by head_dim ** -0.5 (27B aside, whose files say so in no key either)
+    gguf_implied={"rope_local_base_freq": 10000.0, "sliding_window_pattern": 6, "query_pre_attn_scalar": "head_dim"},
     refused={"final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False},
 )
