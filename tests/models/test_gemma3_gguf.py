@@ -84,3 +84,27 @@ def test_libllama_computes_the_same_logits_and_greedy_tokens(files):
     for prompt in PROMPTS:
         want = Engine(ref, method="none").generate(prompt, params).token_ids
         assert Engine(files["f32"], method="none", backend="llamacpp").generate(prompt, params).token_ids == want
+
+
+def test_q8_0_file_on_the_kernel_reads_norms_as_stored_and_reorders_q_k_rows(files, tmp_path):
+    """The kernel loader (models/gguf_kernel.py) takes the norms as stored (1 + w already: equal to the dequantizing
+    path's, which adds the 1 back) and reorders the q/k rows from rotate-half order: its fused q/k/v linear
+    computes what the dequantized weight does, up to its int8 rounding of the input (a relative 1/127 of
+    sum |x| |w| per output), where rows left in the file's order would differ by the outputs' own size."""
+    path = str(export_gguf(files["hf"], str(tmp_path / "q.gguf"), "q8_0").path)
+    ref = load_model(path, backend="torch").model
+    m = load_model(path, quantization="gguf").model
+    assert m.embed_quantized is not None                               # loaded from the blocks, not dequantized
+    norms = {n: p for n, p in ref.named_parameters() if p.dim() == 1}
+    got = dict(m.named_parameters())
+    for n, p in norms.items():
+        torch.testing.assert_close(got[n], p, atol=4 * torch.finfo(torch.float32).eps * float(p.abs().max()), rtol=0)
+    x = torch.randn(1, 1, ref.args.hidden_size, generator=torch.Generator().manual_seed(0))   # [1, 1, hid]
+    for i in range(ref.args.num_hidden_layers):
+        w = ref.layers[i].self_attn.qkv.weight                                                # [(H+2Hkv)D, hid]
+        with torch.inference_mode():
+            y = m.quantized[f"layers.{i}.self_attn.qkv.weight"](x, None)                       # [1, 1, (H+2Hkv)D]
+        want = torch.nn.functional.linear(x, w)
+        bound = (x.abs() @ w.abs().T) / 127 + 1e-5
+        assert ((y - want).abs() <= bound).all()
+        assert (y - want).abs().max() < 0.1 * want.abs().max()
