@@ -1,6 +1,6 @@
 """Load a model and its tokenizer from a Hugging Face checkpoint: a local directory or, with a network, a hub id.
 
-Native families (registry.NATIVE_FAMILIES) are built from config.json and the safetensors shards directly;
+Native families (models/arch: one description each) are built from config.json and the safetensors shards directly;
 any other causal LM goes through transformers (hf.HFCausalLM).
 """
 from __future__ import annotations
