@@ -137,3 +137,12 @@ def test_text_prompts_start_with_bos(gemma):
     assert gemma.tokenizer("def f(")["input_ids"][:1] != [bos]
     out = Engine(gemma, method="none").generate("def f(", SamplingParams(temperature=0, max_new_tokens=1))
     assert out.prompt_ids[0] == bos and out.prompt_ids[1] != bos
+
+
+def test_logit_softcapping_runs_through_the_fallback(tmp_path, byte_tokenizer, caplog):
+    """A field the native model does not implement is named, and transformers' own code runs the model."""
+    src = write_gemma3(tmp_path / "soft", byte_tokenizer, final_logit_softcapping=30.0)
+    with caplog.at_level("WARNING"):
+        lm = load_model(src)
+    assert type(lm.model).__name__ == "HFCausalLM"
+    assert "final_logit_softcapping" in caplog.text
