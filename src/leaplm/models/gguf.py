@@ -33,12 +33,13 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
+from .arch import BY_GGUF_ARCHITECTURE, gguf_config
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 # general.architecture values the native model runs (llama.cpp writes mistral files as "llama")
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {g: a.name for g, a in BY_GGUF_ARCHITECTURE.items()}   # models/arch: one description a family
 # tensor types gguf.quants.dequantize handles and we test or trust (block quants and K-quants)
 TENSOR_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
@@ -314,7 +315,8 @@ def read_gguf_checkpoint(info: GGUFInfo, dtype: torch.dtype, field: str = "model
 
     name = str(info.path)
     try:
-        hf_cfg = AutoConfig.for_model(**load_gguf_checkpoint(name, return_tensors=False)["config"])
+        hf_cfg = AutoConfig.for_model(**gguf_config(info.architecture,
+                                                    load_gguf_checkpoint(name, return_tensors=False)["config"]))
         with torch.device("meta"):                  # only its parameter names are needed, for the name map
             skeleton = AutoModelForCausalLM.from_config(hf_cfg)
         sd = load_gguf_checkpoint(name, return_tensors=True, model_to_load=skeleton, torch_dtype=dtype)["tensors"]
@@ -357,7 +359,8 @@ def read_gguf_config(info: GGUFInfo, field: str = "model") -> dict:
     from .gguf_hf import hf_config_dict
 
     try:
-        cfg = AutoConfig.for_model(**hf_config_dict(*_fields_and_tensors(info, field))).to_dict()
+        cfg = AutoConfig.for_model(**gguf_config(info.architecture,
+                                                 hf_config_dict(*_fields_and_tensors(info, field)))).to_dict()
     except (ValueError, KeyError) as e:
         raise ConfigError(field, f"{info.path}: cannot map the GGUF metadata onto a {info.architecture} config "
                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

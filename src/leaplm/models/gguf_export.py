@@ -1,4 +1,4 @@
-"""Write a Hugging Face Llama checkpoint (leaplm's embedded models included) as a GGUF file llama.cpp runs.
+"""Write a Hugging Face Llama or Gemma 3 checkpoint (leaplm's embedded models included) as a GGUF file llama.cpp runs.
 
 The layout is what llama.cpp's own converter writes for a Llama: its tensor names, q/k rows permuted from
 Hugging Face's rotate-half order into llama.cpp's interleaved pairs, 1-D tensors in F32, the tokenizer as
@@ -47,11 +47,18 @@ def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+EXPORTED = ("llama", "gemma3_text")      # model types written (models/arch names their tensors)
+
+
 def _check_config(cfg: dict, src: str) -> None:
     """Refuse, naming the config field, what this writer does not express (llama.cpp would run it wrongly)."""
-    if cfg.get("model_type") != "llama":
-        raise ConfigError("source", f"{src}: model_type {cfg.get('model_type')!r}; the GGUF export writes Llama "
+    mt = cfg.get("model_type")
+    if mt not in EXPORTED:
+        raise ConfigError("source", f"{src}: model_type {mt!r}; the GGUF export writes {', '.join(EXPORTED)} "
                                     "checkpoints only")
+    if mt == "gemma3_text":
+        _check_gemma3(cfg, src)
+        return
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ConfigError("source", f"{src}: rope_type {rope.get('rope_type')!r} is not exported (default only)")
@@ -60,6 +67,34 @@ def _check_config(cfg: dict, src: str) -> None:
             raise ConfigError("source", f"{src}: {key} is true; llama.cpp's llama graph has no such biases")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError("source", f"{src}: hidden_act {cfg['hidden_act']!r}; llama.cpp's llama uses silu")
+
+
+def _check_gemma3(cfg: dict, src: str) -> None:
+    """llama.cpp's gemma3 stores no local RoPE base, window pattern or attention scale: it assumes them
+    (arch.gemma3.GEMMA3.gguf_implied); a checkpoint that differs would run wrongly."""
+    from transformers import AutoConfig
+
+    from .arch import GEMMA3
+
+    c = AutoConfig.for_model(**cfg)
+    n = c.num_hidden_layers
+    pattern = ["sliding_attention" if (i + 1) % GEMMA3.gguf_implied["sliding_window_pattern"] else "full_attention"
+               for i in range(n)]
+    if list(c.layer_types) != pattern:
+        raise ConfigError("source", f"{src}: layer_types {c.layer_types}; llama.cpp's gemma3 makes every sixth "
+                                    "layer global")
+    local = c.rope_parameters["sliding_attention"]
+    if local.get("rope_theta") != GEMMA3.gguf_implied["rope_local_base_freq"] or local.get("rope_type") != "default":
+        raise ConfigError("source", f"{src}: sliding layers' rope {local}; llama.cpp's gemma3 uses base 10000")
+    if c.query_pre_attn_scalar != c.head_dim:
+        raise ConfigError("source", f"{src}: query_pre_attn_scalar {c.query_pre_attn_scalar}; llama.cpp's gemma3 "
+                                    f"scales attention by head_dim ({c.head_dim}) ** -0.5")
+    full = c.rope_parameters["full_attention"]
+    if full.get("rope_type", "default") != "default":
+        raise ConfigError("source", f"{src}: rope_type {full.get('rope_type')!r} is not exported (default only)")
+    for key in ("attention_bias",):
+        if getattr(c, key, False):
+            raise ConfigError("source", f"{src}: {key} is true; llama.cpp's gemma3 graph has no such biases")
 
 
 def _state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -175,12 +210,17 @@ def export_gguf(source: str, out: str, tensor_type: str = "f32", tokenizer_from:
         draft_rows, vocab = vocab, cfg["leaplm_draft"]["target_vocab_size"]
         embed, head = _expand_draft_vocab(embed, head, read_d2t(src), vocab)
         tied = False                                                    # the expanded head differs from embed
+    from .arch import arch_of
+
+    arch = arch_of(cfg["model_type"])
     rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)                             # per layer type (gemma3)
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    arch_name = arch.gguf_architectures[0]
 
     out_path = Path(out).expanduser()
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(out_path), "llama")
+    w = gguf.GGUFWriter(str(out_path), arch_name)
     w.add_name(src.name)
     w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                      "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[tensor_type])
@@ -195,6 +235,8 @@ def export_gguf(source: str, out: str, tensor_type: str = "f32", tokenizer_from:
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(float(theta))
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    if arch.window == "layer_types":
+        w.add_sliding_window(int(cfg["sliding_window"]))
     w.add_vocab_size(vocab)
     if tokenizer_from:
         _tokenizer_fields_from_gguf(w, tokenizer_from, vocab)
@@ -214,21 +256,24 @@ def export_gguf(source: str, out: str, tensor_type: str = "f32", tokenizer_from:
         else:
             w.add_tensor(name, quantize(a, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
 
+    # llama.cpp's converter stores the norms' offset with the weight (Gemma: 1 + w) and q/k rows as interleaved
+    # pairs for the families whose files are read that way
+    norm = (lambda t: t + arch.norm_offset) if arch.norm_offset else (lambda t: t)
     put("token_embd.weight", embed)
-    put("output_norm.weight", sd["norm.weight"])
+    put("output_norm.weight", norm(sd["norm.weight"]))
     if not tied:
         put("output.weight", head)
+    hn, gn = arch.hf_layer, arch.gguf_layer
     for i in range(L):
-        p = f"layers.{i}."
-        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
-        put(f"blk.{i}.attn_q.weight", llama_cpp_permute(sd[p + "self_attn.q_proj.weight"], H))
-        put(f"blk.{i}.attn_k.weight", llama_cpp_permute(sd[p + "self_attn.k_proj.weight"], Hkv))
-        put(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
-        put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
-        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-        put(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
-        put(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
-        put(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+        p, b = f"layers.{i}.", f"blk.{i}."
+        permute = llama_cpp_permute if arch.gguf_paired_rope else (lambda t, n: t)
+        put(b + gn.q + ".weight", permute(sd[p + hn.q + ".weight"], H))
+        put(b + gn.k + ".weight", permute(sd[p + hn.k + ".weight"], Hkv))
+        for name in ("v", "o", "gate", "up", "down"):
+            put(b + getattr(gn, name) + ".weight", sd[p + getattr(hn, name) + ".weight"])
+        for name in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm"):
+            if getattr(hn, name) is not None:
+                put(b + getattr(gn, name) + ".weight", norm(sd[p + getattr(hn, name) + ".weight"]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -21,6 +21,9 @@ from collections.abc import Container
 from pathlib import Path
 
 
+TEXT_BACKBONES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+
+
 def hf_config_dict(fields: dict, tensor_names: Container[str]) -> dict:
     """The config dict load_gguf_checkpoint(path, return_tensors=False)["config"] holds for a file of these
     metadata fields and tensors (parse_gguf's GGUFFile.fields and .tensors): every
@@ -49,6 +52,8 @@ def hf_config_dict(fields: dict, tensor_names: Container[str]) -> dict:
         if isinstance(value, str) and arch in value:
             value = value.replace(arch, model_type)
         cfg[renamed] = value
+    # as load_gguf_checkpoint: a Gemma 3 / 4 file holds the text backbone only
+    cfg["model_type"] = TEXT_BACKBONES.get(cfg.get("model_type"), cfg.get("model_type"))
     if "vocab_size" not in cfg and "tokenizer.ggml.tokens" in f:
         cfg["vocab_size"] = len(f["tokenizer.ggml.tokens"])
     return cfg

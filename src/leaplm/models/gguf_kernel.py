@@ -22,14 +22,15 @@ import torch
 from torch import nn
 
 from ..quant.formats import GGUF_TYPES
+from .arch import BY_GGUF_ARCHITECTURE
 from .base import LoadedModel
 from .gguf import GGUFFile, GGUFInfo, dequantize_tensor, parse_gguf, read_gguf_config
-from .llama import LlamaForCausalLM, args_from_hf_config, meta_model, native_blockers
+from .llama import meta_model
+from .native_config import args_from_hf_config, native_blockers
 
 log = logging.getLogger(__name__)
 
 KERNEL_TYPES = tuple(GGUF_TYPES)              # the block types the int8 kernel computes on as stored
-PAIRED_ROPE = ("llama", "mistral")           # architectures whose files store q/k rows in the native layout
 
 
 def kernel_blockers(g: GGUFFile, cfg: dict) -> list[str]:
@@ -73,7 +74,7 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
     from ..quant.linear import QuantizedLinear, SplitLinear, fused_linear, pack_gguf
     from .gguf import load_gguf_tokenizer
     from .llama import interleave_rope_rows
-    from .tokens import bos_to_add
+    from .tokens import prompt_bos
 
     g = parse_gguf(info.path, field)
     cfg = read_gguf_config(info, field)
@@ -83,7 +84,8 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
         return None
     a = args_from_hf_config(cfg)
     H, Hkv, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-    reorder = info.architecture not in PAIRED_ROPE
+    arch = BY_GGUF_ARCHITECTURE[info.architecture]
+    reorder = not arch.gguf_paired_rope        # q/k rows in Hugging Face's rotate-half order (NEOX rope)
 
     def perm(n_heads: int) -> torch.Tensor:
         return interleave_rope_rows(torch.arange(n_heads * D), n_heads, D)
@@ -113,32 +115,36 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
     model = meta_model(a)
     empty = lambda: _param(torch.empty(0, dtype=torch.float32))   # noqa: E731  (a weight the kernel holds)
     q = model.quantized
+    nm = arch.gguf_layer             # norm weights as stored: llama.cpp's converter already added norm_offset
     for i, blk in enumerate(model.layers):
         b = f"blk.{i}."
-        blk.input_layernorm.weight = _param(_vector(g, b + "attn_norm.weight"))
-        blk.post_attention_layernorm.weight = _param(_vector(g, b + "ffn_norm.weight"))
+        blk.input_layernorm.weight = _param(_vector(g, f"{b}{nm.attn_norm}.weight"))
+        blk.post_attention_layernorm.weight = _param(_vector(g, f"{b}{nm.mlp_norm}.weight"))
         at = blk.self_attn
-        q[f"layers.{i}.self_attn.qkv.weight"] = linear([b + "attn_q.weight", b + "attn_k.weight",
-                                                         b + "attn_v.weight"], [perm(H), perm(Hkv), None] if reorder else None)
-        q[f"layers.{i}.self_attn.o_proj.weight"] = linear([b + "attn_output.weight"])
-        q[f"layers.{i}.mlp.gate_up.weight"] = linear([b + "ffn_gate.weight", b + "ffn_up.weight"])
-        q[f"layers.{i}.mlp.down_proj.weight"] = linear([b + "ffn_down.weight"])
+        q[f"layers.{i}.self_attn.qkv.weight"] = linear([f"{b}{nm.q}.weight", f"{b}{nm.k}.weight", f"{b}{nm.v}.weight"],
+                                                        [perm(H), perm(Hkv), None] if reorder else None)
+        q[f"layers.{i}.self_attn.o_proj.weight"] = linear([f"{b}{nm.o}.weight"])
+        q[f"layers.{i}.mlp.gate_up.weight"] = linear([f"{b}{nm.gate}.weight", f"{b}{nm.up}.weight"])
+        q[f"layers.{i}.mlp.down_proj.weight"] = linear([f"{b}{nm.down}.weight"])
         for mod in (at.qkv, at.o_proj, blk.mlp.gate_up, blk.mlp.down_proj):
             mod.weight = empty()
         if a.attention_bias:
-            qb, kb, vb = (_vector(g, f"{b}attn_{n}.bias") for n in "qkv")
+            qb, kb, vb = (_vector(g, f"{b}{n}.bias") for n in (nm.q, nm.k, nm.v))
             if reorder:
                 qb, kb = interleave_rope_rows(qb, H, D), interleave_rope_rows(kb, Hkv, D)
             at.qkv.bias = _param(torch.cat([qb, kb, vb]))
         if a.o_bias:
-            at.o_proj.bias = _param(_vector(g, b + "attn_output.bias"))
+            at.o_proj.bias = _param(_vector(g, f"{b}{nm.o}.bias"))
         if a.mlp_bias:
-            blk.mlp.gate_up.bias = _param(torch.cat([_vector(g, b + "ffn_gate.bias"), _vector(g, b + "ffn_up.bias")]))
-            blk.mlp.down_proj.bias = _param(_vector(g, b + "ffn_down.bias"))
+            blk.mlp.gate_up.bias = _param(torch.cat([_vector(g, f"{b}{nm.gate}.bias"), _vector(g, f"{b}{nm.up}.bias")]))
+            blk.mlp.down_proj.bias = _param(_vector(g, f"{b}{nm.down}.bias"))
         if a.qk_norm:
-            qn, kn = _vector(g, b + "attn_q_norm.weight"), _vector(g, b + "attn_k_norm.weight")
+            qn, kn = _vector(g, f"{b}{nm.q_norm}.weight"), _vector(g, f"{b}{nm.k_norm}.weight")
             at.q_norm.weight = _param(interleave_rope_rows(qn, 1, D) if reorder else qn)
             at.k_norm.weight = _param(interleave_rope_rows(kn, 1, D) if reorder else kn)
+        if a.post_norms:
+            at.post_norm.weight = _param(_vector(g, f"{b}{nm.post_attn_norm}.weight"))
+            blk.mlp.post_norm.weight = _param(_vector(g, f"{b}{nm.post_mlp_norm}.weight"))
     model.norm.weight = _param(_vector(g, "output_norm.weight"))
     head_name = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
     et = g.tensors["token_embd.weight"]
@@ -149,8 +155,7 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
         model.embed_tokens.weight = _param(dequantize_tensor(g, "token_embd.weight"))
     q["lm_head.weight"] = linear([head_name])
     model.lm_head.weight = model.embed_tokens.weight if a.tie_word_embeddings else empty()
-    model.rope_cis = LlamaForCausalLM.rope_table(a, "cpu")
-    model.positions = torch.arange(a.max_position_embeddings)
+    model.reset_buffers("cpu")
     model._fast = None
     model.cache_dtype = cache_dtype
     model.eval()
@@ -166,7 +171,7 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
     log.info("loaded %s (GGUF %s, %.1fM parameters, %s blocks as stored on the int8 kernel)", info.path,
              info.architecture, n_params / 1e6, "/".join(sorted({t.type_name for t in g.tensors.values()
                                                                   if t.type_name in KERNEL_TYPES})))
-    return LoadedModel(model, tok, str(info.path), name, cfg, eos_ids, n_params, bos_to_add(tok))
+    return LoadedModel(model, tok, str(info.path), name, cfg, eos_ids, n_params, prompt_bos(tok, cfg.get("model_type"), cfg.get("bos_token_id")))
 
 
 def _refuse(info: GGUFInfo, why: str) -> None:

@@ -1,4 +1,5 @@
-"""Native Llama-family decoder (llama, mistral, qwen2, qwen3) over leaplm's preallocated KV cache.
+"""Native decoder for every family models/arch/ describes (llama, mistral, qwen2, qwen3, gemma3) over leaplm's
+preallocated KV cache; the layer loop reads the family's description (LlamaArgs' fields), never its name.
 
 One forward takes a block of T new tokens per row: T = 1 for decoding, K + 1 for verifying a chain, the
 flattened tree for tree verification (with `tree_mask` and `position_offsets`). q/k/v and gate/up
@@ -6,8 +7,7 @@ projections are fused into one matmul each at load time: fewer kernels per layer
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -16,6 +16,9 @@ from torch import nn
 
 from ..cache.kv_cache import KVCache
 from .base import ModelCapabilities, Scored
+from .native_args import ACTIVATIONS, ROPE_TYPES, LlamaArgs, interleave_rope_rows, rope_inv_freq, rope_kind  # noqa: F401
+# the Hugging Face config readers, importable from here as before
+from .native_config import args_from_hf_config, family, fuse_hf_state_dict, native_blockers  # noqa: F401
 
 
 
@@ -34,82 +37,6 @@ _HAS_GQA = _sdpa_has_gqa()
 def _linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or a quantized weight's own kernel (quant/linear.py) when `w` is not a tensor."""
     return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w(x, bias)
-
-
-@dataclass
-class LlamaArgs:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None     # {"rope_type": "llama3" | "linear" | "dynamic" | "yarn" | "default", ...}
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False         # bias on q/k/v (qwen2 always; llama and qwen3 with attention_bias)
-    o_bias: bool = False                 # bias on the output projection (llama and qwen3 with attention_bias)
-    mlp_bias: bool = False               # bias on gate/up/down (llama mlp_bias)
-    hidden_act: str = "silu"             # a key of ACTIVATIONS
-    qk_norm: bool = False                # qwen3: RMSNorm on each head's q and k
-    sliding_window: int | None = None    # mistral, qwen2/qwen3 with use_sliding_window
-    window_layers: list[bool] | None = None   # which layers use sliding_window (None: all of them)
-    model_type: str = "llama"
-    eos_token_id: list[int] = field(default_factory=list)
-    hf_config: dict | None = field(default=None, repr=False)   # for rope types computed by transformers' own code
-
-    def layer_window(self, i: int) -> int | None:
-        if self.sliding_window is None or (self.window_layers is not None and not self.window_layers[i]):
-            return None
-        return self.sliding_window
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-# hidden_act names (transformers' ACT2FN keys) the native MLP implements; any other goes to the fallback
-ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": _gelu_tanh,
-               "gelu_new": _gelu_tanh, "relu": F.relu}
-# rope types computed here (default, linear, llama3) or by transformers' own init function (dynamic: equal to
-# default up to max_position_embeddings, which positions never pass here; yarn: frequencies and a scale)
-ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
-
-
-def rope_kind(rs: dict | None) -> str:
-    rs = rs or {}
-    return rs.get("rope_type", rs.get("type", "default")) or "default"
-
-
-def rope_inv_freq(a: LlamaArgs) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim / 2], the scale of cos/sin) for the config's rope type."""
-    inv = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.float64) / a.head_dim))
-    rs = a.rope_scaling or {}
-    kind = rope_kind(rs)
-    if kind in ("dynamic", "yarn"):
-        from transformers import AutoConfig
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        inv, scale = ROPE_INIT_FUNCTIONS[kind](AutoConfig.for_model(**(a.hf_config or {})), None)
-        return inv.float(), float(scale)
-    if kind == "linear":
-        inv = inv / rs["factor"]
-    elif kind == "llama3":
-        factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-        old = rs.get("original_max_position_embeddings", 8192)
-        lo_wl, hi_wl = old / lo, old / hi
-        wl = 2 * math.pi / inv
-        scaled = torch.where(wl > lo_wl, inv / factor, inv)
-        smooth = (old / wl - lo) / (hi - lo)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wl >= hi_wl) & (wl <= lo_wl)
-        inv = torch.where(is_mid, mid, scaled)
-    elif kind != "default":
-        raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
-    return inv.float(), 1.0
 
 
 class FastRMSNorm:
@@ -153,16 +80,6 @@ def apply_rope(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * cis).view(B, T, H, D).to(x.dtype)
 
 
-def interleave_rope_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    """Reorder q/k projection rows (or bias, or q/k-norm weight) of each head from Hugging Face's
-    rotate-half layout [x_0..x_{D/2-1}, y_0..y_{D/2-1}] to pairs [x_0, y_0, x_1, y_1, ...]. q.k is unchanged
-    (q and k get the same permutation); only the cache's key layout is ours."""
-    half = head_dim // 2
-    perm = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)   # [D]
-    shape = w.shape
-    return w.reshape(n_heads, head_dim, *shape[1:])[:, perm].reshape(shape)
-
-
 class Attention(nn.Module):
     def __init__(self, a: LlamaArgs):
         super().__init__()
@@ -171,6 +88,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.d, a.hidden_size, bias=a.o_bias)
         self.q_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(self.d, a.rms_norm_eps) if a.qk_norm else None
+        self.post_norm = RMSNorm(a.hidden_size, a.rms_norm_eps) if a.post_norms else None   # on attention's output
 
 
 class MLP(nn.Module):
@@ -179,6 +97,7 @@ class MLP(nn.Module):
         self.inter = a.intermediate_size
         self.gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=a.mlp_bias)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+        self.post_norm = RMSNorm(a.hidden_size, a.rms_norm_eps) if a.post_norms else None   # on the MLP's output
 
 
 class Block(nn.Module):
@@ -205,6 +124,8 @@ class LayerWeights:
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
+    post_attn: torch.Tensor | None = None      # post-norms (Gemma): on attention's / the MLP's output
+    post_mlp: torch.Tensor | None = None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -223,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("rope_cis", self.rope_table(a), persistent=False)   # [P, D/2] complex64
+        # the RoPE table of layers at another base (Gemma 3's sliding layers), None when every layer uses rope_cis
+        self.register_buffer("rope_cis_local", self.local_rope_table(a), persistent=False)   # [P, D/2] | None
         self.register_buffer("positions", torch.arange(a.max_position_embeddings, device=self.rope_cis.device),
                              persistent=False)   # [P]
         self._fast: list[LayerWeights] | None = None
@@ -239,9 +162,23 @@ class LlamaForCausalLM(nn.Module):
         self._one_call = False               # the built OneCallForward, None when it does not apply
 
     @staticmethod
-    def rope_table(a: LlamaArgs, device=None) -> torch.Tensor:
+    def local_rope_table(a: LlamaArgs, device=None) -> torch.Tensor | None:
+        other = {a.layer_theta(i) for i in range(a.num_hidden_layers)} - {a.rope_theta}
+        if len(other) > 1:
+            raise ValueError(f"RoPE bases {sorted(other)}: the native model holds one base besides rope_theta")
+        return LlamaForCausalLM.rope_table(a, device, other.pop()) if other else None
+
+    def reset_buffers(self, device) -> None:
+        """The non-persistent buffers (RoPE tables, positions) rebuilt on `device` (after a loader assigned weights
+        to a meta model)."""
+        self.rope_cis = self.rope_table(self.args, device)
+        self.rope_cis_local = self.local_rope_table(self.args, device)
+        self.positions = torch.arange(self.args.max_position_embeddings, device=device)
+
+    @staticmethod
+    def rope_table(a: LlamaArgs, device=None, theta: float | None = None) -> torch.Tensor:
         with torch.device("cpu"):       # computed on the CPU whatever the default device (meta_model: meta)
-            inv, scale = rope_inv_freq(a)
+            inv, scale = rope_inv_freq(a, theta)
             t = torch.arange(a.max_position_embeddings, dtype=torch.float32)
             # |cis| = the rope type's cos/sin scale (yarn), applied to q and k alike as transformers does
             cis = torch.polar(torch.full((len(t), len(inv)), scale), torch.outer(t, inv))   # [P, D/2]
@@ -251,8 +188,9 @@ class LlamaForCausalLM(nn.Module):
         self._fast = self._norms = None    # .to() / .half() replace the tensors we hold references to
         self._one_call = False
         out = super()._apply(fn, *args, **kwargs)
-        if not self.rope_cis.is_complex():  # a dtype cast drops the imaginary part: rebuild the table
+        if not self.rope_cis.is_complex():  # a dtype cast drops the imaginary part: rebuild the tables
             self.rope_cis = self.rope_table(self.args, self.rope_cis.device)
+            self.rope_cis_local = self.local_rope_table(self.args, self.rope_cis.device)
         return out
 
     def layer_weights(self) -> list[LayerWeights]:
@@ -267,7 +205,9 @@ class LlamaForCausalLM(nn.Module):
                 qw(f"layers.{i}.self_attn.o_proj.weight", b.self_attn.o_proj.weight),
                 b.post_attention_layernorm.weight, qw(f"layers.{i}.mlp.gate_up.weight", b.mlp.gate_up.weight),
                 qw(f"layers.{i}.mlp.down_proj.weight", b.mlp.down_proj.weight),
-                b.self_attn.o_proj.bias, b.mlp.gate_up.bias, b.mlp.down_proj.bias) for i, b in enumerate(self.layers)]
+                b.self_attn.o_proj.bias, b.mlp.gate_up.bias, b.mlp.down_proj.bias,
+                b.self_attn.post_norm.weight if b.self_attn.post_norm is not None else None,
+                b.mlp.post_norm.weight if b.mlp.post_norm is not None else None) for i, b in enumerate(self.layers)]
         return self._fast
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -376,13 +316,17 @@ class LlamaForCausalLM(nn.Module):
         if last >= self.args.max_position_embeddings:
             raise ValueError(f"position {last} beyond max_position_embeddings={self.args.max_position_embeddings}")
         cis = self.rope_cis[pos].unsqueeze(2)                      # [B, T, 1, D/2]
-        kv_len = max(lens) + T
         a = self.args
+        cis_local = self.rope_cis_local[pos].unsqueeze(2) if self.rope_cis_local is not None else None
+        cis_of = [cis if a.layer_theta(i) == a.rope_theta else cis_local for i in range(a.num_hidden_layers)]
+        kv_len = max(lens) + T
         windows = [a.layer_window(i) for i in range(a.num_hidden_layers)]
         masks = {w: self._mask(lens, T, kv_len, tree_mask, pos, offs, input_ids.device, w) for w in set(windows)}
         act = ACTIVATIONS[a.hidden_act]
         H, Hkv, D, hid, eps = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.hidden_size, a.rms_norm_eps
         gqa = {"enable_gqa": True} if (Hkv != H and _HAS_GQA) else {}
+        if a.attn_scale is not None:
+            gqa["scale"] = a.attn_scale
         rep = H // Hkv if (Hkv != H and not _HAS_GQA) else 1
         fast = self.layer_weights()
         if self._norms is None:
@@ -390,7 +334,11 @@ class LlamaForCausalLM(nn.Module):
         norm, head_norm = self._norms
         inter = a.intermediate_size
         x = self.embed(input_ids)                                  # [B, T, hid]
-        fused = self.fused_layers() if len(masks) == 1 and cache.dtype == torch.float32 else None
+        if a.embed_scale is not None:                              # in the model's dtype, as transformers does
+            x = x * torch.tensor(a.embed_scale, dtype=self.dtype).to(x.dtype)
+        # the C++ layer loop scales attention by head_dim ** -0.5 (quant/fused.py)
+        plain_scale = a.attn_scale is None or a.attn_scale == D ** -0.5
+        fused = self.fused_layers() if len(masks) == 1 and cache.dtype == torch.float32 and plain_scale else None
         run = range(len(fast)) if layers is None else layers
         if fused is not None:
             x = fused(x, cache, pos, masks[windows[0]], run, kv_len)
@@ -403,7 +351,7 @@ class LlamaForCausalLM(nn.Module):
             if w.q_norm is not None:
                 q, k = qk.narrow(2, 0, H), qk.narrow(2, H, Hkv)
                 qk = torch.cat([head_norm(q, w.q_norm), head_norm(k, w.k_norm)], 2)
-            qk = apply_rope(qk, cis).transpose(1, 2)               # [B, H+Hkv, T, D]
+            qk = apply_rope(qk, cis_of[i]).transpose(1, 2)               # [B, H+Hkv, T, D]
             q, k = qk.narrow(1, 0, H), qk.narrow(1, H, Hkv)        # [B, H|Hkv, T, D]
             cache.write(i, k, v.transpose(1, 2))
             keys = cache.k[i].narrow(0, 0, B).narrow(2, 0, kv_len)  # [B, Hkv, S, D]
@@ -413,10 +361,12 @@ class LlamaForCausalLM(nn.Module):
             if rep > 1:
                 keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
             y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=masks[windows[i]], **gqa)   # [B, H, T, D]
-            x = x + _linear(y.transpose(1, 2).reshape(B, T, H * D), w.o, w.o_bias)
+            y = _linear(y.transpose(1, 2).reshape(B, T, H * D), w.o, w.o_bias)   # [B, T, hid]
+            x = x + (y if w.post_attn is None else norm(y, w.post_attn))
             h = norm(x, w.ln2)
             gu = _linear(h, w.gate_up, w.gate_up_bias)             # [B, T, 2 inter]
-            x = x + _linear(act(gu.narrow(-1, 0, inter)) * gu.narrow(-1, inter, inter), w.down, w.down_bias)
+            y = _linear(act(gu.narrow(-1, 0, inter)) * gu.narrow(-1, inter, inter), w.down, w.down_bias)
+            x = x + (y if w.post_mlp is None else norm(y, w.post_mlp))
         if last_only and not hidden_all:
             x = x[:, -1:]
         h = norm(x, self.norm.weight)                              # [B, T, hid]
@@ -456,90 +406,3 @@ def meta_model(a: LlamaArgs) -> "LlamaForCausalLM":
             return LlamaForCausalLM(a)
     finally:
         nn.Embedding.reset_parameters, nn.Linear.reset_parameters = saved
-
-
-def args_from_hf_config(cfg: dict) -> LlamaArgs:
-    """LlamaArgs from a Hugging Face config.json dict (transformers 4.x and 5.x spellings), every field that
-    changes the maths read as transformers' own classes read it. Check native_blockers(cfg) first."""
-    mt = cfg.get("model_type")
-    heads = cfg["num_attention_heads"]
-    rope = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = cfg.get("rope_scaling") or (rope if rope_kind(rope) != "default" else None)
-    sw, window_layers = cfg.get("sliding_window"), None
-    if mt in ("qwen2", "qwen3"):      # transformers: the window only with use_sliding_window, per layer_types
-        if not cfg.get("use_sliding_window", False):
-            sw = None
-        n = cfg["num_hidden_layers"]
-        types = cfg.get("layer_types") or ["sliding_attention" if sw is not None and i >= cfg.get("max_window_layers", n)
-                                           else "full_attention" for i in range(n)]
-        window_layers = [t == "sliding_attention" for t in types]
-        if sw is not None and not any(window_layers):
-            sw = None
-    elif mt == "llama":
-        sw = None
-    bias = bool(cfg.get("attention_bias", False))
-    eos = cfg.get("eos_token_id")
-    return LlamaArgs(
-        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        attention_bias=True if mt == "qwen2" else (bias and mt in ("llama", "qwen3")),
-        o_bias=bias and mt in ("llama", "qwen3"), mlp_bias=bool(cfg.get("mlp_bias", False)) and mt == "llama",
-        hidden_act=cfg.get("hidden_act", "silu"), qk_norm=(mt == "qwen3"),
-        sliding_window=sw, window_layers=window_layers, model_type=mt,
-        eos_token_id=[eos] if isinstance(eos, int) else list(eos or []), hf_config=cfg,
-    )
-
-
-def native_blockers(cfg: dict) -> list[str]:
-    """Fields of a native-family config that the native code does not implement, each as 'field: value'; the
-    loader runs such a model through the transformers fallback instead (or refuses it, naming the field)."""
-    out = []
-    act = cfg.get("hidden_act", "silu")
-    if act not in ACTIVATIONS:
-        out.append(f"hidden_act: {act!r} (native: {', '.join(ACTIVATIONS)})")
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if rope_kind(rope) not in ROPE_TYPES:
-        out.append(f"rope_scaling: rope_type {rope_kind(rope)!r} (native: {', '.join(ROPE_TYPES)})")
-    prf = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if prf not in (None, 1, 1.0):
-        out.append(f"partial_rotary_factor: {prf}")
-    if cfg.get("quantization_config"):
-        out.append(f"quantization_config: {cfg['quantization_config'].get('quant_method', 'quantized')} weights")
-    return out
-
-
-def fuse_hf_state_dict(sd: dict[str, torch.Tensor], a: LlamaArgs) -> dict[str, torch.Tensor]:
-    """Map Hugging Face parameter names onto this module's (fusing q/k/v and gate/up)."""
-    out = {"embed_tokens.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
-    out["lm_head.weight"] = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-    for i in range(a.num_hidden_layers):
-        p = f"model.layers.{i}."
-        o = f"layers.{i}."
-        at = p + "self_attn."
-        H, Hkv, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        q, k, v = (sd[at + n + "_proj.weight"] for n in "qkv")
-        out[o + "self_attn.qkv.weight"] = torch.cat([interleave_rope_rows(q, H, D), interleave_rope_rows(k, Hkv, D), v])
-        if a.attention_bias:
-            qb, kb, vb = (sd[at + n + "_proj.bias"] for n in "qkv")
-            out[o + "self_attn.qkv.bias"] = torch.cat([interleave_rope_rows(qb, H, D),
-                                                       interleave_rope_rows(kb, Hkv, D), vb])
-        out[o + "self_attn.o_proj.weight"] = sd[at + "o_proj.weight"]
-        if a.o_bias:
-            out[o + "self_attn.o_proj.bias"] = sd[at + "o_proj.bias"]
-        if a.mlp_bias:
-            out[o + "mlp.gate_up.bias"] = torch.cat([sd[p + "mlp.gate_proj.bias"], sd[p + "mlp.up_proj.bias"]])
-            out[o + "mlp.down_proj.bias"] = sd[p + "mlp.down_proj.bias"]
-        if a.qk_norm:
-            out[o + "self_attn.q_norm.weight"] = interleave_rope_rows(sd[at + "q_norm.weight"], 1, D)
-            out[o + "self_attn.k_norm.weight"] = interleave_rope_rows(sd[at + "k_norm.weight"], 1, D)
-        out[o + "mlp.gate_up.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
-        out[o + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"]
-        out[o + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
-        out[o + "post_attention_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
-    return out

@@ -1,6 +1,6 @@
 """Load a model and its tokenizer from a Hugging Face checkpoint: a local directory or, with a network, a hub id.
 
-Native families (registry.NATIVE_FAMILIES) are built from config.json and the safetensors shards directly;
+Native families (models/arch: one description each) are built from config.json and the safetensors shards directly;
 any other causal LM goes through transformers (hf.HFCausalLM).
 """
 from __future__ import annotations
@@ -18,9 +18,10 @@ from ..devices import available_memory
 from ..quant.formats import GGUF_TYPES
 from .base import LoadedModel
 from .draft_vocab import VocabMappedDraft, has_draft_vocab, read_d2t
-from .llama import LlamaForCausalLM, native_blockers
-from .registry import native_family
-from .tokens import bos_to_add
+from .llama import LlamaForCausalLM
+from .native_config import native_blockers
+from .arch import arch_of
+from .tokens import prompt_bos
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,8 @@ def load_tokenizer(path: Path):
 def build_native(cfg: dict, hf_state_dict: dict[str, torch.Tensor], device: str, td: torch.dtype,
                  cache_td: torch.dtype | None = None):
     """The native Llama-family model from a Hugging Face config dict and state dict (Hugging Face names)."""
-    from .llama import LlamaForCausalLM, args_from_hf_config, fuse_hf_state_dict, meta_model
+    from .llama import meta_model
+    from .native_config import args_from_hf_config, fuse_hf_state_dict
 
     args = args_from_hf_config(cfg)
     model = meta_model(args)
@@ -147,8 +149,7 @@ def build_native(cfg: dict, hf_state_dict: dict[str, torch.Tensor], device: str,
     # assign: the meta parameters become the state dict's tensors (no empty model allocated first, to be replaced)
     model.load_state_dict({k: v.to(device=device, dtype=td) for k, v in sd.items()}, strict=True, assign=True)
     # non-persistent buffers: rebuild them on the real device
-    model.rope_cis = LlamaForCausalLM.rope_table(args, device)
-    model.positions = torch.arange(args.max_position_embeddings, device=device)
+    model.reset_buffers(device)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model._fast = None
@@ -188,7 +189,7 @@ def load_gguf_model(name: str, device: str, dtype: str, field: str = "model",
         _quantize(model, quantization, device, field, gguf_path=str(info.path))
     log.info("loaded %s (GGUF %s, %.1fM parameters, dequantized to %s)", name, info.architecture, n_params / 1e6,
              dtype)
-    return LoadedModel(model, tok, str(info.path), name, cfg, eos_ids, n_params, bos_to_add(tok))
+    return LoadedModel(model, tok, str(info.path), name, cfg, eos_ids, n_params, prompt_bos(tok, cfg.get("model_type"), cfg.get("bos_token_id")))
 
 
 def _quantize(model, quantization: str, device: str, field: str, gguf_path: str | None = None) -> None:
@@ -397,8 +398,9 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
     if not eos_ids and tok.eos_token_id is not None:
         eos_ids = [tok.eos_token_id]
     td = DTYPES[dtype]
-    blockers = native_blockers(cfg) if native_family(mt) else []
-    if native_family(mt) and not blockers:
+    native = arch_of(mt) is not None
+    blockers = native_blockers(cfg) if native else []
+    if native and not blockers:
         model = build_native(cfg, read_state_dict(path), device, td, cache_td)
         if has_draft_vocab(path):              # a reduced-vocabulary draft: seen as one over the target's tokens
             model = VocabMappedDraft(model, read_d2t(path), cfg["leaplm_draft"]["target_vocab_size"])
@@ -425,4 +427,4 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
     if field == "draft" and isinstance(native, LlamaForCausalLM):
         native.one_call = True     # a draft's forward in one C++ call where it applies (models/one_call.py says why)
     log.info("loaded %s (%s, %.1fM parameters, %s)", name, mt, n_params / 1e6, dtype)
-    return LoadedModel(model, tok, str(path), name, cfg, eos_ids, n_params, bos_to_add(tok))
+    return LoadedModel(model, tok, str(path), name, cfg, eos_ids, n_params, prompt_bos(tok, mt, cfg.get("bos_token_id")))

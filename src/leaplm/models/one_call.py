@@ -69,6 +69,8 @@ def why_not_one_call(model) -> str | None:
         return "per-head q/k norms (qwen3)"
     if a.sliding_window is not None:
         return "a sliding window"
+    if a.post_norms or a.embed_scale is not None or a.attn_scale is not None or a.layer_rope_theta is not None:
+        return "post-norms, an embedding or attention scale, or RoPE bases per layer (gemma3)"
     if a.head_dim % 8 or a.hidden_size % 8 or a.intermediate_size % 8:
         return "head_dim, hidden or intermediate size not a multiple of 8"
     return None

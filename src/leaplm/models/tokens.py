@@ -49,3 +49,16 @@ def chat_prompt(tokenizer, message: str | list[dict], name: str = "model", plain
         raise ConfigError("chat", f"{name} has no chat template (tokenizer_config.json chat_template or "
                                   f"tokenizer.chat_template in a GGUF file); give a plain prompt instead")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_bos(tokenizer, model_type: str | None, config_bos: int | None = None) -> int | None:
+    """bos_to_add, except that a family whose description says prompts must start with BOS (models/arch: Gemma)
+    gets the tokenizer's BOS (else the model config's bos_token_id) even where the tokenizer's configuration adds
+    none: the model was never trained without it."""
+    from .arch import arch_of
+
+    bos = bos_to_add(tokenizer)
+    arch = arch_of(model_type)
+    if bos is None and arch is not None and arch.bos_required:
+        return tokenizer.bos_token_id if tokenizer.bos_token_id is not None else config_bos
+    return bos
