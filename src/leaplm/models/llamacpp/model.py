@@ -381,7 +381,7 @@ def load_llamacpp_model(name: str, field: str = "model", kv_cache_dtype: str = "
     from ..gguf import inspect_gguf, load_gguf_tokenizer, read_gguf_config
     from ..tokens import bos_to_add
 
-    info = inspect_gguf(name, field, check_types=False)
+    info = inspect_gguf(name, field, check_types=False, check_arch=False)
     model = LlamaCppLM(info.path, kv_cache_dtype=kv_cache_dtype, threads=threads, field=field)
     tok = load_gguf_tokenizer(info, field)
     cfg = read_gguf_config(info, field)
