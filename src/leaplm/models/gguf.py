@@ -270,9 +270,10 @@ class GGUFInfo:
     n_bytes: int = 0                    # bytes of all tensors as stored
 
 
-def inspect_gguf(name: str, field: str = "model", check_types: bool = True) -> GGUFInfo:
+def inspect_gguf(name: str, field: str = "model", check_types: bool = True, check_arch: bool = True) -> GGUFInfo:
     """Open and check a GGUF file; ConfigError naming the file and the GGUF field on anything we cannot run.
-    check_types False: any tensor type (libllama computes on the file's own types; it refuses what it cannot)."""
+    check_types False: any tensor type (libllama computes on the file's own types; it refuses what it cannot).
+    check_arch False: any general.architecture (libllama decides what it can load, not leaplm's list)."""
     p = Path(name).expanduser()
     if not p.exists():
         raise ConfigError(field, f"GGUF file {name!r} does not exist")
@@ -284,7 +285,7 @@ def inspect_gguf(name: str, field: str = "model", check_types: bool = True) -> G
         raise ConfigError(field, f"{name}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
     g = parse_gguf(p, field)
     arch = g.fields.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if check_arch and arch not in ARCHITECTURES:
         raise ConfigError(field, f"{name}: general.architecture {arch!r} is not supported "
                                  f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     types = {t.name: t.type_name for t in g.tensors.values()}

@@ -94,7 +94,7 @@ def check_source(name: str, field: str = "model", backend: str = "auto") -> None
         if choose_backend(backend, True, name) == "llamacpp":
             from .llamacpp.binding import check_file
 
-            inspect_gguf(name, field, check_types=False)
+            inspect_gguf(name, field, check_types=False, check_arch=False)
             check_file(name, field)             # libllama reads the header and metadata (no weights)
         else:
             inspect_gguf(name, field)
@@ -323,9 +323,14 @@ def choose_target_backend(name: str, method: str, backend: str = "auto", device:
     if str(device) != "cpu" or dtype not in ("auto", "float32"):
         return BackendChoice("auto", None, f"--device {device} / --dtype {dtype} ask for the PyTorch path")
     from ..kernels.build import unavailable_reason
-    from .gguf import TENSOR_TYPES
+    from .gguf import ARCHITECTURES, TENSOR_TYPES
 
-    info = inspect_gguf(path, "model", check_types=False)
+    info = inspect_gguf(path, "model", check_types=False, check_arch=False)
+    if info.architecture not in ARCHITECTURES:     # only libllama may run it; without it load_model refuses
+        from .llamacpp.binding import available
+
+        return BackendChoice("llamacpp" if available() else "torch", None,
+                             f"general.architecture {info.architecture!r} runs on libllama only")
     types = info.tensor_types
     weight_type = kernel_weight_type(types) if all(t in TENSOR_TYPES for t in types.values()) else None
     from .llamacpp.binding import available

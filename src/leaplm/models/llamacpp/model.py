@@ -381,8 +381,18 @@ def load_llamacpp_model(name: str, field: str = "model", kv_cache_dtype: str = "
     from ..gguf import inspect_gguf, load_gguf_tokenizer, read_gguf_config
     from ..tokens import bos_to_add
 
-    info = inspect_gguf(name, field, check_types=False)
-    model = LlamaCppLM(info.path, kv_cache_dtype=kv_cache_dtype, threads=threads, field=field)
+    info = inspect_gguf(name, field, check_types=False, check_arch=False)
+    try:
+        model = LlamaCppLM(info.path, kv_cache_dtype=kv_cache_dtype, threads=threads, field=field)
+    except ConfigError as e:
+        from ..gguf import ARCHITECTURES
+
+        if info.architecture in ARCHITECTURES:
+            raise
+        # neither backend runs it: one error with what each said
+        raise ConfigError(field, f"{name}: general.architecture {info.architecture!r} runs on neither backend: "
+                                 f"libllama: {e.message}; leaplm's own forward: not supported (supported: "
+                                 f"{', '.join(sorted(ARCHITECTURES))})") from e
     tok = load_gguf_tokenizer(info, field)
     cfg = read_gguf_config(info, field)
     from ..llama import args_from_hf_config
