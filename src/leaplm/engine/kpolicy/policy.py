@@ -24,7 +24,7 @@ from typing import Callable
 from ...propose.base import Proposal
 from .acceptance import AcceptanceEstimate, expected_tokens
 from .adaptive import BatchAdaptiveK, RowSpec, with_proposal
-from .estimates import Estimates
+from .estimates import Estimates, rows_bucket
 from .priors import from_card
 from .shadow import (SHADOW_CHUNK, forget, keep_cheap, keep_probs, resolve_cheap, resolve_guesses,
                      score_guesses)
@@ -49,6 +49,7 @@ class StepPlan:
     asked: list[int]                       # [n] drafts asked of each row: min(K, its cap)
     early: dict[int, Proposal | None]      # rows whose cheap proposer proposed before K was chosen (None: nothing)
     chosen: bool                           # K is the policy's own choice (not raised by a fixed-K row)
+    arm: tuple | None = None               # the step's arm class (measured.py), None: not measured
 
 
 @dataclass
@@ -98,7 +99,7 @@ class KPolicy:
         key = self._hold_key(rows, free)
         if key is not None and key == self._held and self._held_steps < HOLD_STEPS and self.choice.hold(len(rows)):
             self._held_steps += 1
-            return StepPlan(0, [0] * len(rows), {}, True)
+            return StepPlan(0, [0] * len(rows), {}, True, arm_class(rows))
         drafting = _drafting_rows(rows)
         # a row whose drafts are free this step is not priced (it drafts its forced tokens whatever K is)
         specs = [RowSpec(0, 0.0, 0.0) if i in free else self._row_spec(r, drafting) for i, r in enumerate(rows)]
@@ -110,12 +111,17 @@ class KPolicy:
                 self.estimates.acceptance(r.req.stats.method, r.proposer.bursty, r.band).observe_match(p is not None)
                 specs[i] = with_proposal(sp, r.acceptance, p.k if p is not None else 0,
                                          p.match if p is not None else None)
-        chosen = self.choice.choose([sp for sp, r in zip(specs, rows) if not r.fixed_k])
+        priced = [sp for sp, r in zip(specs, rows) if not r.fixed_k]
+        chosen = self.choice.choose(priced)
+        arm = arm_class(rows) if self.enabled else None
+        if arm is not None:             # the cost model's choice is the prior; measured rates overrule it
+            chosen = self.estimates.rates.decide(arm, chosen)
+            self.choice.overruled(chosen, priced)
         K = max([chosen] + [sp.cap for sp, r in zip(specs, rows) if r.fixed_k])   # a fixed-K row drafts its K
         K = min(K, room)
         held = key is not None and K == 0 and not self.choice.probes.retry
         self._held, self._held_steps = (key if held else None), 0
-        return StepPlan(K, [min(K, sp.cap) for sp in specs], early, K == chosen)
+        return StepPlan(K, [min(K, sp.cap) for sp in specs], early, K == chosen, arm)
 
     def _hold_key(self, rows: list[Row], free: frozenset[int]) -> tuple | None:
         """What a K = 0 choice over these rows read that can change between steps: drafting's measured overrun
@@ -157,6 +163,10 @@ class KPolicy:
         return seconds / steps_left
 
     # --- observe (engine/observer.py: StepObserver) ---------------------------------------------------------------
+    def measured_rates(self) -> dict[tuple, dict[int, float]]:
+        """Committed tokens per wall-second per arm class and K (measured.RateBandit.rates): the read API."""
+        return self.estimates.rates.rates()
+
     def observe_propose(self, method: str, seconds_per_token: float, rows: int | None = None) -> None:
         self.estimates.observe_propose(method, seconds_per_token, rows=rows)
 
@@ -167,20 +177,29 @@ class KPolicy:
         self.choice.probed(any(p is not None for p in proposals))
 
     def observe(self, rows: list[Row], plan: StepPlan, done: list[RowStep | None], seconds: float,
-                catchup_s: float, timed: bool = True) -> None:
+                catchup_s: float, timed: bool = True, wall: float | None = None) -> None:
         """done[i]: what row i did (None: it failed). seconds: the step's time without its commits (paid per
         token, drafted or not: they do not make drafting dearer); catchup_s: a draft model's catching up in it.
         timed False: the step carried free drafts (a grammar's forced tokens), neither a plain step nor one of
-        the policy's K: its time is not observed."""
+        the policy's K: its time is not observed by the cost model. wall: the step's wall seconds (propose, score,
+        verify, commit), counted with its K = 0 evidence towards the measured rate of its arm (measured.py)."""
+        evidence = sum(r.shadow.seconds for r in rows)
+        off = plan.arm is not None and self.estimates.rates.off(plan.arm)
         for i, (r, d) in enumerate(zip(rows, done)):
             if d is not None and plan.asked[i]:
                 self._observe_row(r, d, plan.asked[i], known=i in plan.early)
             if d is not None and self.enabled and not r.fixed_k and r.proposer is not None:
-                self._shadow(r, d, plan, i)
-        if not timed:
-            return
+                if off:                 # drafting measured below plain: the evidence is not worth its cost
+                    forget(r.shadow)
+                else:
+                    self._shadow(r, d, plan, i)
         drafted = sum(d.drafted for d in done if d is not None)
         tokens = len(rows) + sum(d.accepted for d in done if d is not None)
+        if plan.arm is not None and wall is not None and all(d is not None for d in done):
+            wall += sum(r.shadow.seconds for r in rows) - evidence
+            self.estimates.rates.observe(plan.arm, plan.k, tokens, wall)
+        if not timed:
+            return
         self.choice.observe_step(len(rows), drafted, seconds, tokens, chosen=plan.chosen, catchup_s=catchup_s)
 
     def _observe_row(self, r: Row, d: RowStep, asked: int, known: bool) -> None:
@@ -237,6 +256,12 @@ class KPolicy:
         for passed, match in evidence:
             r.acceptance.observe_expected(passed, match)
             self.estimates.observe_expected(method, passed, match, bursty, r.band)
+
+
+def arm_class(rows: list[Row]) -> tuple:
+    """The arm class of a step over these rows (measured.py): their methods and temperature bands (greedy or
+    sampled, structured or free) and their rows bucket."""
+    return tuple(sorted({(r.req.stats.method, r.band) for r in rows})), rows_bucket(len(rows))
 
 
 def tokens_left(req) -> int:

@@ -1,0 +1,189 @@
+"""Measured rates: what each K actually delivered, in committed tokens per wall-second, and the bandit that lets
+them overrule the cost model's choice.
+
+The cost model (adaptive.py) prices a step from forward costs and acceptance; costs outside it (proposing, a
+short block's verify, commits, the evidence gathered at K = 0, a grammar's masks at every drafted position) are
+missed, and a drafting step it prices as a gain can lose wall time. So every step is also counted here:
+
+  arm class  (the methods and temperature bands of the step's rows, its rows bucket): greedy and sampled,
+             structured and free text, each method, are kept apart
+  arm        the step's K (0: plain decoding; for a constrained row, plain decoding with its grammar's forced
+             tokens drafted, their masks included, since those are drafted whatever K is)
+  rate       discounted committed tokens / discounted wall seconds of the steps that ran the arm. Every step of
+             a class discounts all its arms alike (DECAY), so two arms are compared over the same window of time:
+             a burst of other work that slows both slows both rates alike
+
+The bandit (`RateBandit.decide`) takes the cost model's K as its prior and:
+  1. keeps plain decoding measured: while the model drafts, a K = 0 step runs when plain has fewer than MIN_STEPS
+     measurements or none for PLAIN_EVERY steps of the class (PLAIN_EVERY_CLEAR when drafting wins clearly)
+  2. abandons an arm measured below plain beyond the noise margin (the standard errors of both rates, at least
+     MARGIN): an arm the model overrates runs at most MIN_STEPS steps once plain is measured, then K = 0
+  3. re-tries an abandoned arm after RETRY steps of its class, its old measurements forgotten, the wait doubling
+     after each loss up to MAX_RETRY; an arm that now pays is taken back and the wait reset
+  4. picks, among measured K > 0 arms, one that beats the model's K beyond the margin
+
+It only chooses K: what is accepted is the verifier's. A busy machine does not switch speculation off through it
+(both arms are measured in the same window); adaptive.Overrun keeps drafting priced by its fastest steps.
+`rates()` is the read API: the current rate per arm class and arm.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+DECAY = 0.97             # per step of a class: a measurement's weight halves in about 23 of its class's steps
+MIN_STEPS = 3            # measurements (effective) before an arm is judged
+MARGIN = 0.03            # the least relative gap that counts as a loss (noise a deterministic clock cannot show)
+Z = 2.0                  # standard errors of the gap that count as noise
+PLAIN_EVERY = 16         # steps of a drafting class between plain steps, near break-even
+PLAIN_EVERY_CLEAR = 64   # ... while drafting beats plain by more than CLEAR
+CLEAR = 0.25
+RETRY = 16               # steps of a class before an abandoned arm is tried again (doubles after each loss)
+MAX_RETRY = 256
+
+
+@dataclass
+class Arm:
+    """Discounted sums of the steps that ran one K in one class."""
+    n: int = 0               # steps measured (not discounted: when the arm may be judged)
+    steps: float = 0.0       # effective number of steps
+    tokens: float = 0.0
+    seconds: float = 0.0
+    r1: float = 0.0          # sum of per-step rates (tokens / seconds)
+    r2: float = 0.0          # ... of their squares (the noise margin)
+
+    def decay(self, f: float) -> None:
+        self.steps *= f
+        self.tokens *= f
+        self.seconds *= f
+        self.r1 *= f
+        self.r2 *= f
+
+    def add(self, tokens: float, seconds: float) -> None:
+        r = tokens / seconds
+        self.n += 1
+        self.steps += 1.0
+        self.tokens += tokens
+        self.seconds += seconds
+        self.r1 += r
+        self.r2 += r * r
+
+    @property
+    def rate(self) -> float:
+        """Committed tokens per second."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def stderr(self) -> float:
+        """The standard error of the mean per-step rate."""
+        if self.n < 2 or self.steps <= 1.0:
+            return math.inf
+        mean = self.r1 / self.steps
+        var = max(0.0, self.r2 / self.steps - mean * mean)
+        return math.sqrt(var / (self.steps - 1))
+
+
+@dataclass
+class ArmClass:
+    """One class's arms (K -> Arm) and its bandit state."""
+    arms: dict[int, Arm] = field(default_factory=dict)
+    steps: int = 0                   # steps observed
+    since_plain: int = 0             # steps since the last plain step
+    lost: dict[int, int] = field(default_factory=dict)    # abandoned K -> the class step it may be re-tried at
+    wait: dict[int, int] = field(default_factory=dict)    # K -> its current re-try wait
+    retrying: set[int] = field(default_factory=set)       # arms being re-measured after a loss
+
+    def arm(self, k: int) -> Arm:
+        return self.arms.setdefault(k, Arm())
+
+    def loses(self, k: int) -> bool:
+        """Arm k measured below plain beyond the noise."""
+        a, p = self.arms.get(k), self.arms.get(0)
+        if a is None or p is None or a.n < MIN_STEPS or p.n < MIN_STEPS:
+            return False
+        return a.rate < p.rate - gap(a, p)
+
+    def beats(self, k: int, other: int) -> bool:
+        a, b = self.arms.get(k), self.arms.get(other)
+        if a is None or b is None or a.n < MIN_STEPS or b.n < MIN_STEPS:
+            return False
+        return a.rate > b.rate + gap(a, b)
+
+
+def gap(a: Arm, b: Arm) -> float:
+    """The noise margin between two arms' rates: Z standard errors of their difference, at least MARGIN of the
+    larger rate."""
+    se = math.hypot(a.stderr, b.stderr)
+    return max(MARGIN * max(a.rate, b.rate), Z * se if math.isfinite(se) else 0.0)
+
+
+class RateBandit:
+    """Measured rates per arm class and the choice of K from them (see the module docstring)."""
+
+    def __init__(self):
+        self.classes: dict[tuple, ArmClass] = {}
+
+    def cls(self, key: tuple) -> ArmClass:
+        return self.classes.setdefault(key, ArmClass())
+
+    def decide(self, key: tuple, model_k: int) -> int:
+        """The step's K given the cost model's choice model_k over a batch of class `key`."""
+        c = self.cls(key)
+        for k in [k for k, at in c.lost.items() if c.steps >= at]:     # re-try: measured afresh
+            del c.lost[k]
+            c.arms.pop(k, None)
+            c.retrying.add(k)
+        if model_k == 0:
+            return 0
+        if not c.steps:                 # nothing measured in this class: the prior decides
+            return model_k
+        p = c.arms.get(0)
+        if p is None or p.n < MIN_STEPS:
+            return 0
+        drafting = [a for j, a in c.arms.items() if j and a.n >= MIN_STEPS]
+        clear = bool(drafting) and all(a.rate > (1 + CLEAR) * p.rate for a in drafting)
+        if c.since_plain >= (PLAIN_EVERY_CLEAR if clear else PLAIN_EVERY):
+            return 0
+        k = model_k
+        unmeasured = k not in c.arms or c.arms[k].n < MIN_STEPS and k not in c.retrying
+        if k in c.lost or (c.lost and unmeasured):
+            # abandoned (an unmeasured K too, once a K of the class has lost: the same costs miss it, and trying each
+            # K in turn would pay MIN_STEPS losing steps per K): a measured arm that does not lose takes its place,
+            # else plain decoding
+            alive = [j for j in c.arms if j and j not in c.lost and not c.loses(j)
+                     and c.arms[j].n >= MIN_STEPS]
+            return max(alive, key=lambda j: c.arms[j].rate) if alive else 0
+        better = [j for j in c.arms if j and j != k and j not in c.lost and c.beats(j, k)]
+        return max(better, key=lambda j: c.arms[j].rate) if better else k
+
+    def observe(self, key: tuple, k: int, tokens: int, seconds: float) -> None:
+        """A step of class `key` at K = k committed `tokens` in `seconds` of wall time."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        c = self.cls(key)
+        c.steps += 1
+        for a in c.arms.values():
+            a.decay(DECAY)
+        c.arm(k).add(tokens, seconds)
+        c.since_plain = 0 if k == 0 else c.since_plain + 1
+        if k == 0:
+            return
+        if c.loses(k):
+            c.wait[k] = min(MAX_RETRY, 2 * c.wait.get(k, RETRY // 2))
+            c.lost[k] = c.steps + c.wait[k]
+            c.retrying.discard(k)
+        elif k in c.retrying and c.arms[k].n >= MIN_STEPS:
+            c.retrying.discard(k)               # taken back
+            c.wait.pop(k, None)
+
+    def off(self, key: tuple) -> bool:
+        """Every drafting arm measured in this class loses to plain decoding (the K = 0 evidence is not worth its
+        cost there: re-tries measure drafting directly)."""
+        c = self.classes.get(key)
+        return c is not None and bool(c.lost) and not any(
+            k and k not in c.lost and a.n >= MIN_STEPS for k, a in c.arms.items())
+
+    def rates(self) -> dict[tuple, dict[int, float]]:
+        """The read API: class key -> {K: committed tokens per wall-second} (arms with a measurement)."""
+        return {key: {k: a.rate for k, a in sorted(c.arms.items()) if a.n > 0}
+                for key, c in self.classes.items()}
