@@ -9,21 +9,26 @@ missed, and a drafting step it prices as a gain can lose wall time. So every ste
              structured and free text, each method, are kept apart
   arm        the step's K (0: plain decoding; for a constrained row, plain decoding with its grammar's forced
              tokens drafted, their masks included, since those are drafted whatever K is)
-  rate       discounted committed tokens / discounted wall seconds of the steps that ran the arm. Every step of
-             a class discounts all its arms alike (DECAY), so two arms are compared over the same window of time:
-             a burst of other work that slows both slows both rates alike
+  rate       discounted committed tokens / discounted wall seconds of the steps that ran the arm, each arm
+             discounted per step of its own: plain's by PLAIN_DECAY (its last steps decide), drafting's by DECAY
+
+The rates are compared within the same window of time: an arm is judged to lose only against a plain step at
+most FRESH steps old (else a plain step is run first to confirm), so a burst of other work that slows drafting
+slows the plain step it is judged against as well, and a busy machine does not switch speculation off.
 
 The bandit (`RateBandit.decide`) takes the cost model's K as its prior and:
-  1. keeps plain decoding measured: while the model drafts, a K = 0 step runs when plain has fewer than MIN_STEPS
+  1. keeps plain decoding measured: while the model drafts, a K = 0 step runs when plain has fewer than 2
      measurements or none for PLAIN_EVERY steps of the class (PLAIN_EVERY_CLEAR when drafting wins clearly)
   2. abandons an arm measured below plain beyond the noise margin (the standard errors of both rates, at least
-     MARGIN): an arm the model overrates runs at most MIN_STEPS steps once plain is measured, then K = 0
+     MARGIN): an arm the model overrates runs at most MIN_STEPS steps once plain is measured, one step when even
+     accepting all its drafts would not reach plain's rate or when it is EARLY below; then K = 0 (other
+     unmeasured K of the class too)
   3. re-tries an abandoned arm after RETRY steps of its class, its old measurements forgotten, the wait doubling
-     after each loss up to MAX_RETRY; an arm that now pays is taken back and the wait reset
+     after each loss up to MAX_RETRY and at least what keeps re-tries within RETRY_BUDGET of plain decoding's
+     time; an arm that now pays is taken back and the wait reset
   4. picks, among measured K > 0 arms, one that beats the model's K beyond the margin
 
-It only chooses K: what is accepted is the verifier's. A busy machine does not switch speculation off through it
-(both arms are measured in the same window); adaptive.Overrun keeps drafting priced by its fastest steps.
+It only chooses K: what is accepted is the verifier's.
 `rates()` is the read API: the current rate per arm class and arm.
 """
 from __future__ import annotations
@@ -31,8 +36,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-DECAY = 0.97             # per step of a class: a measurement's weight halves in about 23 of its class's steps
-MIN_STEPS = 3            # measurements (effective) before an arm is judged
+DECAY = 0.8              # per step of a drafting arm: its last 5 or so steps make its rate
+PLAIN_DECAY = 0.4        # per plain step: the latest one weighs 60%, so a loss is judged against the present load
+FRESH = 2                # a loss is judged only against a plain step at most this many steps of the class old
+MIN_STEPS = 3            # measurements before an arm is judged by its mean
 MARGIN = 0.03            # the least relative gap that counts as a loss (noise a deterministic clock cannot show)
 Z = 2.0                  # standard errors of the gap that count as noise
 PLAIN_EVERY = 16         # steps of a drafting class between plain steps, near break-even
@@ -40,6 +47,8 @@ PLAIN_EVERY_CLEAR = 64   # ... while drafting beats plain by more than CLEAR
 CLEAR = 0.25
 RETRY = 16               # steps of a class before an abandoned arm is tried again (doubles after each loss)
 MAX_RETRY = 256
+RETRY_BUDGET = 0.01      # re-tries cost at most this share of plain decoding's time
+EARLY = 0.3              # an arm this far below plain loses at its first measurement
 
 
 @dataclass
@@ -48,6 +57,7 @@ class Arm:
     n: int = 0               # steps measured (not discounted: when the arm may be judged)
     steps: float = 0.0       # effective number of steps
     tokens: float = 0.0
+    most: float = 0.0        # the tokens its steps could have committed had every draft been accepted
     seconds: float = 0.0
     r1: float = 0.0          # sum of per-step rates (tokens / seconds)
     r2: float = 0.0          # ... of their squares (the noise margin)
@@ -55,15 +65,17 @@ class Arm:
     def decay(self, f: float) -> None:
         self.steps *= f
         self.tokens *= f
+        self.most *= f
         self.seconds *= f
         self.r1 *= f
         self.r2 *= f
 
-    def add(self, tokens: float, seconds: float) -> None:
+    def add(self, tokens: float, most: float, seconds: float) -> None:
         r = tokens / seconds
         self.n += 1
         self.steps += 1.0
         self.tokens += tokens
+        self.most += most
         self.seconds += seconds
         self.r1 += r
         self.r2 += r * r
@@ -97,11 +109,25 @@ class ArmClass:
         return self.arms.setdefault(k, Arm())
 
     def loses(self, k: int) -> bool:
-        """Arm k measured below plain beyond the noise."""
+        """Arm k measured below plain beyond the noise; at once when even accepting every draft at its measured
+        seconds would not reach plain's rate (a draft slower than the target loses at its first step), or when it
+        is below plain by more than EARLY."""
         a, p = self.arms.get(k), self.arms.get(0)
-        if a is None or p is None or a.n < MIN_STEPS or p.n < MIN_STEPS:
+        if a is None or p is None or a.n < 1 or p.n < 1:
             return False
-        return a.rate < p.rate - gap(a, p)
+        if a.most / a.seconds < p.rate * (1 - MARGIN) or a.rate < p.rate * (1 - EARLY):
+            return True
+        return a.n >= MIN_STEPS and a.rate < p.rate - gap(a, p)
+
+    def lose(self, k: int) -> None:
+        """Abandon arm k until a re-try: after the doubling wait, and at least what keeps a re-try's step, at the
+        loss per step measured, within RETRY_BUDGET of plain decoding's time."""
+        a, p = self.arms[k], self.arms[0]
+        plain_step = p.seconds / p.steps
+        loss = max(0.0, (a.seconds - a.tokens / p.rate) / a.steps) / plain_step      # plain steps per step
+        self.wait[k] = min(MAX_RETRY, 2 * self.wait.get(k, RETRY // 2))
+        self.lost[k] = self.steps + max(self.wait[k], math.ceil(loss / RETRY_BUDGET))
+        self.retrying.discard(k)
 
     def beats(self, k: int, other: int) -> bool:
         a, b = self.arms.get(k), self.arms.get(other)
@@ -138,13 +164,17 @@ class RateBandit:
         if not c.steps:                 # nothing measured in this class: the prior decides
             return model_k
         p = c.arms.get(0)
-        if p is None or p.n < MIN_STEPS:
+        if p is None or p.n < 2:
             return 0
         drafting = [a for j, a in c.arms.items() if j and a.n >= MIN_STEPS]
         clear = bool(drafting) and all(a.rate > (1 + CLEAR) * p.rate for a in drafting)
         if c.since_plain >= (PLAIN_EVERY_CLEAR if clear else PLAIN_EVERY):
             return 0
         k = model_k
+        if k not in c.lost and c.loses(k):
+            if c.since_plain > FRESH:
+                return 0                # confirm against plain decoding now
+            c.lose(k)
         unmeasured = k not in c.arms or c.arms[k].n < MIN_STEPS and k not in c.retrying
         if k in c.lost or (c.lost and unmeasured):
             # abandoned (an unmeasured K too, once a K of the class has lost: the same costs miss it, and trying each
@@ -156,22 +186,20 @@ class RateBandit:
         better = [j for j in c.arms if j and j != k and j not in c.lost and c.beats(j, k)]
         return max(better, key=lambda j: c.arms[j].rate) if better else k
 
-    def observe(self, key: tuple, k: int, tokens: int, seconds: float) -> None:
-        """A step of class `key` at K = k committed `tokens` in `seconds` of wall time."""
+    def observe(self, key: tuple, k: int, tokens: int, seconds: float, most: int | None = None) -> None:
+        """A step of class `key` at K = k committed `tokens` (at most `most`, had every draft been accepted) in
+        `seconds` of wall time."""
         if seconds <= 0 or tokens <= 0:
             return
         c = self.cls(key)
         c.steps += 1
-        for a in c.arms.values():
-            a.decay(DECAY)
-        c.arm(k).add(tokens, seconds)
+        c.arm(k).decay(PLAIN_DECAY if k == 0 else DECAY)
+        c.arm(k).add(tokens, tokens if most is None else max(tokens, most), seconds)
         c.since_plain = 0 if k == 0 else c.since_plain + 1
         if k == 0:
             return
-        if c.loses(k):
-            c.wait[k] = min(MAX_RETRY, 2 * c.wait.get(k, RETRY // 2))
-            c.lost[k] = c.steps + c.wait[k]
-            c.retrying.discard(k)
+        if k not in c.lost and c.since_plain <= FRESH and c.loses(k):
+            c.lose(k)
         elif k in c.retrying and c.arms[k].n >= MIN_STEPS:
             c.retrying.discard(k)               # taken back
             c.wait.pop(k, None)

@@ -112,14 +112,15 @@ class KPolicy:
                 specs[i] = with_proposal(sp, r.acceptance, p.k if p is not None else 0,
                                          p.match if p is not None else None)
         priced = [sp for sp, r in zip(specs, rows) if not r.fixed_k]
-        chosen = self.choice.choose(priced)
+        chosen = model = self.choice.choose(priced)
         arm = arm_class(rows) if self.enabled else None
         if arm is not None:             # the cost model's choice is the prior; measured rates overrule it
-            chosen = self.estimates.rates.decide(arm, chosen)
+            chosen = self.estimates.rates.decide(arm, model)
             self.choice.overruled(chosen, priced)
         K = max([chosen] + [sp.cap for sp, r in zip(specs, rows) if r.fixed_k])   # a fixed-K row drafts its K
         K = min(K, room)
-        held = key is not None and K == 0 and not self.choice.probes.retry
+        # held: the cost model chose K = 0 (a K = 0 the measured rates chose is decided by them at every step)
+        held = key is not None and K == 0 and model == 0 and not self.choice.probes.retry
         self._held, self._held_steps = (key if held else None), 0
         return StepPlan(K, [min(K, sp.cap) for sp in specs], early, K == chosen, arm)
 
@@ -197,7 +198,7 @@ class KPolicy:
         tokens = len(rows) + sum(d.accepted for d in done if d is not None)
         if plan.arm is not None and wall is not None and all(d is not None for d in done):
             wall += sum(r.shadow.seconds for r in rows) - evidence
-            self.estimates.rates.observe(plan.arm, plan.k, tokens, wall)
+            self.estimates.rates.observe(plan.arm, plan.k, tokens, wall, most=len(rows) + drafted)
         if not timed:
             return
         self.choice.observe_step(len(rows), drafted, seconds, tokens, chosen=plan.chosen, catchup_s=catchup_s)
