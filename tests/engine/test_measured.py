@@ -51,7 +51,8 @@ def run(policy: KPolicy, row: Row, steps: int, accept, clock, tokens: int | None
     injected clock), told to the policy as the batch step tells it; its proposer's seconds per token are
     propose_s (None: all of the step's time beyond its forward), its forward block(k + 1), both times the
     machine's load(s); commit(s, k) of its seconds are its commit's (not in the seconds the cost model compares
-    with its prediction, as engine/stats.StepClock.policy_seconds leaves them out). Stops after `tokens` tokens when given.
+    with its prediction, as engine/stats.StepClock.policy_seconds leaves them out). Stops after `tokens` tokens
+    when given.
     -> (K of each step, seconds, tokens)."""
     ks, seconds, total = [], 0.0, 0
     for s in range(steps):
@@ -165,3 +166,39 @@ def test_rates_are_kept_apart_per_arm_class_and_each_arm_discounted_by_its_own_s
     assert b.rates()[g][0] == pytest.approx((plain * measured.PLAIN_DECAY + 1) /
                                             (plain * measured.PLAIN_DECAY * 0.01 + 0.03))
     assert b.classes[t].arms[4].n == 4
+
+
+def test_the_evidence_at_k0_stops_while_every_drafting_arm_measured_loses():
+    """A row at K = 0 keeps scoring its proposer (shadow.py) only while drafting is not measured to lose: in the
+    overrated case above, once K = 4 is abandoned the evidence is not gathered until a re-try takes it back."""
+    rng = random.Random(5)
+    accept = lambda s, k: sum(1 for _ in range(k) if rng.random() < 0.8)
+    commit = lambda s, k: 24 * PLAIN / 7 if k else 0.0
+    clock = lambda s, k: (PLAIN if k == 0 else block(k + 1) + k * 4.6e-4) + commit(s, k)
+    policy = KPolicy(estimates(), enabled=True, max_len=4096)
+    scored = []
+    policy._shadow = lambda r, d, plan, i: scored.append(plan.k)
+    ks, _, _ = run(policy, draft_row(), 60, accept, clock, propose_s=4.6e-4, commit=commit)
+    key = next(iter(policy.measured_rates()))
+    assert policy.estimates.rates.off(key)
+    lost_at = max(i for i, k in enumerate(ks) if k) + 1
+    assert len(scored) <= lost_at + measured.FRESH < 60, (len(scored), ks)   # plain steps confirm the loss
+    # negative control: with the gate open, every step gathers evidence
+    rng.seed(5)
+    policy = KPolicy(estimates(), enabled=True, max_len=4096)
+    policy.estimates.rates.off = lambda key: False
+    scored = []
+    policy._shadow = lambda r, d, plan, i: scored.append(plan.k)
+    run(policy, draft_row(), 60, accept, clock, propose_s=4.6e-4, commit=commit)
+    assert len(scored) == 60
+
+
+def test_steps_of_a_grammars_forced_tokens_are_not_counted():
+    """A step whose drafts were all forced tokens (timed False) is no choice of K: no arm's rate moves."""
+    policy = KPolicy(estimates(), enabled=True, max_len=4096)
+    row = draft_row()
+    plan = policy.plan([row], lambda i, cap: None, 64)
+    policy.observe([row], plan, [RowStep(6, 6, 7)], PLAIN, 0.0, timed=False, wall=PLAIN)
+    assert policy.measured_rates() == {}
+    policy.observe([row], plan, [RowStep(0, 0, 1)], PLAIN, 0.0, timed=True, wall=PLAIN)
+    assert list(policy.measured_rates().values()) == [{plan.k: pytest.approx(1 / PLAIN)}]

@@ -7,8 +7,9 @@ missed, and a drafting step it prices as a gain can lose wall time. So every ste
 
   arm class  (the methods and temperature bands of the step's rows, its rows bucket): greedy and sampled,
              structured and free text, each method, are kept apart
-  arm        the step's K (0: plain decoding; for a constrained row, plain decoding with its grammar's forced
-             tokens drafted, their masks included, since those are drafted whatever K is)
+  arm        the step's K (0: plain decoding; for a constrained row, decoding with its grammar's forced tokens
+             only). A step whose drafts are all forced tokens is no choice of K and is not counted; a drafting
+             step's time includes the grammar's masks at every drafted position
   rate       discounted committed tokens / discounted wall seconds of the steps that ran the arm, each arm
              discounted per step of its own: plain's by PLAIN_DECAY (its last steps decide), drafting's by DECAY
 
@@ -214,4 +215,4 @@ class RateBandit:
     def rates(self) -> dict[tuple, dict[int, float]]:
         """The read API: class key -> {K: committed tokens per wall-second} (arms with a measurement)."""
         return {key: {k: a.rate for k, a in sorted(c.arms.items()) if a.n > 0}
-                for key, c in self.classes.items()}
+                for key, c in self.classes.items() if any(a.n for a in c.arms.values())}

@@ -182,7 +182,7 @@ class KPolicy:
         """done[i]: what row i did (None: it failed). seconds: the step's time without its commits (paid per
         token, drafted or not: they do not make drafting dearer); catchup_s: a draft model's catching up in it.
         timed False: the step carried free drafts (a grammar's forced tokens), neither a plain step nor one of
-        the policy's K: its time is not observed by the cost model. wall: the step's wall seconds (propose, score,
+        the policy's K: its time is not observed. wall: the step's wall seconds (propose, score,
         verify, commit), counted with its K = 0 evidence towards the measured rate of its arm (measured.py)."""
         evidence = sum(r.shadow.seconds for r in rows)
         off = plan.arm is not None and self.estimates.rates.off(plan.arm)
@@ -196,7 +196,9 @@ class KPolicy:
                     self._shadow(r, d, plan, i)
         drafted = sum(d.drafted for d in done if d is not None)
         tokens = len(rows) + sum(d.accepted for d in done if d is not None)
-        if plan.arm is not None and wall is not None and all(d is not None for d in done):
+        # a step whose drafts were a grammar's forced tokens is no choice of K (they are drafted whatever K is):
+        # a constrained row's arms are its plain steps and its drafting steps, masks at every position included
+        if plan.arm is not None and wall is not None and timed and plan.chosen and all(d is not None for d in done):
             wall += sum(r.shadow.seconds for r in rows) - evidence
             self.estimates.rates.observe(plan.arm, plan.k, tokens, wall, most=len(rows) + drafted)
         if not timed:
