@@ -133,8 +133,9 @@ def test_a_proposer_that_never_pays_reaches_plain_decodings_rate_within_2_percen
 
 
 def test_a_busy_machine_does_not_switch_speculation_off():
-    """Drafting pays (K = 4 at 1.5x plain); from step 40 to 120 another process makes every step 3x slower,
-    plain ones as well: both arms are measured in the same window, and the row keeps drafting."""
+    """Drafting pays (K = 4 at about 2x plain); from step 40 to 120 another process makes every step 3x slower,
+    plain ones as well: steps are counted in one-token forwards at the load of the moment, and the row keeps
+    drafting through the burst and after it."""
     rng = random.Random(4)
     accept = lambda s, k: sum(1 for _ in range(k) if rng.random() < 0.8)
 
@@ -142,8 +143,8 @@ def test_a_busy_machine_does_not_switch_speculation_off():
     clock = lambda s, k: load(s) * (PLAIN if k == 0 else block(k + 1) + k * 4.6e-4)
     policy = KPolicy(estimates(), enabled=True, max_len=4096)
     ks, _, _ = run(policy, draft_row(), 200, accept, clock, propose_s=4.6e-4, load=load)
-    busy = ks[40:120]
-    assert sum(1 for k in busy if k) > 0.85 * len(busy), busy
+    busy = ks[40:]                                  # the burst and after it, when old slow steps weigh on drafting
+    assert sum(1 for k in busy if k) > 0.9 * len(busy), busy
     assert not policy.estimates.rates.classes[next(iter(policy.measured_rates()))].lost
 
 
@@ -202,3 +203,32 @@ def test_steps_of_a_grammars_forced_tokens_are_not_counted():
     assert policy.measured_rates() == {}
     policy.observe([row], plan, [RowStep(0, 0, 1)], PLAIN, 0.0, timed=True, wall=PLAIN)
     assert list(policy.measured_rates().values()) == [{plan.k: pytest.approx(1 / PLAIN)}]
+
+
+def test_sampled_drafting_that_pays_by_a_thin_margin_is_kept():
+    """T = 0.8-like acceptance (each draft token 0.45, so a step yields one token more often than not) where
+    drafting pays about 1.1x on average and the cost model prices it right: one-token steps are noise, not a
+    loss; the row drafts most steps and keeps at least 95% of what the cost model alone reaches (the price of
+    keeping plain decoding measured near break-even)."""
+    def go(measured_rates: bool) -> tuple[list[int], float]:
+        rng = random.Random(6)
+
+        def accept(s, k):
+            n = 0
+            while n < k and rng.random() < 0.45:
+                n += 1
+            return n
+
+        clock = lambda s, k: PLAIN if k == 0 else PLAIN * 1.3 + k * 4.6e-4
+        policy = KPolicy(estimates(), enabled=True, max_len=4096)
+        policy.estimates.costs.calibrated(1, [{T: PLAIN if T == 1 else PLAIN * 1.3 for T in range(1, 10)}])
+        if not measured_rates:
+            policy.estimates.rates.decide = lambda key, k: k
+        ks, seconds, tokens = run(policy, draft_row(prior=0.45), 400, accept, clock, propose_s=4.6e-4)
+        return ks, tokens / seconds
+
+    ks, rate = go(True)
+    _, model_only = go(False)
+    assert sum(1 for k in ks if k) > 0.7 * len(ks), ks
+    assert rate >= 0.95 * model_only, (rate / model_only, ks)
+    assert rate > 1.05 / PLAIN

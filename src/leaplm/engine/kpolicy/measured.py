@@ -13,17 +13,17 @@ missed, and a drafting step it prices as a gain can lose wall time. So every ste
   rate       discounted committed tokens / discounted wall seconds of the steps that ran the arm, each arm
              discounted per step of its own: plain's by PLAIN_DECAY (its last steps decide), drafting's by DECAY
 
-The rates are compared within the same window of time: an arm is judged to lose only against a plain step at
-most FRESH steps old (else a plain step is run first to confirm), so a burst of other work that slows drafting
-slows the plain step it is judged against as well, and a busy machine does not switch speculation off.
+A busy machine does not switch speculation off: each step's seconds are counted in units of a one-token forward
+at the load of the moment (the cost model's level, which every live forward refreshes: costs.py), so a burst of
+other work slows both arms' steps and their units alike; and an arm is judged to lose only against a plain step
+at most FRESH steps old (else a plain step is run first to confirm).
 
 The bandit (`RateBandit.decide`) takes the cost model's K as its prior and:
   1. keeps plain decoding measured: while the model drafts, a K = 0 step runs when plain has fewer than 2
      measurements or none for PLAIN_EVERY steps of the class (PLAIN_EVERY_CLEAR when drafting wins clearly)
   2. abandons an arm measured below plain beyond the noise margin (the standard errors of both rates, at least
      MARGIN): an arm the model overrates runs at most MIN_STEPS steps once plain is measured, one step when even
-     accepting all its drafts would not reach plain's rate or when it is EARLY below; then K = 0 (other
-     unmeasured K of the class too)
+     accepting all its drafts would not reach plain's rate; then K = 0 (other unmeasured K of the class too)
   3. re-tries an abandoned arm after RETRY steps of its class, its old measurements forgotten, the wait doubling
      after each loss up to MAX_RETRY and at least what keeps re-tries within RETRY_BUDGET of plain decoding's
      time; an arm that now pays is taken back and the wait reset
@@ -37,10 +37,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-DECAY = 0.8              # per step of a drafting arm: its last 5 or so steps make its rate
+DECAY = 0.9              # per step of a drafting arm: its last 10 or so steps make its rate
 PLAIN_DECAY = 0.4        # per plain step: the latest one weighs 60%, so a loss is judged against the present load
 FRESH = 2                # a loss is judged only against a plain step at most this many steps of the class old
 MIN_STEPS = 3            # measurements before an arm is judged by its mean
+PRIOR_STEPS = 2          # the weight, in steps, of the prior on a drafting arm's spread (Arm.stderr)
 MARGIN = 0.03            # the least relative gap that counts as a loss (noise a deterministic clock cannot show)
 Z = 2.0                  # standard errors of the gap that count as noise
 PLAIN_EVERY = 16         # steps of a drafting class between plain steps, near break-even
@@ -49,12 +50,12 @@ CLEAR = 0.25
 RETRY = 16               # steps of a class before an abandoned arm is tried again (doubles after each loss)
 MAX_RETRY = 256
 RETRY_BUDGET = 0.01      # re-tries cost at most this share of plain decoding's time
-EARLY = 0.3              # an arm this far below plain loses at its first measurement
 
 
 @dataclass
 class Arm:
-    """Discounted sums of the steps that ran one K in one class."""
+    """Discounted sums of the steps that ran one K in one class (seconds in one-token forwards at the load of the
+    moment)."""
     n: int = 0               # steps measured (not discounted: when the arm may be judged)
     steps: float = 0.0       # effective number of steps
     tokens: float = 0.0
@@ -88,11 +89,16 @@ class Arm:
 
     @property
     def stderr(self) -> float:
-        """The standard error of the mean per-step rate."""
+        """The standard error of the mean per-step rate; its variance is pulled towards a prior of a quarter of
+        the steps' range (1 token to all drafts accepted) squared, worth PRIOR_STEPS steps: three sampled steps
+        that each happened to yield one token have no spread, yet say little."""
         if self.n < 2 or self.steps <= 1.0:
             return math.inf
         mean = self.r1 / self.steps
         var = max(0.0, self.r2 / self.steps - mean * mean)
+        spread = (self.most - self.steps) / self.seconds     # the most tokens beyond one a step, per second
+        prior = (max(0.0, spread) / 4) ** 2
+        var = (var * self.steps + prior * PRIOR_STEPS) / (self.steps + PRIOR_STEPS)
         return math.sqrt(var / (self.steps - 1))
 
 
@@ -101,6 +107,7 @@ class ArmClass:
     """One class's arms (K -> Arm) and its bandit state."""
     arms: dict[int, Arm] = field(default_factory=dict)
     steps: int = 0                   # steps observed
+    level: float = 1.0               # the latest step's one-token forward seconds (the unit of the arms' seconds)
     since_plain: int = 0             # steps since the last plain step
     lost: dict[int, int] = field(default_factory=dict)    # abandoned K -> the class step it may be re-tried at
     wait: dict[int, int] = field(default_factory=dict)    # K -> its current re-try wait
@@ -111,12 +118,12 @@ class ArmClass:
 
     def loses(self, k: int) -> bool:
         """Arm k measured below plain beyond the noise; at once when even accepting every draft at its measured
-        seconds would not reach plain's rate (a draft slower than the target loses at its first step), or when it
-        is below plain by more than EARLY."""
+        seconds would not reach plain's rate (a draft slower than the target loses at its first step). Not on
+        one step's tokens: a sampled step that drafts well on average often yields one token."""
         a, p = self.arms.get(k), self.arms.get(0)
         if a is None or p is None or a.n < 1 or p.n < 1:
             return False
-        if a.most / a.seconds < p.rate * (1 - MARGIN) or a.rate < p.rate * (1 - EARLY):
+        if a.most / a.seconds < p.rate * (1 - MARGIN):
             return True
         return a.n >= MIN_STEPS and a.rate < p.rate - gap(a, p)
 
@@ -187,15 +194,17 @@ class RateBandit:
         better = [j for j in c.arms if j and j != k and j not in c.lost and c.beats(j, k)]
         return max(better, key=lambda j: c.arms[j].rate) if better else k
 
-    def observe(self, key: tuple, k: int, tokens: int, seconds: float, most: int | None = None) -> None:
+    def observe(self, key: tuple, k: int, tokens: int, seconds: float, most: int | None = None,
+                level: float = 1.0) -> None:
         """A step of class `key` at K = k committed `tokens` (at most `most`, had every draft been accepted) in
-        `seconds` of wall time."""
+        `seconds` of wall time, while a one-token forward cost `level` seconds."""
         if seconds <= 0 or tokens <= 0:
             return
         c = self.cls(key)
         c.steps += 1
         c.arm(k).decay(PLAIN_DECAY if k == 0 else DECAY)
-        c.arm(k).add(tokens, tokens if most is None else max(tokens, most), seconds)
+        c.level = level
+        c.arm(k).add(tokens, tokens if most is None else max(tokens, most), seconds / level)
         c.since_plain = 0 if k == 0 else c.since_plain + 1
         if k == 0:
             return
@@ -213,6 +222,7 @@ class RateBandit:
             k and k not in c.lost and a.n >= MIN_STEPS for k, a in c.arms.items())
 
     def rates(self) -> dict[tuple, dict[int, float]]:
-        """The read API: class key -> {K: committed tokens per wall-second} (arms with a measurement)."""
-        return {key: {k: a.rate for k, a in sorted(c.arms.items()) if a.n > 0}
+        """The read API: class key -> {K: committed tokens per wall-second at the present load} (arms with a
+        measurement). A class key is (((method, band), ...), rows bucket): priors.acceptance_band's bands."""
+        return {key: {k: a.rate / c.level for k, a in sorted(c.arms.items()) if a.n > 0}
                 for key, c in self.classes.items() if any(a.n for a in c.arms.values())}

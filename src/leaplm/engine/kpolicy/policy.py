@@ -200,7 +200,8 @@ class KPolicy:
         # a constrained row's arms are its plain steps and its drafting steps, masks at every position included
         if plan.arm is not None and wall is not None and timed and plan.chosen and all(d is not None for d in done):
             wall += sum(r.shadow.seconds for r in rows) - evidence
-            self.estimates.rates.observe(plan.arm, plan.k, tokens, wall, most=len(rows) + drafted)
+            self.estimates.rates.observe(plan.arm, plan.k, tokens, wall, most=len(rows) + drafted,
+                                         level=self.estimates.costs.cost(len(rows), 1))
         if not timed:
             return
         self.choice.observe_step(len(rows), drafted, seconds, tokens, chosen=plan.chosen, catchup_s=catchup_s)
