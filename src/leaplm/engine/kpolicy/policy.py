@@ -4,9 +4,9 @@
            token costs one target forward, not a draft model catching up with the prompt as well), the cheap
            proposers' proposals made at that cap, then one K for the step (adaptive.BatchAdaptiveK over the rows
            that follow the policy, then measured.RateBandit: the measured rates of the step's arm class overrule
-           a K measured to lose against plain decoding; a row that asked for a fixed K drafts its cap) -> StepPlan. At K = 0 over the
-           same rows with no new acceptance evidence (a draft model or a head learns nothing while it does not
-           draft), the step is not priced again until a probe is due (at most HOLD_STEPS steps): a plain step
+           a K measured to lose against plain decoding; a row that asked for a fixed K drafts its cap) ->
+           StepPlan. At K = 0 over the same rows with no new acceptance evidence (a draft model or a head learns
+           nothing while it does not draft), the step is not priced again until a probe is due (at most HOLD_STEPS steps): a plain step
            then costs what plain decoding costs, not a pricing of every K
   proposed whether any row had a proposal (a probe without one is retried at the next step)
   observe  per row: drafted, accepted, the tokens scored (acceptance estimates, per row and per method); the step's
