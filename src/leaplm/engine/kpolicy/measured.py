@@ -183,7 +183,7 @@ class RateBandit:
             if c.since_plain > FRESH:
                 return 0                # confirm against plain decoding now
             c.lose(k)
-        unmeasured = k not in c.arms or c.arms[k].n < MIN_STEPS and k not in c.retrying
+        unmeasured = k not in c.retrying and (k not in c.arms or c.arms[k].n < MIN_STEPS)
         if k in c.lost or (c.lost and unmeasured):
             # abandoned (an unmeasured K too, once a K of the class has lost: the same costs miss it, and trying each
             # K in turn would pay MIN_STEPS losing steps per K): a measured arm that does not lose takes its place,
