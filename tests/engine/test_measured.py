@@ -232,3 +232,20 @@ def test_sampled_drafting_that_pays_by_a_thin_margin_is_kept():
     assert sum(1 for k in ks if k) > 0.7 * len(ks), ks
     assert rate >= 0.95 * model_only, (rate / model_only, ks)
     assert rate > 1.05 / PLAIN
+
+
+def test_an_engine_measures_its_plain_steps_and_keeps_greedy_output(loaded):
+    """Through the batch step on a tiny model: a draft row's steps are measured in its class (its first step is
+    plain, so plain decoding has a rate), and the output equals plain decoding's token for token (the measured
+    rates choose K only)."""
+    from leaplm.config import SamplingParams
+    from leaplm.engine.engine import Engine
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    plain = Engine(loaded("llama_tied"), method="none").generate([1, 5, 9, 3, 7], params)
+    eng = Engine(loaded("llama_tied"), draft=loaded("llama_draft"), method="draft", k=4)
+    for _ in range(2):
+        out = eng.generate([1, 5, 9, 3, 7], params)
+        assert out.token_ids == plain.token_ids
+    rates = eng.estimates.rates.rates()
+    key = ((("draft", "greedy"),), 1)
+    assert key in rates and rates[key][0] > 0, rates
