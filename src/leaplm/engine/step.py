@@ -222,7 +222,7 @@ class Batch:
         self.steps += 1
         self.policy.observe(rows, plan, done, clock.policy_seconds(),
                             catchup_s=sum(p.catchup_s for p in proposals if p is not None),
-                            timed=not (forced or busy or deferred))
+                            timed=not (forced or busy or deferred), wall=clock.stop - clock.decode_start)
         for i in reversed(range(n)):
             out = outputs[i]
             if out.chunk is not None:

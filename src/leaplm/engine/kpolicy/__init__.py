@@ -5,4 +5,6 @@
 - acceptance.py: per-request acceptance estimates; estimates.py: what the engine has measured across requests
 - costs.py: forward costs per (rows, block length); calibrate.py: their start-up calibration
 - probes.py: when a batch at K = 0 tries K > 0 again
+- measured.py: committed tokens per wall-second of each K per arm class, which overrule the cost model's K where it
+  is measured to lose (start here: how K is finally chosen)
 """

@@ -188,6 +188,13 @@ class BatchAdaptiveK:
         self._chosen = K
         return K
 
+    def overruled(self, K: int, rows: list[RowSpec]) -> None:
+        """The measured rates (measured.py) changed the chosen K: the step is predicted, held and compared as K."""
+        if K != self._chosen:
+            self._chosen = K
+            self._predicted = self._step_seconds(rows, K, measured=False, catchup=False) if rows else 0.0
+            self.probes.probing = self.probes.measuring = False
+
     def hold(self, n: int) -> bool:
         """K = 0 again over the same n rows without pricing the step, when the last step chose K = 0 and no probe
         is due: True when held (the step is counted towards the next probe). The caller checks that nothing the

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .acceptance import AcceptanceEstimate
 from .costs import BatchCostModel
+from .measured import RateBandit
 
 
 def rows_bucket(n: int) -> int:
@@ -29,6 +30,8 @@ class Estimates:
     card: dict[str, float] = field(default_factory=dict)   # band -> per-token acceptance on the proposer's card
     draft_prefill_s_per_token: float = 0.0
     calibrated_rows: set[int] = field(default_factory=set)          # batch sizes step.calibrate has measured
+    # committed tokens per wall-second of each K, per arm class (measured.py): overrules what the costs miss
+    rates: RateBandit = field(default_factory=RateBandit)
 
     def observe_propose(self, method: str, seconds_per_token: float, rows: int | None = None) -> None:
         """rows: how many rows drafted together (None: a proposer that drafts row by row)."""

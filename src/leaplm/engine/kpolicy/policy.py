@@ -3,13 +3,15 @@
   plan     each row's cap (its own K, its room, nothing on a row's first step under the adaptive policy: its first
            token costs one target forward, not a draft model catching up with the prompt as well), the cheap
            proposers' proposals made at that cap, then one K for the step (adaptive.BatchAdaptiveK over the rows
-           that follow the policy; a row that asked for a fixed K drafts its cap) -> StepPlan. At K = 0 over the
-           same rows with no new acceptance evidence (a draft model or a head learns nothing while it does not
-           draft), the step is not priced again until a probe is due (at most HOLD_STEPS steps): a plain step
+           that follow the policy, then measured.RateBandit: the measured rates of the step's arm class overrule
+           a K measured to lose against plain decoding; a row that asked for a fixed K drafts its cap) ->
+           StepPlan. At K = 0 over the same rows with no new acceptance evidence (a draft model or a head learns
+           nothing while it does not draft), the step is not priced again until a probe is due (at most HOLD_STEPS steps): a plain step
            then costs what plain decoding costs, not a pricing of every K
   proposed whether any row had a proposal (a probe without one is retried at the next step)
   observe  per row: drafted, accepted, the tokens scored (acceptance estimates, per row and per method); the step's
-           seconds without its commits (the overrun of drafting, probe losses). A row that decoded plainly is
+           seconds without its commits (the overrun of drafting, probe losses); its wall seconds with its K = 0
+           evidence and its committed tokens (the measured rate of its K). A row that decoded plainly is
            scored on what its proposer would have drafted (shadow.py), so K = 0 keeps learning
 
 Costs and acceptance are the engine's (estimates.Estimates): one calibration, shared by every batch of an engine.
@@ -24,7 +26,7 @@ from typing import Callable
 from ...propose.base import Proposal
 from .acceptance import AcceptanceEstimate, expected_tokens
 from .adaptive import BatchAdaptiveK, RowSpec, with_proposal
-from .estimates import Estimates
+from .estimates import Estimates, rows_bucket
 from .priors import from_card
 from .shadow import (SHADOW_CHUNK, forget, keep_cheap, keep_probs, resolve_cheap, resolve_guesses,
                      score_guesses)
@@ -49,6 +51,7 @@ class StepPlan:
     asked: list[int]                       # [n] drafts asked of each row: min(K, its cap)
     early: dict[int, Proposal | None]      # rows whose cheap proposer proposed before K was chosen (None: nothing)
     chosen: bool                           # K is the policy's own choice (not raised by a fixed-K row)
+    arm: tuple | None = None               # the step's arm class (measured.py), None: not measured
 
 
 @dataclass
@@ -98,7 +101,7 @@ class KPolicy:
         key = self._hold_key(rows, free)
         if key is not None and key == self._held and self._held_steps < HOLD_STEPS and self.choice.hold(len(rows)):
             self._held_steps += 1
-            return StepPlan(0, [0] * len(rows), {}, True)
+            return StepPlan(0, [0] * len(rows), {}, True, arm_class(rows))
         drafting = _drafting_rows(rows)
         # a row whose drafts are free this step is not priced (it drafts its forced tokens whatever K is)
         specs = [RowSpec(0, 0.0, 0.0) if i in free else self._row_spec(r, drafting) for i, r in enumerate(rows)]
@@ -110,12 +113,18 @@ class KPolicy:
                 self.estimates.acceptance(r.req.stats.method, r.proposer.bursty, r.band).observe_match(p is not None)
                 specs[i] = with_proposal(sp, r.acceptance, p.k if p is not None else 0,
                                          p.match if p is not None else None)
-        chosen = self.choice.choose([sp for sp, r in zip(specs, rows) if not r.fixed_k])
+        priced = [sp for sp, r in zip(specs, rows) if not r.fixed_k]
+        chosen = model = self.choice.choose(priced)
+        arm = arm_class(rows) if self.enabled else None
+        if arm is not None:             # the cost model's choice is the prior; measured rates overrule it
+            chosen = self.estimates.rates.decide(arm, model)
+            self.choice.overruled(chosen, priced)
         K = max([chosen] + [sp.cap for sp, r in zip(specs, rows) if r.fixed_k])   # a fixed-K row drafts its K
         K = min(K, room)
-        held = key is not None and K == 0 and not self.choice.probes.retry
+        # held: the cost model chose K = 0 (a K = 0 the measured rates chose is decided by them at every step)
+        held = key is not None and K == 0 and model == 0 and not self.choice.probes.retry
         self._held, self._held_steps = (key if held else None), 0
-        return StepPlan(K, [min(K, sp.cap) for sp in specs], early, K == chosen)
+        return StepPlan(K, [min(K, sp.cap) for sp in specs], early, K == chosen, arm)
 
     def _hold_key(self, rows: list[Row], free: frozenset[int]) -> tuple | None:
         """What a K = 0 choice over these rows read that can change between steps: drafting's measured overrun
@@ -157,6 +166,10 @@ class KPolicy:
         return seconds / steps_left
 
     # --- observe (engine/observer.py: StepObserver) ---------------------------------------------------------------
+    def measured_rates(self) -> dict[tuple, dict[int, float]]:
+        """Committed tokens per wall-second per arm class and K (measured.RateBandit.rates): the read API."""
+        return self.estimates.rates.rates()
+
     def observe_propose(self, method: str, seconds_per_token: float, rows: int | None = None) -> None:
         self.estimates.observe_propose(method, seconds_per_token, rows=rows)
 
@@ -167,20 +180,32 @@ class KPolicy:
         self.choice.probed(any(p is not None for p in proposals))
 
     def observe(self, rows: list[Row], plan: StepPlan, done: list[RowStep | None], seconds: float,
-                catchup_s: float, timed: bool = True) -> None:
+                catchup_s: float, timed: bool = True, wall: float | None = None) -> None:
         """done[i]: what row i did (None: it failed). seconds: the step's time without its commits (paid per
         token, drafted or not: they do not make drafting dearer); catchup_s: a draft model's catching up in it.
         timed False: the step carried free drafts (a grammar's forced tokens), neither a plain step nor one of
-        the policy's K: its time is not observed."""
+        the policy's K: its time is not observed. wall: the step's wall seconds (propose, score,
+        verify, commit), counted with its K = 0 evidence towards the measured rate of its arm (measured.py)."""
+        evidence = sum(r.shadow.seconds for r in rows)
+        off = plan.arm is not None and self.estimates.rates.off(plan.arm)
         for i, (r, d) in enumerate(zip(rows, done)):
             if d is not None and plan.asked[i]:
                 self._observe_row(r, d, plan.asked[i], known=i in plan.early)
             if d is not None and self.enabled and not r.fixed_k and r.proposer is not None:
-                self._shadow(r, d, plan, i)
-        if not timed:
-            return
+                if off:                 # drafting measured below plain: the evidence is not worth its cost
+                    forget(r.shadow)
+                else:
+                    self._shadow(r, d, plan, i)
         drafted = sum(d.drafted for d in done if d is not None)
         tokens = len(rows) + sum(d.accepted for d in done if d is not None)
+        # a step whose drafts were a grammar's forced tokens is no choice of K (they are drafted whatever K is):
+        # a constrained row's arms are its plain steps and its drafting steps, masks at every position included
+        if plan.arm is not None and wall is not None and timed and plan.chosen and all(d is not None for d in done):
+            wall += sum(r.shadow.seconds for r in rows) - evidence
+            self.estimates.rates.observe(plan.arm, plan.k, tokens, wall, most=len(rows) + drafted,
+                                         level=self.estimates.costs.cost(len(rows), 1))
+        if not timed:
+            return
         self.choice.observe_step(len(rows), drafted, seconds, tokens, chosen=plan.chosen, catchup_s=catchup_s)
 
     def _observe_row(self, r: Row, d: RowStep, asked: int, known: bool) -> None:
@@ -237,6 +262,12 @@ class KPolicy:
         for passed, match in evidence:
             r.acceptance.observe_expected(passed, match)
             self.estimates.observe_expected(method, passed, match, bursty, r.band)
+
+
+def arm_class(rows: list[Row]) -> tuple:
+    """The arm class of a step over these rows (measured.py): their methods and temperature bands (greedy or
+    sampled, structured or free) and their rows bucket."""
+    return tuple(sorted({(r.req.stats.method, r.band) for r in rows})), rows_bucket(len(rows))
 
 
 def tokens_left(req) -> int:
