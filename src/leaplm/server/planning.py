@@ -165,6 +165,7 @@ def plan_request(state: ServerState, body, chat: bool, structured=NOT_PREPARED) 
                        "context_length_exceeded")
     check_prediction_field(body.prediction, tok, longest, L, limit)
     n = body.n or 1
+    state.admission.check_count(len(prompts) * n, n, prompt_field)    # before preparing up to 16 x 128 sequences
     if structured is NOT_PREPARED:
         structured = prepare_structured(state, body)
     spec = body.speculative
