@@ -27,6 +27,14 @@ class ServerMetrics:
         self.refusals_repeated = Counter(P + "refusals_repeated", "Requests answered with the 400 their body got "
                                          "before, without parsing it again (counted in requests too).",
                                          registry=r)
+        self.bodies_off_loop = Counter(P + "request_bodies_decoded_off_loop", "Request bodies large enough to be "
+                                       "decoded in a worker thread instead of on the event loop.", registry=r)
+        self.grammar_cache = Counter(P + "grammar_cache", "Requests with structured-output fields, by whether what "
+                                     "the fields come to (a grammar or a 400) was kept from an earlier request "
+                                     "(result=hit) or built for this one (result=miss).", ["result"], registry=r)
+        self.grammar_build = Histogram(P + "grammar_build_seconds", "Time a request's structured-output fields took "
+                                       "to become a grammar (or a 400) in the grammar pool, by cache result.",
+                                       ["cache"], buckets=_LATENCY_BUCKETS, registry=r)
         self.finished = Counter(P + "request_finish", "Generated sequences by finish reason "
                                 "(stop, length, abort, error).", ["reason"], registry=r)
         self.queue_depth = Gauge(P + "queue_depth", "Requests waiting for a batch row.", registry=r)
