@@ -7,9 +7,9 @@
 
 Request path, one module per stage: middleware.py (Host, API key, body size) -> body.py (a large body's JSON
 decoded off the event loop) -> protocol.py (validation: every failure a 400 naming the field) -> planning.py
-(tokens against the context, the method, each sequence's sampling parameters) -> bridge.py (admission, the scheduler thread's outputs into asyncio, client disconnects) ->
-responses.py (JSON or SSE). errors.py maps every exception onto OpenAI's error shape; state.py holds the engine,
-its scheduler and readiness.
+(tokens against the context, the method, each sequence's sampling parameters) -> bridge.py (admission, the
+scheduler thread's outputs into asyncio, client disconnects) -> responses.py (JSON or SSE). errors.py maps every
+exception onto OpenAI's error shape; state.py holds the engine, its scheduler and readiness.
 
 Draining (SIGTERM, see runner.py): new requests get 503, /health turns 503, running requests finish for up
 to drain_timeout_s, then the rest are aborted and the process exits.
