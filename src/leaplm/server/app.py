@@ -194,7 +194,8 @@ async def _serve(state: ServerState, body, request: Request, chat: bool):
     if body.stream:
         opts = body.stream_options
         gen = stream_chat(state, job, body) if chat else stream_completion(state, job, body)
-        return EventStream(guarded_stream(gen, job, watcher, bool(opts and opts.include_usage)))
+        return EventStream(guarded_stream(gen, job, watcher, bool(opts and opts.include_usage)),
+                           state.metrics.stream_times)
     try:
         while job.open:
             if await job.next() is None:

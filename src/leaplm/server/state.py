@@ -58,7 +58,7 @@ class ServerState:
     refused: "Recent" = field(default_factory=lambda: Recent(64))
 
     def __post_init__(self) -> None:
-        self.mailbox = Mailbox(self.config.stream_interval_ms / 1000)
+        self.mailbox = Mailbox(self.config.stream_interval_ms / 1000, self.metrics.stream_times)
 
     def attach(self, engine, scheduler: BatchScheduler) -> None:
         self.engine, self.scheduler = engine, scheduler
