@@ -127,6 +127,41 @@ def k_gauge(url: str) -> float | None:
     return None
 
 
+PATH_STAGES = ("wakeup", "serialize", "write")      # server/metrics.py StreamTimes
+
+
+def server_path(url: str) -> dict | None:
+    """The server's running totals of where streamed tokens' time goes (/metrics): its steps' seconds, the tokens
+    they generated, and each stage's seconds and events from the step to the socket (StreamTimes). None when
+    /metrics cannot be read. The difference of two readings covers what ran between them."""
+    import re
+
+    import httpx
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+
+    def sample(name: str) -> float:
+        m = re.search("^" + re.escape(name) + r" (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    out = {"engine_step_s": sample("leaplm_engine_step_seconds_sum"), "steps": sample("leaplm_engine_steps_total"),
+           "tokens": sample("leaplm_generation_tokens_total")}
+    for stage in PATH_STAGES:
+        out[stage + "_s"] = sample(f'leaplm_stream_seconds_total{{stage="{stage}"}}')
+        out[stage + "_n"] = sample(f'leaplm_stream_events_total{{stage="{stage}"}}')
+    return out
+
+
+def path_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What a run added to server_path's totals."""
+    if before is None or after is None:
+        return None
+    return {k: after[k] - before[k] for k in after}
+
+
 def long_prompt_scenario(url: str, cfg: LoadBenchConfig) -> dict:
     """cfg.long_prompt_among streams alone vs the same with a long prompt arriving among them, interleaved over
     cfg.rounds rounds: the streams' inter-token latency (p50, p99, pooled) and the long prompt's TTFT."""

@@ -89,6 +89,7 @@ class RunResult:
     k_at_end: float | None = None
     backend: str = "auto"                # the --backend entry of the server that ran it
     path: str = "server"                 # "server": streamed over HTTP; "engine": the engine alone (in process)
+    server_path: dict | None = None      # what the run added to the server's step-to-socket totals (serve_client)
 
     @property
     def ok(self) -> list[RequestResult]:

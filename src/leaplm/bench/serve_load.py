@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from .serve_client import k_gauge, long_prompt_scenario, run_level, send_one
+from .serve_client import k_gauge, long_prompt_scenario, path_delta, run_level, send_one, server_path
 from .serve_config import BACKENDS, PROMPTS, LoadBenchConfig, RequestResult, RunResult, check_backends
 from .serve_engine import EngineAlone
 from .serve_report import (decode_rate, paired_decode_ratio, paired_ratio, paired_speedup, percentile, summarize,
@@ -97,8 +97,10 @@ def run_load_bench(cfg: LoadBenchConfig) -> dict:
                     for b in (cfg.backends if rnd % 2 == 0 else cfg.backends[::-1]):
                         url = servers[b].url
                         for spec in order:
+                            before = server_path(url)
                             wall, results = asyncio.run(run_level(url, c, n, spec, cfg, rnd))
-                            runs.append(RunResult(c, spec, rnd, wall, results, k_gauge(url), backend=b))
+                            runs.append(RunResult(c, spec, rnd, wall, results, k_gauge(url), backend=b,
+                                                  server_path=path_delta(before, server_path(url))))
                             if alone is not None and b == alone.backend:    # the same requests, the engine alone
                                 wall, results = alone.run(c, n, spec, cfg, rnd)
                                 runs.append(RunResult(c, spec, rnd, wall, results, None, backend=b, path="engine"))

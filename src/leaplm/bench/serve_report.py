@@ -44,6 +44,7 @@ def summarize(runs: list[RunResult], servers: dict[str, dict] | None = None) -> 
             "acceptance_rate": sum(x.accepted_tokens for x in ok) / drafted if drafted else None,
             "k_at_end": [r.k_at_end for r in rs],
             "error_samples": sorted({x.error for r in rs for x in r.results if x.error})[:3],
+            "server_path_ms_per_token": server_path_per_token(rs) if path == "server" else None,
         })
     served = [r for r in runs if r.path == "server"]
     for r in rows:
@@ -103,3 +104,25 @@ def paired_speedup(runs: list[RunResult], concurrency: int, backend: str | None 
     """Speculation on / off on one backend's server (the only one when None), paired by round."""
     backend = backend if backend is not None else next((r.backend for r in runs), "auto")
     return paired_ratio(runs, concurrency, (backend, True), (backend, False))
+
+
+def server_path_per_token(runs: list[RunResult]) -> dict | None:
+    """Where a generated token's time went in the server over these runs, as the server counted it (server/metrics.py
+    StreamTimes): milliseconds per token of its steps (engine_step), of the event loop's wake-ups after them
+    (wakeup), of building stream chunks (serialize) and of writing them (write), and wake-ups and writes per token.
+    The loop's work runs beside the next step's forward (which runs without the GIL), so the stages are not a sum
+    of the token's latency: each is CPU (or waiting) the token cost that stage."""
+    deltas = [r.server_path for r in runs if r.server_path is not None]
+    if not deltas:
+        return None
+    total = {k: sum(d[k] for d in deltas) for k in deltas[0]}
+    tokens = total["tokens"]
+    if tokens <= 0:
+        return None
+    out = {"engine_step": 1000 * total["engine_step_s"] / tokens}
+    for stage in ("wakeup", "serialize", "write"):
+        out[stage] = 1000 * total[stage + "_s"] / tokens
+    out["tokens_per_step"] = tokens / total["steps"] if total["steps"] else None
+    out["wakeups_per_token"] = total["wakeup_n"] / tokens
+    out["writes_per_token"] = total["write_n"] / tokens
+    return out
