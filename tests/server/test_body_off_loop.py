@@ -34,8 +34,18 @@ def test_a_large_body_is_decoded_and_validated_off_the_event_loop_and_a_small_on
         validated.append((threading.current_thread().name, out))
         return out
 
+    from leaplm.server import middleware
+
+    digested: list[str] = []
+    real_digest = middleware._digest
+
+    def recording_digest(head: bytes, raw: bytes):
+        digested.append(threading.current_thread().name)
+        return real_digest(head, raw)
+
     monkeypatch.setattr(body, "decode_json", recording_decode)
     monkeypatch.setattr(body, "decode_and_validate", recording_validate)
+    monkeypatch.setattr(middleware, "_digest", recording_digest)
     off_before = server.metric("leaplm_request_bodies_decoded_off_loop_total")
     request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
     large = h.post("/v1/chat/completions", json=dict(request, user="u" * body.OFF_LOOP_BYTES))
@@ -46,6 +56,7 @@ def test_a_large_body_is_decoded_and_validated_off_the_event_loop_and_a_small_on
     assert n_large >= body.OFF_LOOP_BYTES and t_large.startswith("leaplm-body")
     assert n_small < body.OFF_LOOP_BYTES and t_small == server.thread.name        # uvicorn's event-loop thread
     [(t_valid, model)] = validated                                               # the large one alone
+    assert digested[0].startswith("leaplm-body") and digested[1] == server.thread.name    # the refusal digests
     assert t_valid.startswith("leaplm-body") and isinstance(model, ChatCompletionRequest)
     assert server.metric("leaplm_request_bodies_decoded_off_loop_total") == off_before + 1
 

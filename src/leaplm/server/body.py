@@ -9,7 +9,8 @@ loop), and returns what FastAPI then takes as it is: the validated model (a mode
 validation unchanged), or, when validation fails, the decoded JSON, validated again by FastAPI on the loop so that
 its errors are exactly FastAPI's (a refused body is answered from middleware.py's memory when sent again). A
 smaller body is decoded in place, where a thread hop would cost more than the work. Errors are those of the decode
-on the loop: the same function runs either way.
+on the loop: the same function runs either way. (The digest middleware.py keeps refusals by is computed in the
+same pool for a body of OFF_LOOP_BYTES or more.)
 
 The routes of this class take their body as one model (`body: CompletionRequest`), not embedded in an object."""
 from __future__ import annotations
