@@ -110,3 +110,16 @@ def test_the_server_path_per_token_is_each_stage_over_the_tokens_of_the_rows_run
     assert path["wakeup"] == pytest.approx(0.005) and path["serialize"] == pytest.approx(0.01)
     assert path["tokens_per_step"] == pytest.approx(2.0) and path["writes_per_token"] == pytest.approx(0.05)
     assert summarize([RunResult(1, True, 0, 1.0, [])])[0]["server_path_ms_per_token"] is None
+
+
+def test_the_server_path_table_is_printed_for_server_rows_only(capsys):
+    from leaplm.cli.bench_serve import print_server_path
+
+    delta = {"engine_step_s": 0.5, "steps": 50, "tokens": 100, "wakeup_s": 0.001, "wakeup_n": 5, "serialize_s": 0.002,
+             "serialize_n": 10, "write_s": 0.01, "write_n": 10}
+    served = RunResult(4, True, 0, 1.0, [RequestResult(ok=True, tokens=100)], server_path=delta)
+    print_server_path({"summary": summarize([served])})
+    text = capsys.readouterr().out
+    assert "per generated token" in text and "5.000" in text           # 500 ms of steps over 100 tokens
+    print_server_path({"summary": summarize([RunResult(4, True, 0, 1.0, [], path="engine")])})
+    assert capsys.readouterr().out == ""
