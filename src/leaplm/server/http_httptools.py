@@ -1,5 +1,5 @@
 """uvicorn's httptools protocol with leaplm's guards (http_protocol.py: the read deadline, OpenAI-shaped 400s and
-408s), and the bound h11 sets on a request's head that llhttp does not: a request line and headers still
+408s: http_guards.py), and the bound h11 sets on a request's head that llhttp does not: a request line and headers still
 incomplete after MAX_HEAD_BYTES is a 400, not headers buffered without end (a head that arrives whole is parsed
 whatever its length, as h11 does).
 
@@ -10,7 +10,7 @@ import asyncio
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .http_protocol import MAX_HEAD_BYTES, ReadDeadline
+from .http_guards import MAX_HEAD_BYTES, ReadDeadline
 
 
 class GuardedHttpToolsProtocol(ReadDeadline, HttpToolsProtocol):
