@@ -473,6 +473,9 @@ class ServerConfig:
     """KV-cache memory the admitted sequences (waiting or running) may reserve, each prompt + max_tokens tokens:
     a request that can never fit gets 400 naming the field, one that cannot fit now 429 with Retry-After. None:
     no memory gate (the cache grows with the running sequences, at most max_batch x max_model_len tokens)."""
+    http_parser: str = "auto"
+    """uvicorn's HTTP/1.1 parser: 'httptools' (C), 'h11' (pure Python), or 'auto': httptools when it is installed,
+    else h11. Both carry the server's read deadline and OpenAI-shaped errors (server/http_protocol.py)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -500,6 +503,13 @@ class ServerConfig:
                f"must be in [0, 1000] milliseconds, got {self.stream_interval_ms!r}")
         _check(self.kv_cache_bytes is None or (_is_int(self.kv_cache_bytes) and self.kv_cache_bytes >= 1),
                "kv_cache_bytes", f"must be an integer >= 1, got {self.kv_cache_bytes!r}")
+        _check(self.http_parser in ("auto", "h11", "httptools"), "http_parser",
+               f"must be 'auto', 'h11' or 'httptools', got {self.http_parser!r}")
+        if self.http_parser == "httptools":
+            import importlib.util
+
+            _check(importlib.util.find_spec("httptools") is not None, "http_parser",
+                   "httptools is not installed (pip install httptools), or use 'h11' or 'auto'")
         if self.allowed_hosts is not None:
             if isinstance(self.allowed_hosts, str):
                 self.allowed_hosts = tuple(h.strip() for h in self.allowed_hosts.split(",") if h.strip())

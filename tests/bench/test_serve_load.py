@@ -77,6 +77,8 @@ def test_the_same_gguf_file_on_libllama_and_torch_servers(tmp_path):
     for r in report["summary"]:
         assert r["errors"] == 0 and r["rounds"] == 2 and r["tokens_per_s"] > 0
         assert r["vs_first_backend_none"] > 0 and r["speedup_vs_none"] > 0
+        path = r["server_path_ms_per_token"]           # read from the server's own counters around each run
+        assert path["engine_step"] > 0 and path["writes_per_token"] > 0 and path["wakeups_per_token"] > 0
     # runs interleaved: within a round the backends alternate their order from one round to the next
     order = [(r["requested_backend"], r["round"]) for r in report["runs"] if r["concurrency"] == 1]
     assert [b for b, rnd in order if rnd == 0][::2] == ["llamacpp", "torch"]
@@ -94,3 +96,30 @@ def test_the_engine_alone_pairs_with_the_server_by_round():
     assert rows["server"]["vs_engine"] == pytest.approx((0.8 + 19 / 20) / 2)
     assert rows["engine"]["vs_engine"] is None and rows["engine"]["speedup_vs_none"] is None
     assert rows["server"]["decode_tokens_per_s_p50"] in (pytest.approx(100.0), pytest.approx(50.0))
+
+
+def test_the_server_path_per_token_is_each_stage_over_the_tokens_of_the_rows_runs():
+    def run(rnd: int, tokens: float, step_s: float, write_s: float) -> RunResult:
+        delta = {"engine_step_s": step_s, "steps": tokens / 2, "tokens": tokens, "wakeup_s": 0.001, "wakeup_n": 5,
+                 "serialize_s": 0.002, "serialize_n": 10, "write_s": write_s, "write_n": 10}
+        return RunResult(1, True, rnd, 1.0, [RequestResult(ok=True, tokens=int(tokens))], server_path=delta)
+
+    row = summarize([run(0, 100, 0.5, 0.01), run(1, 300, 1.5, 0.03)])[0]
+    path = row["server_path_ms_per_token"]
+    assert path["engine_step"] == pytest.approx(5.0) and path["write"] == pytest.approx(0.1)
+    assert path["wakeup"] == pytest.approx(0.005) and path["serialize"] == pytest.approx(0.01)
+    assert path["tokens_per_step"] == pytest.approx(2.0) and path["writes_per_token"] == pytest.approx(0.05)
+    assert summarize([RunResult(1, True, 0, 1.0, [])])[0]["server_path_ms_per_token"] is None
+
+
+def test_the_server_path_table_is_printed_for_server_rows_only(capsys):
+    from leaplm.cli.bench_serve import print_server_path
+
+    delta = {"engine_step_s": 0.5, "steps": 50, "tokens": 100, "wakeup_s": 0.001, "wakeup_n": 5, "serialize_s": 0.002,
+             "serialize_n": 10, "write_s": 0.01, "write_n": 10}
+    served = RunResult(4, True, 0, 1.0, [RequestResult(ok=True, tokens=100)], server_path=delta)
+    print_server_path({"summary": summarize([served])})
+    text = capsys.readouterr().out
+    assert "per generated token" in text and "5.000" in text           # 500 ms of steps over 100 tokens
+    print_server_path({"summary": summarize([RunResult(4, True, 0, 1.0, [], path="engine")])})
+    assert capsys.readouterr().out == ""

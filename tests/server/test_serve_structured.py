@@ -120,3 +120,29 @@ def test_repeated_structured_fields_are_built_once(server, monkeypatch):
     assert built == [good, bad]
     assert post(guided_regex="(ab|cd)+ kept twice").status_code == 200
     assert built == [good, bad, "(ab|cd)+ kept twice"]
+
+
+def test_a_repeated_schema_is_built_once_as_the_metrics_count(server):
+    """Requests of different prompts sharing one JSON Schema: the first builds it (a cache miss, its build time
+    observed), the others find it kept (hits); /metrics counts both."""
+    import httpx
+
+    schema = {"type": "object", "properties": {"kept_by_its_text": {"type": "integer"}},
+              "required": ["kept_by_its_text"]}
+    h = httpx.Client(base_url=server.url, headers=server.headers, timeout=60)
+
+    def counts():
+        return (server.metric("leaplm_grammar_cache_total", 'result="hit"'),
+                server.metric("leaplm_grammar_cache_total", 'result="miss"'),
+                server.metric("leaplm_grammar_build_seconds_count", 'cache="miss"'),
+                server.metric("leaplm_grammar_build_seconds_count", 'cache="hit"'))
+
+    before = counts()
+    for prompt in ("the quick", "brown fox", "lazy dog"):
+        r = h.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                            "guided_json": schema})
+        assert r.status_code == 200, r.text
+    after = counts()
+    assert [a - b for a, b in zip(after, before)] == [2, 1, 1, 2]
+    r = h.post("/v1/completions", json={"model": MODEL, "prompt": "the quick", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and counts() == after            # no structured fields: nothing looked up

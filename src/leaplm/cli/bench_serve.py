@@ -147,6 +147,7 @@ def print_report(report: dict) -> None:
                   ms(r["ttft_p50_s"]), ms(r["ttft_p99_s"]), ms(r["itl_p50_s"]), ms(r["itl_p99_s"]),
                   f(r["acceptance_rate"]), ",".join(f(k, 0) for k in r["k_at_end"]), str(r["errors"]))
     out.print(t)
+    print_server_path(report)
     lp = report.get("long_prompt")
     if lp:
         out.print(
@@ -155,6 +156,26 @@ def print_report(report: dict) -> None:
             f"{ms(lp['itl_p99_s']['with_long_prompt'])} with it ({f(lp['itl_p99_ratio'])}x); p50 "
             f"{ms(lp['itl_p50_s']['alone'])} / {ms(lp['itl_p50_s']['with_long_prompt'])}; its TTFT "
             f"{ms(lp['long_prompt_ttft_p50_s'])}; {lp['errors']} errors")
+
+
+def print_server_path(report: dict) -> None:
+    """Where a generated token's time went in the server, per server row (the server's own counters; the loop's
+    stages run beside the next step's forward, so they are not a sum)."""
+    rows = [r for r in report["summary"] if r.get("server_path_ms_per_token")]
+    if not rows:
+        return
+    t = Table(title="in the server, per generated token: its step, the event loop's wake-up after it, building "
+                    "its stream chunks, writing them")
+    for col in ("conc.", "backend", "spec", "step ms", "wake-up ms", "serialize ms", "write ms", "tokens/step",
+                "wake-ups/token", "writes/token"):
+        t.add_column(col, justify="left" if col == "backend" else "right")
+    f = lambda x, p=3: "-" if x is None else f"{x:.{p}f}"     # noqa: E731
+    for r in rows:
+        p = r["server_path_ms_per_token"]
+        t.add_row(str(r["concurrency"]), r["backend"], "on" if r["speculative"] else "off", f(p["engine_step"]),
+                  f(p["wakeup"]), f(p["serialize"]), f(p["write"]), f(p["tokens_per_step"], 2),
+                  f(p["wakeups_per_token"], 2), f(p["writes_per_token"], 2))
+    out.print(t)
 
 
 def print_profiles(report: dict) -> None:

@@ -1,14 +1,17 @@
 """Admission at the server's door: how many sequences and how much KV-cache memory may be in flight.
 
-Counted in sequences (a request with P prompts and n choices is P x n sequences), running ones included: a new
-request is refused with 429 when the sequences waiting or running plus its own would exceed
-max_batch + max_queue. Counted in cache memory (with --kv-cache-bytes): every admitted sequence, waiting or running, reserves
-prompt + max_tokens tokens of KV cache (what it can grow to) from the budget until it finishes; a request
-whose sequences could never fit the budget is refused with 400 naming max_tokens (or the prompt, or n); one
-that fits the budget but not what is unreserved now gets 429. Without a budget the cache grows with the
-running sequences up to max_batch x max_model_len, and a sequence that passes the context check fits its row. Both 429s
-carry a Retry-After derived from the measured drain rate (sequences and reserved tokens finished per second
-over the last finishes), not a constant.
+Counted in sequences (a request with P prompts and n choices is P x n sequences, n up to 128), running ones
+included: a request whose sequences could never be in flight at once (more than max_batch + max_queue) is refused
+with 400 naming n (or the prompt), before its sequences are planned; one that would bring the sequences waiting or
+running over that now gets 429. Counted in cache memory (with --kv-cache-bytes): every admitted sequence, waiting
+or running, reserves prompt + max_tokens tokens of KV cache (what it can grow to) from the budget until it
+finishes; a request whose sequences could never fit the budget is refused with 400 naming max_tokens (one
+sequence too long), or the prompt, or n (prompts x n sequences too many); one that fits the budget but not what is
+unreserved now gets 429. Without a budget the cache has max_batch rows whatever n is (choices beyond them wait for
+a row, holding only their prompt's ids) and grows with the running sequences up to max_batch x max_model_len, and a
+sequence that passes the context check fits its row. Both 429s carry a Retry-After derived from the measured drain
+rate (sequences and reserved tokens finished per second over the last finishes), not a constant, and name n when
+the request has several sequences. Every refusal comes before any of the request's sequences is queued.
 
 Counted in memory (always): a cache that grows with its rows (the torch KVCache) is never asked to grow past the
 memory the system has available (MemAvailable): a request whose longest sequence would make it grow beyond 90% of
@@ -89,10 +92,12 @@ class Admission:
 
     MEMORY_SHARE = 0.9          # of MemAvailable a growing cache may take
 
-    def __init__(self, max_sequences: int, budget_tokens: int | None, budget_bytes: int | None, cache=None):
+    def __init__(self, max_batch: int, max_queue: int, budget_tokens: int | None, budget_bytes: int | None,
+                 cache=None):
         """cache: the target's KV cache, when it grows with its rows (checked against available memory)."""
         self.cache = cache
-        self.max_sequences = max_sequences
+        self.max_batch = max_batch
+        self.max_sequences = max_batch + max_queue
         self.budget_tokens = budget_tokens
         self.budget_bytes = budget_bytes
         self.reserved_tokens = 0
@@ -112,13 +117,16 @@ class Admission:
         cache = scheduler.cache
         grows = per_token is not None and getattr(cache, "capacity_tokens", None) is not None and \
             cache.capacity_tokens < cache.batch_size * cache.max_len
-        return cls(max_batch + max_queue, budget, kv_cache_bytes, cache if grows else None)
+        return cls(max_batch, max_queue, budget, kv_cache_bytes, cache if grows else None)
 
     def check(self, in_flight: int, reservations: list[int], prompt_lens: list[int], max_tokens: int,
-              max_field: str, prompt_field: str) -> None:
-        """Raise the APIError (400 never fits, 429 not now) that admitting these sequences deserves, if any."""
+              max_field: str, prompt_field: str, n: int = 1) -> None:
+        """Raise the APIError (400 never fits, 429 not now) that admitting these sequences deserves, if any.
+        reservations: each sequence's prompt + max_tokens; n: choices per prompt (the field named when the
+        request's size, not one sequence, is what does not fit)."""
         B = self.budget_tokens
         longest = max(reservations)
+        size_field = "n" if n > 1 else prompt_field
         if B is not None and longest > B:
             plen = max(prompt_lens)
             if plen >= B:
@@ -129,17 +137,17 @@ class Admission:
                                 f"(--kv-cache-bytes); lower {max_field}", max_field, "cache_budget_exceeded")
         total = sum(reservations)
         if B is not None and total > B:
-            raise APIError(400, f"n: the request's {len(reservations)} sequences reserve {total} tokens of KV cache, "
-                                f"more than the budget of {B} tokens", "n", "cache_budget_exceeded")
-        if len(reservations) > self.max_sequences:
-            raise APIError(400, f"n: {len(reservations)} sequences (prompts x n) exceed what the server holds "
-                                f"(max_batch + max_queue = {self.max_sequences})", "n", "invalid_value")
+            raise APIError(400, f"{size_field}: the request's {len(reservations)} sequences (prompts x n = "
+                                f"{len(prompt_lens)} x {n}) reserve {total} tokens of KV cache (prompt + {max_field} "
+                                f"each), more than the budget of {B} tokens (--kv-cache-bytes); lower {size_field} "
+                                f"or {max_field}", size_field, "cache_budget_exceeded")
+        self.check_count(len(reservations), n, prompt_field)
         over = in_flight + len(reservations) - self.max_sequences
         if over > 0:
             wait = self.drain.retry_after(sequences=over)
             raise APIError(429, f"server busy: {in_flight} sequences are waiting or running and this request adds "
                                 f"{len(reservations)} (max_batch + max_queue = {self.max_sequences}); retry later",
-                           None, "queue_full", {"Retry-After": str(wait)})
+                           size_field if len(reservations) > 1 else None, "queue_full", {"Retry-After": str(wait)})
         self._check_memory(longest, max_field)
         if B is None:
             return
@@ -148,7 +156,18 @@ class Admission:
         if short > 0:
             wait = self.drain.retry_after(tokens=short)
             raise APIError(429, f"server busy: {self.reserved_tokens} of {B} KV-cache tokens are reserved and this "
-                                f"request needs {total}; retry later", None, "cache_full", {"Retry-After": str(wait)})
+                                f"request needs {total}; retry later", size_field if len(reservations) > 1 else None,
+                           "cache_full", {"Retry-After": str(wait)})
+
+    def check_count(self, sequences: int, n: int, prompt_field: str) -> None:
+        """400 when a request's sequences (prompts x n) could never be in flight at once on this server, whatever
+        else runs: checked before the sequences are planned, and again at admission."""
+        if sequences <= self.max_sequences:
+            return
+        size_field = "n" if n > 1 else prompt_field
+        raise APIError(400, f"{size_field}: {sequences} sequences (prompts x n) exceed what the server holds "
+                            f"(max_batch + max_queue = {self.max_sequences}); lower {size_field}, or serve with "
+                            f"--max-queue {sequences - self.max_batch} or more", size_field, "invalid_value")
 
     def _check_memory(self, longest: int, max_field: str) -> None:
         """503 when a sequence of `longest` tokens would grow the cache past MEMORY_SHARE of available memory."""

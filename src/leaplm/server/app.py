@@ -5,11 +5,11 @@
   GET /metrics    Prometheus text format
   GET /openapi.json
 
-Request path, one module per stage: middleware.py (Host, API key, body size) -> protocol.py (validation: every
-failure a 400 naming the field) -> planning.py (tokens against the context, the method, each sequence's sampling
-parameters) -> bridge.py (admission, the scheduler thread's outputs into asyncio, client disconnects) ->
-responses.py (JSON or SSE). errors.py maps every exception onto OpenAI's error shape; state.py holds the engine,
-its scheduler and readiness.
+Request path, one module per stage: middleware.py (Host, API key, body size) -> body.py (a large body's JSON
+decoded off the event loop) -> protocol.py (validation: every failure a 400 naming the field) -> planning.py
+(tokens against the context, the method, each sequence's sampling parameters) -> bridge.py (admission, the
+scheduler thread's outputs into asyncio, client disconnects) -> responses.py (JSON or SSE). errors.py maps every
+exception onto OpenAI's error shape; state.py holds the engine, its scheduler and readiness.
 
 Draining (SIGTERM, see runner.py): new requests get 503, /health turns 503, running requests finish for up
 to drain_timeout_s, then the rest are aborted and the process exits.
@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..config import ConfigError, ServerConfig
+from .body import BodyRoute
 from .bridge import Job
 from .errors import install_error_handlers
 from .middleware import RequestGuard
@@ -107,8 +108,10 @@ def create_app(config: ServerConfig, *, load: Callable[[], object] | None = None
         state.mailbox.close()
         state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         state.grammar_pool.shutdown(wait=False, cancel_futures=True)
+        state.body_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="leaplm", version=_version(), description=DESCRIPTION, lifespan=lifespan)
+    app.router.route_class = BodyRoute          # large bodies decoded off the event loop (body.py)
     app.state.leaplm = state
     install_error_handlers(app)
     app.add_middleware(RequestGuard, state=state)
@@ -191,7 +194,8 @@ async def _serve(state: ServerState, body, request: Request, chat: bool):
     if body.stream:
         opts = body.stream_options
         gen = stream_chat(state, job, body) if chat else stream_completion(state, job, body)
-        return EventStream(guarded_stream(gen, job, watcher, bool(opts and opts.include_usage)))
+        return EventStream(guarded_stream(gen, job, watcher, bool(opts and opts.include_usage)),
+                           state.metrics.stream_times)
     try:
         while job.open:
             if await job.next() is None:

@@ -78,7 +78,7 @@ class Job:
         """Admit (admission.py: 400 never fits, 429 not now) and queue every sequence, or none."""
         sched, adm, plan = self.state.scheduler, self.state.admission, self.plan
         adm.check(sched.sequences_in_flight, self.reservations, [len(p.ids) for p in self.prompts], plan.max_tokens,
-                  plan.max_field, plan.prompt_field)
+                  plan.max_field, plan.prompt_field, plan.n)
         adm.reserve(sum(self.reservations))
         self.released = [False] * len(self.seqs)
         try:

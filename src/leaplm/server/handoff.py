@@ -47,8 +47,11 @@ _write = _write_holding_gil()
 class Mailbox:
     """A step's outputs on their way from the scheduler's thread to the event loop."""
 
-    def __init__(self, interval_s: float = 0.0):
+    def __init__(self, interval_s: float = 0.0, times=None):
+        """times: a metrics.StreamTimes the wake-ups' latency is added to (stage "wakeup")."""
         self.interval_s = interval_s        # how long outputs may be held for a wake-up that carries more of them
+        self.times = times
+        self._sent_at: float | None = None  # when the outstanding wake-up was written (perf_counter)
         self.items: deque = deque()         # (job, sequence index, SeqOutput); deque appends are thread-safe
         self.loop: asyncio.AbstractEventLoop | None = None      # the server's event loop (bound by the first Job)
         self.pending = False                # a wake-up is sent and its delivery has not run: it takes what comes
@@ -88,6 +91,7 @@ class Mailbox:
             if t - self._held_since < self.interval_s:
                 return
         self._held_since, self._urgent = None, False
+        self._sent_at = time.perf_counter()     # before pending: _deliver reads it before it clears pending
         self.pending = True                 # at most one wake-up outstanding: pending stays set until _deliver
         _write(wfd, b"\0")
 
@@ -96,6 +100,9 @@ class Mailbox:
             os.read(self._rfd, 256)         # first: a wake-up sent after this read is a delivery of its own
         except BlockingIOError:
             pass
+        sent, self._sent_at = self._sent_at, None
+        if sent is not None and self.times is not None:
+            self.times.add("wakeup", time.perf_counter() - sent)
         self.pending = False                # from here on, a new output needs a new wake-up
         items = self.items
         while items:

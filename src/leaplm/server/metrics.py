@@ -10,6 +10,7 @@ import ctypes
 import ctypes.util
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from ..engine.scheduler import StepReport
 
@@ -27,6 +28,14 @@ class ServerMetrics:
         self.refusals_repeated = Counter(P + "refusals_repeated", "Requests answered with the 400 their body got "
                                          "before, without parsing it again (counted in requests too).",
                                          registry=r)
+        self.bodies_off_loop = Counter(P + "request_bodies_decoded_off_loop", "Request bodies large enough to be "
+                                       "decoded in a worker thread instead of on the event loop.", registry=r)
+        self.grammar_cache = Counter(P + "grammar_cache", "Requests with structured-output fields, by whether what "
+                                     "the fields come to (a grammar or a 400) was kept from an earlier request "
+                                     "(result=hit) or built for this one (result=miss).", ["result"], registry=r)
+        self.grammar_build = Histogram(P + "grammar_build_seconds", "Time a request's structured-output fields took "
+                                       "to become a grammar (or a 400) in the grammar pool, by cache result.",
+                                       ["cache"], buckets=_LATENCY_BUCKETS, registry=r)
         self.finished = Counter(P + "request_finish", "Generated sequences by finish reason "
                                 "(stop, length, abort, error).", ["reason"], registry=r)
         self.queue_depth = Gauge(P + "queue_depth", "Requests waiting for a batch row.", registry=r)
@@ -53,6 +62,8 @@ class ServerMetrics:
                                  "(glibc mallinfo2: arena + mmapped chunks): libllama's, the C++ kernel's and "
                                  "torch's CPU tensors' memory. 0 where it cannot be read.", registry=r)
         ProcessCollector(registry=r)      # process_resident_memory_bytes and friends: what the server holds
+        self.stream_times = StreamTimes()
+        r.register(StreamTimesCollector(self.stream_times))
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first generated token.",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Time between generated tokens (a step's time shared "
@@ -139,6 +150,48 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class StreamTimes:
+    """Where a streamed token's time goes between its step and the client's socket, summed in plain floats (every
+    stage runs on the event loop's thread; a Histogram's lock and buckets would cost more than what is timed):
+
+      wakeup     the step's end (the wake-up written to the mailbox's pipe, scheduler thread) to the loop's turn
+                 that delivers its outputs (handoff.py)
+      serialize  a stream's outputs of one wake-up into its SSE chunks: bookkeeping and JSON (responses.py)
+      write      one write of those chunks to the ASGI send, uvicorn's write to the socket included
+
+    With leaplm_engine_step_seconds and leaplm_generation_tokens_total, each over the tokens generated gives a
+    streamed token's share of each stage (`leaplm bench serve` reports them as server_path_ms_per_token)."""
+
+    STAGES = ("wakeup", "serialize", "write")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.STAGES, 0.0)
+        self.events = dict.fromkeys(self.STAGES, 0)
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] += seconds
+        self.events[stage] += 1
+
+
+class StreamTimesCollector:
+    """StreamTimes as two Prometheus counters by stage: leaplm_stream_seconds_total, leaplm_stream_events_total."""
+
+    def __init__(self, times: StreamTimes):
+        self.times = times
+
+    def collect(self):
+        seconds = CounterMetricFamily(P + "stream_seconds", "Seconds spent per stage of the way from a step to a "
+                                      "stream's socket (wakeup, serialize, write; see server/metrics.py "
+                                      "StreamTimes).", labels=["stage"])
+        events = CounterMetricFamily(P + "stream_events", "Wake-ups, serializations and writes timed in "
+                                     "leaplm_stream_seconds_total, by stage.", labels=["stage"])
+        for stage in StreamTimes.STAGES:
+            seconds.add_metric([stage], self.times.seconds[stage])
+            events.add_metric([stage], self.times.events[stage])
+        yield seconds
+        yield events
 
 
 def llamacpp_contexts() -> int:

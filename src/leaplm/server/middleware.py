@@ -2,10 +2,12 @@
 answer to a body refused before, and request counting by endpoint and status."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 
 from . import hosts
+from .body import OFF_LOOP_BYTES
 from .errors import json_error
 from .hosts import default_allowed_hosts
 from .protocol import APIError
@@ -56,7 +58,7 @@ class RequestGuard:
             if err is not None:
                 await json_error(err)(scope, receive, send_status)
                 return
-            key = self._refusal_key(scope, body)
+            key = await self._refusal_key(scope, body)
             if key is None:
                 await self.app(scope, receive, send_status)
                 return
@@ -79,9 +81,10 @@ class RequestGuard:
         finally:
             self.state.metrics.requests.labels(endpoint, str(status[0])).inc()
 
-    def _refusal_key(self, scope, body: bytes | None) -> bytes | None:
+    async def _refusal_key(self, scope, body: bytes | None) -> bytes | None:
         """The digest a refusal of this request is remembered by; None for requests whose refusals are not (other
-        routes, a body cut short, a server not serving: a 503 comes before a 400 the body would get)."""
+        routes, a body cut short, a server not serving: a 503 comes before a 400 the body would get). A large
+        body's digest is computed in the body pool (body.py), off the event loop."""
         state = self.state
         if body is None or scope["path"] not in self.REMEMBERED or not state.ready or state.draining:
             return None
@@ -90,9 +93,10 @@ class RequestGuard:
             if name == b"content-type":          # how the body is read (FastAPI parses only JSON types)
                 content_type = value
                 break
-        h = hashlib.blake2b(scope["path"].encode() + b"\0" + content_type + b"\0", digest_size=16)  # no NUL in either
-        h.update(body)
-        return h.digest()
+        head = scope["path"].encode() + b"\0" + content_type + b"\0"        # no NUL in either
+        if len(body) >= OFF_LOOP_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(state.body_pool, _digest, head, body)
+        return _digest(head, body)
 
     def _remember(self, key: bytes, answer: list[dict]) -> None:
         """Keep a 400 sent whole (its start and one last body message) and not too long."""
@@ -157,6 +161,12 @@ class RequestGuard:
                 break
         body = b"".join(chunks)
         return None, body, _replay(body, receive)
+
+
+def _digest(head: bytes, body: bytes) -> bytes:
+    h = hashlib.blake2b(head, digest_size=16)
+    h.update(body)
+    return h.digest()
 
 
 def _replay(body: bytes, receive, disconnected: bool = False):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 
 from ..config import ConfigError, prediction_text
@@ -48,14 +49,27 @@ def prepare_structured(state: ServerState, body):
     gives the same answer every time (llguidance's limits count work, not time), so a request repeating one pays
     nothing for it. Whatever its answer, a grammar is compiled for each request only when the engine's own cache of
     built grammars (structured/state.py) no longer has it."""
+    t0 = time.perf_counter()
     key = structured_key(body)
-    if key is not None:
-        seen = state.structured_seen.get(key)
-        if isinstance(seen, APIError):
-            raise APIError(seen.status, seen.message, seen.param, seen.code)
-        if seen is not None:
-            state.engine.grammar_state(seen)
-            return seen
+    seen = state.structured_seen.get(key) if key is not None else None
+    if not wants_structure(body):                 # response_format text, or a malformed one: nothing to build
+        return _structured(state, body, key, seen)
+    result = "miss" if seen is None else "hit"
+    try:
+        return _structured(state, body, key, seen)
+    finally:
+        m = state.metrics
+        m.grammar_cache.labels(result).inc()
+        m.grammar_build.labels(result).observe(time.perf_counter() - t0)
+
+
+def _structured(state: ServerState, body, key: bytes | None, seen):
+    """prepare_structured's work, `seen` what structured_seen kept for `key` (None: nothing)."""
+    if isinstance(seen, APIError):
+        raise APIError(seen.status, seen.message, seen.param, seen.code)
+    if seen is not None:
+        state.engine.grammar_state(seen)         # built again only if the engine's own cache let it go
+        return seen
     try:
         structured = body.structured_output()
         if structured is not None:
@@ -165,6 +179,7 @@ def plan_request(state: ServerState, body, chat: bool, structured=NOT_PREPARED) 
                        "context_length_exceeded")
     check_prediction_field(body.prediction, tok, longest, L, limit)
     n = body.n or 1
+    state.admission.check_count(len(prompts) * n, n, prompt_field)    # before preparing up to 16 x 128 sequences
     if structured is NOT_PREPARED:
         structured = prepare_structured(state, body)
     spec = body.speculative

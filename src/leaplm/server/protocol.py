@@ -20,10 +20,10 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from ..config import METHODS, SamplingParams, StructuredOutput
+from ..config import MAX_SAMPLES, METHODS, SamplingParams, StructuredOutput
 from ..models.tokens import chat_prompt as _chat_prompt, plain_chat_prompt as _plain_chat_prompt
 
-MAX_N = 16                 # choices per request
+MAX_N = MAX_SAMPLES        # choices per request: as Engine.generate_batch and `leaplm generate --samples`
 MAX_PROMPTS = 16           # prompts in one completions request
 MAX_STOP = SamplingParams.MAX_STOP
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS

@@ -22,15 +22,20 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, pieces):
-        self.pieces = pieces
+    def __init__(self, pieces, times=None):
+        """times: a metrics.StreamTimes each write's time is added to (stage "write")."""
+        self.pieces, self.times = pieces, times
         self.status_code, self.background = 200, None
         self.init_headers({"Cache-Control": "no-cache"})
 
     async def __call__(self, scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        times, clock = self.times, time.perf_counter
         async for piece in self.pieces:
+            t = clock()
             await send({"type": "http.response.body", "body": piece, "more_body": True})
+            if times is not None:
+                times.add("write", clock() - t)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -115,10 +120,12 @@ async def stream_completion(state: ServerState, job: Job, body: CompletionReques
             if body.logprobs is None:         # with logprobs, the prompt goes out with its logprobs (below)
                 yield chunk(i, p.text, None, None)
             offsets[i] = len(p.text)
+    times, clock = state.metrics.stream_times, time.perf_counter
     while job.open:
         got = await job.next_outputs()        # a step's outputs, every choice's: written at once
         if got is None:
             return
+        t = clock()
         events = []
         for i, out in got:
             if out.error is not None:
@@ -142,7 +149,9 @@ async def stream_completion(state: ServerState, job: Job, body: CompletionReques
             offsets[i] += len(c.text)
             events.append(chunk(i, c.text, lp, c.finish_reason, c.token_ids))
         if events:
-            yield b"".join(events)
+            piece = b"".join(events)
+            times.add("serialize", clock() - t)
+            yield piece
     job.usage_chunk = {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
                        "choices": [], "usage": job.usage()}
 
@@ -169,10 +178,12 @@ async def stream_chat(state: ServerState, job: Job, body: ChatCompletionRequest)
             yield S.sse(opening)
         else:
             yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+    times, clock = state.metrics.stream_times, time.perf_counter
     while job.open:
         got = await job.next_outputs()        # a step's outputs, every choice's: written at once
         if got is None:
             return
+        t = clock()
         events = []
         for i, out in got:
             if out.error is not None:
@@ -191,7 +202,9 @@ async def stream_chat(state: ServerState, job: Job, body: ChatCompletionRequest)
             events.append(chunk(i, {"content": c.text} if c.text or not c.finish_reason else {}, lp,
                                 c.finish_reason, c.token_ids))
         if events:
-            yield b"".join(events)
+            piece = b"".join(events)
+            times.add("serialize", clock() - t)
+            yield piece
     job.usage_chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
                        "choices": [], "usage": job.usage()}
 

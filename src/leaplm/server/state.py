@@ -42,19 +42,23 @@ class ServerState:
     # safe to use from several threads at once.
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="leaplm-tokenize"))
+    # Large request bodies are decoded here, off the event loop (body.py)
+    body_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="leaplm-body"))
     # Grammars compile here (llguidance drops the GIL; a hostile one takes up to seconds of CPU), beside the
     # tokenizing, at the lowest CPU priority: a compile gets the cores the steps and the event loop leave
     grammar_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="leaplm-grammar",
                                                    initializer=lowest_cpu_priority))
-    # structured-output fields' text (digest) -> what they came to: a StructuredOutput or the 400 (planning.py)
+    # structured-output fields' text (digest) -> what they came to: a StructuredOutput or the 400 (planning.py);
+    # the last 16 distinct ones, least recently used out first
     structured_seen: "Recent" = field(default_factory=lambda: Recent(16))
     # bodies refused with a 400 before they ran (digest of route, Content-Type and bytes) -> that 400's ASGI
     # messages, answered again without parsing the body (middleware.py)
     refused: "Recent" = field(default_factory=lambda: Recent(64))
 
     def __post_init__(self) -> None:
-        self.mailbox = Mailbox(self.config.stream_interval_ms / 1000)
+        self.mailbox = Mailbox(self.config.stream_interval_ms / 1000, self.metrics.stream_times)
 
     def attach(self, engine, scheduler: BatchScheduler) -> None:
         self.engine, self.scheduler = engine, scheduler
