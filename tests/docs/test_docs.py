@@ -1,7 +1,8 @@
-"""The documentation describes the software as it is: docs/cli.md lists exactly the commands and options the
-command line has, every relative link (and #anchor) resolves, and the prose carries no work history (session
-numbers, issue numbers, commit ids, "fixed after this table"): what changed for users goes in CHANGELOG.md by
-date, and the rest is in git."""
+"""The documentation describes the software as it is: the CLI pages (docs/cli*.md) list exactly the commands and
+options the command line has, every relative link (and #anchor) resolves, every docs/results file a page names
+exists and docs/results/README.md is what `leaplm bench report` renders, a page stays a short reference, and the
+prose carries no work history (session numbers, issue numbers, commit ids, "fixed after this table"): what changed
+for users goes in CHANGELOG.md by date, and the rest is in git."""
 from __future__ import annotations
 
 import re
