@@ -46,6 +46,7 @@ def test_roofline_serve_and_llama_bench_tables():
     assert "| none | 1.2 | 0 | 1 | 1 | 2.4 |" in roof                          # the methods table
     assert "| leaplm int8 (AMX) | Q4_1 | 1.1 | 1.4 | 2 |" in roof               # x1 at T = 2 and 4, 1-token ms
     serve = section(text, "serve-tiny.json")
+    assert "model tiny, cpus 2" in serve
     assert "| 1 | yes | 60 | 0.01 | 0.015 | 0.04 | 0.5 | 1.2 | 0 |" in serve   # no backend column: none given
     assert "| llama 1M Q8_0 | 2 | 1 | 0 | 192.5 | 1.25 | 2026-11-27T23:35:26Z |" in section(text, "llama-bench-tiny.json")
 

@@ -233,7 +233,12 @@ def file_tables(data, kind: str) -> list[list[str]]:
                                                                   ("llama-bench ms", "llama_ms"), ("ratio", "ratio")]))
         return out
     if kind == "serve":
-        return [md_table(data["summary"], SERVE_COLUMNS)] + (
+        s, m = data.get("settings") or {}, data.get("machine") if isinstance(data.get("machine"), dict) else {}
+        line = ", ".join(f"{k} {cell(v)}" for k, v in (
+            ("model", Path(str(s.get("model") or "")).name), ("method", s.get("method")), ("K", s.get("k")),
+            ("max tokens", s.get("max_tokens")), ("rounds", s.get("rounds")), ("threads", s.get("threads")),
+            ("cpus", m.get("cpus"))) if v not in (None, ""))
+        return [([line, ""] if line else []) + md_table(data["summary"], SERVE_COLUMNS)] + (
             [md_table([{"long prompt": k, **v} if isinstance(v, dict) else {"long prompt": k, "value": v}
                        for k, v in data["long_prompt"].items()])] if isinstance(data.get("long_prompt"), dict) else [])
     if kind == "memory":
