@@ -1,7 +1,8 @@
-"""The documentation describes the software as it is: docs/cli.md lists exactly the commands and options the
-command line has, every relative link (and #anchor) resolves, and the prose carries no work history (session
-numbers, issue numbers, commit ids, "fixed after this table"): what changed for users goes in CHANGELOG.md by
-date, and the rest is in git."""
+"""The documentation describes the software as it is: the CLI pages (docs/cli*.md) list exactly the commands and
+options the command line has, every relative link (and #anchor) resolves, every docs/results file a page names
+exists and docs/results/README.md is what `leaplm bench report` renders, a page stays a short reference, and the
+prose carries no work history (session numbers, issue numbers, commit ids, "fixed after this table"): what changed
+for users goes in CHANGELOG.md by date, and the rest is in git."""
 from __future__ import annotations
 
 import re
@@ -11,8 +12,12 @@ import pytest
 import typer
 
 ROOT = Path(__file__).resolve().parents[2]
+# Rendered by `leaplm bench report` from the result files, which record the code they ran (commit ids): the link
+# checks read it, the prose checks do not.
+RESULTS_MD = ROOT / "docs" / "results" / "README.md"
 PROSE = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md")),
          *sorted((ROOT / "deploy").rglob("*.md"))]
+WRITTEN = [p for p in PROSE if p != RESULTS_MD]
 
 # Work-history patterns, case-insensitive. A commit id is a 7-40 character hex word with a letter and a digit.
 HISTORY = [
@@ -58,13 +63,14 @@ def history_findings(text: str, patterns=HISTORY) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("path", PROSE, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", WRITTEN, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_work_history_in_the_prose(path):
     found = history_findings(path.read_text())
     assert not found, f"{path.relative_to(ROOT)} narrates the work, not the software:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("path", [p for p in PROSE if p.name != "CHANGELOG.md"], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", [p for p in WRITTEN if p.name != "CHANGELOG.md"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_change_history_in_the_docs(path):
     found = history_findings(path.read_text(), CHANGE_HISTORY)
     assert not found, f"{path.relative_to(ROOT)} narrates a change, not the software:\n" + "\n".join(found)
@@ -110,6 +116,57 @@ def test_readme_is_a_short_reference():
     """The README is the reference in brief (one results table per model); tables and details live in docs/."""
     n = len((ROOT / "README.md").read_text().splitlines())
     assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move details to docs/"
+
+
+PAGE_MAX_LINES = 250
+DOCS_PAGES = [p for p in sorted((ROOT / "docs").rglob("*.md")) if p != RESULTS_MD]
+
+
+@pytest.mark.parametrize("path", DOCS_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_docs_page_is_a_short_reference(path):
+    """A page says what a user needs now; measurement histories are result files (docs/results) and their
+    generated tables, which the page links to."""
+    n = len(path.read_text().splitlines())
+    assert n <= PAGE_MAX_LINES, f"{path.relative_to(ROOT)} has {n} lines (at most {PAGE_MAX_LINES}): link to " \
+        "docs/results instead of retelling measurements, or split the page by topic"
+
+
+def results_links(text: str) -> list[str]:
+    """Every docs/results path a text names, as a link target or as a plain path (`docs/results/x.json`)."""
+    text = re.sub(r"[a-z]+://\S+", "", text)
+    found = re.findall(r"\]\(((?:\.\./)*(?:docs/)?results/[^)\s#]*)", text)
+    found += re.findall(r"(?<![\w/.(-])((?:docs/)?results/[\w.*-]+\.(?:json|png|md))", text)
+    return found
+
+
+def test_results_links_are_found_in_text():
+    """Negative control for the results-link check."""
+    assert results_links("[x](results/a.json), `docs/results/b.png`, [y](../docs/results/README.md#c)") == [
+        "results/a.json", "../docs/results/README.md", "docs/results/b.png"]
+    assert not results_links("https://example.com/results/a.json and a results table")
+
+
+@pytest.mark.parametrize("path", WRITTEN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_results_file_named_exists(path):
+    """A figure's source named in a page (a link or a `docs/results/...` path) is a file in docs/results; a
+    name with `*` must match at least one file."""
+    missing = []
+    for name in results_links(path.read_text()):
+        rel = name[name.index("results/"):]
+        if "*" in rel:
+            if not list((ROOT / "docs").glob(rel)):
+                missing.append(name)
+        elif not (ROOT / "docs" / rel).exists():
+            missing.append(name)
+    assert not missing, f"{path.relative_to(ROOT)} names result files that are not in docs/results: {missing}"
+
+
+def test_results_tables_are_current():
+    """docs/results/README.md is what `leaplm bench report` renders from docs/results/*.json."""
+    from leaplm.bench.report import results_markdown
+
+    assert RESULTS_MD.read_text() == results_markdown(ROOT / "docs" / "results"), \
+        "docs/results/README.md is out of date: run `leaplm bench report`"
 
 
 MD_NAME = re.compile(r"(?<![\w./-])([\w./-]*[A-Za-z0-9_-]\.md)\b")
@@ -161,18 +218,33 @@ def cli_tree() -> dict[str, set[str]]:
     return out
 
 
+# The reference is split by topic: each page holds the commands its prefixes select (the longest match wins).
+CLI_PAGES = {"cli.md": ("leaplm",), "cli-bench.md": ("leaplm bench",), "cli-train.md": ("leaplm train",),
+             "cli-heads.md": ("leaplm train eagle", "leaplm train medusa", "leaplm train export-head",
+                              "leaplm train ship-head")}
+
+
+def cli_page(command: str) -> str:
+    """The docs page that documents a command ('leaplm bench serve' -> 'cli-bench.md')."""
+    fits = [(len(prefix), page) for page, prefixes in CLI_PAGES.items() for prefix in prefixes
+            if command == prefix or command.startswith(prefix + " ")]
+    return max(fits)[1]
+
+
 def cli_md_sections() -> dict[str, set[str]]:
-    """'### `leaplm X`' sections of docs/cli.md -> the options named in the first column of their tables."""
+    """'### `leaplm X`' sections of the CLI pages -> the options named in the first column of their tables."""
     sections: dict[str, set[str]] = {}
-    current = None
-    for line in (ROOT / "docs" / "cli.md").read_text().splitlines():
-        m = re.match(r"^### `(leaplm[^`]*)`\s*$", line)
-        if m:
-            current = m.group(1)
-            sections[current] = set()
-        elif current and line.startswith("| `-"):
-            first = line.split(" | ")[0]
-            sections[current].update(re.findall(r"`(-[^`]+)`", first))
+    for page in CLI_PAGES:
+        current = None
+        for line in (ROOT / "docs" / page).read_text().splitlines():
+            m = re.match(r"^### `(leaplm[^`]*)`\s*$", line)
+            if m:
+                current = m.group(1)
+                assert cli_page(current) == page, f"{current} is documented in {page}, not {cli_page(current)}"
+                sections[current] = set()
+            elif current and line.startswith("| `-"):
+                first = line.split(" | ")[0]
+                sections[current].update(re.findall(r"`(-[^`]+)`", first))
     return sections
 
 
@@ -187,16 +259,16 @@ def test_cli_md_lists_every_command_and_option():
             problems.append(f"{command}: undocumented {sorted(opts - documented[command])}")
         if documented[command] - opts:
             problems.append(f"{command}: documented but not an option {sorted(documented[command] - opts)}")
-    assert not problems, "docs/cli.md is out of date (`python tests/docs/test_docs.py --write-cli-md` regenerates " \
-        "its reference section from the command line):\n" + "\n".join(problems)
+    assert not problems, "the docs/cli*.md pages are out of date (`python tests/docs/test_docs.py --write-cli-md` regenerates " \
+        "their reference sections from the command line):\n" + "\n".join(problems)
 
 
 CLI_MD_MARKER = "## Every command and option"
 
 
-def render_cli_reference() -> str:
-    """docs/cli.md's reference section: one '### `leaplm ...`' heading per command, its help's first paragraph,
-    its arguments and a table of its options (spellings, default, help), as `leaplm ... --help` prints them."""
+def render_cli_reference(page: str = "cli.md") -> str:
+    """A CLI page's reference section: one '### `leaplm ...`' heading per command the page holds, its help's first
+    paragraph, its arguments and a table of its options (spellings, default, help), as `--help` prints them."""
     import os
 
     from leaplm.cli import app
@@ -205,36 +277,41 @@ def render_cli_reference() -> str:
     out = []
 
     def walk(cmd, path):
-        out.append(f"### `{' '.join(path)}`\n")
-        first = (cmd.help or "").strip().split("\n\n")[0].replace("\n", " ")
-        if first:
-            out.append(first + "\n")
-        args = [p for p in cmd.params if type(p).__name__.endswith("Argument")]
-        opts = [p for p in cmd.params if type(p).__name__.endswith("Option") and p.name != "help"]
-        if args:
-            out.append("Arguments: " + ", ".join(f"`{a.metavar or a.name.upper()}`" for a in args) + "\n")
-        if opts:
-            out.append("| option | default | meaning |\n|---|---|---|")
-            for o in opts:
-                names = ", ".join(f"`{n}`" for n in o.opts + o.secondary_opts)
-                d = o.default
-                shown = "" if d is None or d == () or d is False or callable(d) else f"`{d}`".replace(home, "~")
-                meaning = (o.help or "").replace("\n", " ").replace("|", "\\|")
-                out.append(f"| {names} | {shown} | {meaning} |")
-            out.append("")
-        for name, sub in sorted(getattr(cmd, "commands", {}).items()):
-            walk(sub, path + [name])
+        name = " ".join(path)
+        if cli_page(name) == page:
+            out.append(f"### `{name}`\n")
+            first = (cmd.help or "").strip().split("\n\n")[0].replace("\n", " ")
+            args = [p for p in cmd.params if type(p).__name__.endswith("Argument")]
+            if args:
+                first += (" " if first else "") + "Arguments: " + ", ".join(
+                    f"`{a.metavar or a.name.upper()}`" for a in args) + "."
+            if first:
+                out.append(first + "\n")
+            opts = [p for p in cmd.params if type(p).__name__.endswith("Option") and p.name != "help"]
+            if opts:
+                out.append("| option | default | meaning |\n|---|---|---|")
+                for o in opts:
+                    names = ", ".join(f"`{n}`" for n in o.opts + o.secondary_opts)
+                    d = o.default
+                    shown = "" if d is None or d == () or d is False or callable(d) else f"`{d}`".replace(home, "~")
+                    meaning = (o.help or "").replace("\n", " ").replace("|", "\\|")
+                    out.append(f"| {names} | {shown} | {meaning} |")
+                out.append("")
+        for sub_name, sub in sorted(getattr(cmd, "commands", {}).items()):
+            walk(sub, path + [sub_name])
 
     walk(typer.main.get_command(app), ["leaplm"])
     return "\n".join(out)
 
 
 def write_cli_md() -> None:
-    path = ROOT / "docs" / "cli.md"
-    text = path.read_text()
-    head = text[: text.index(CLI_MD_MARKER)]
-    intro = text[text.index(CLI_MD_MARKER):].split("\n### ", 1)[0].rstrip("\n")
-    path.write_text(head + intro + "\n\n" + render_cli_reference() + "\n")
+    """Rewrite each CLI page's reference section (what follows CLI_MD_MARKER's intro) from the command line."""
+    for page in CLI_PAGES:
+        path = ROOT / "docs" / page
+        text = path.read_text()
+        head = text[: text.index(CLI_MD_MARKER)]
+        intro = text[text.index(CLI_MD_MARKER):].split("\n### ", 1)[0].rstrip("\n")
+        path.write_text(head + intro + "\n\n" + render_cli_reference(page) + "\n")
 
 
 # --- links -------------------------------------------------------------------------------------------------------

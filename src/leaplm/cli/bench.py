@@ -1,5 +1,6 @@
 """`leaplm bench`: methods side by side (and Hugging Face's generate with --baselines hf, llama.cpp's binaries
-with --baselines llamacpp, the roofline with --roofline); `leaplm bench memory` (peak RSS). `leaplm bench serve`
+with --baselines llamacpp, the roofline with --roofline); `leaplm bench memory` (peak RSS); `leaplm bench report`
+(the result files as markdown tables). `leaplm bench serve`
 lives in cli/bench_serve.py."""
 from __future__ import annotations
 
@@ -413,3 +414,35 @@ def bench_memory(
     if json_out:
         json_out.write_text(json.dumps(figures_dict(figs, dict(shape=shape, dtype=dtype, prompt_tokens=prompt_tokens,
                                                                new_tokens=new_tokens, requests=requests)), indent=1))
+
+
+@bench_app.command("report")
+def bench_report(
+    results: Path = typer.Option(Path("docs/results"), "--results", help="Folder of result JSON files."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Markdown file written (default: README.md in the "
+                                       "--results folder); '-' prints it."),
+    check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 when the markdown file differs from "
+                               "what the JSON files render to."),
+) -> None:
+    """Render every result JSON file (`leaplm bench --json`, `--roofline`, `bench serve`, `bench memory`,
+    llama-bench's JSON and hand-written records) into markdown tables, one section per file."""
+    from ..bench.report import results_markdown
+
+    if not results.is_dir():
+        fail(f"--results: {str(results)!r} is not a directory")
+    try:
+        text = results_markdown(results, "leaplm bench report" + (f" --results {results}"
+                                                                  if results != Path("docs/results") else ""))
+    except ValueError as e:
+        fail(f"--results: {e}")
+    if out is not None and str(out) == "-":
+        typer.echo(text, nl=False)
+        return
+    path = out or results / "README.md"
+    if check:
+        if not path.exists() or path.read_text() != text:
+            err.print(f"{path} is not what `leaplm bench report` renders from {results}: run it to update")
+            raise typer.Exit(1)
+        return
+    path.write_text(text)
+    err.print(f"wrote {path} ({len(list(results.glob('*.json')))} result files)")
