@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from perturb import perturb_ as _perturb_
 
 torch.set_num_threads(1)  # the machine is shared with a long training job
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never touch the network (a hub id fails fast)
@@ -128,20 +129,6 @@ def write_byte_tokenizer(path):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
     fast.save_pretrained(str(path))
     return fast
-
-
-def _perturb_(model, seed: int) -> None:
-    """Norm weights to 1 + noise and every bias to noise (initialised as 1 and 0), so a swapped, dropped or
-    misnamed norm or bias shows in the logits."""
-    g = torch.Generator().manual_seed(seed + 1000)
-    with torch.no_grad():
-        for module in model.modules():
-            is_norm = "Norm" in type(module).__name__
-            for pname, p in module.named_parameters(recurse=False):
-                if is_norm and pname == "weight":
-                    p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
-                elif pname == "bias":
-                    p.copy_(0.2 * torch.randn(p.shape, generator=g))
 
 
 def write_family_checkpoint(path, name: str, tokenizer) -> str:

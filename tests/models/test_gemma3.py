@@ -11,7 +11,7 @@ from leaplm.config import SamplingParams
 from leaplm.engine.engine import Engine
 from leaplm.models import load_model
 
-from conftest import _perturb_
+from perturb import perturb_ as _perturb_
 
 PROMPT = "the quick brown fox jumps over the lazy dog; un café crème 🙂 speculative decoding drafts tokens"
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
