@@ -2,7 +2,8 @@
 engine/step.py stays under 300 lines, nothing in engine/ or propose/ probes an object with getattr/hasattr (models
 declare what they can do in ModelCapabilities, models/base.py), each model class's declared capabilities match
 the methods it has, the trainers share one loop (training/loop.py), and no source file, the C++ kernel's included,
-is longer than 600 lines."""
+is longer than 600 lines, and each model family is one description (models/arch/) that the loaders read
+instead of branching on the family's name."""
 from __future__ import annotations
 
 import ast
@@ -126,3 +127,44 @@ def test_the_size_finder_sees_a_long_file(tmp_path):
 def test_no_source_file_holds_more_than_one_files_worth():
     found = oversized(SRC, MAX_SOURCE_LINES)
     assert not found, f"split these by job (at most {MAX_SOURCE_LINES} lines a file):\n" + "\n".join(found)
+
+
+# where a family's name may be spelled: its own description, the GGUF writers that emit a family's layout
+# (an export and the synthetic shapes), the registry that names the transformers fallback's families, and the
+# reader that reproduces transformers' own GGUF config rules (its mistral-from-general.name rule)
+FAMILY_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text")
+FAMILY_BRANCH_ALLOWED = {"models/gguf_export.py", "models/synth.py", "models/synth_shapes.py", "models/registry.py",
+                         "models/gguf_hf.py"}
+
+
+def family_branches(source: str) -> list[tuple[int, str]]:
+    """(line, compared name) of every == / != / in comparison against a family name: a branch on the family."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            for c in ast.walk(node):
+                if isinstance(c, ast.Constant) and c.value in FAMILY_NAMES:
+                    out.append((node.lineno, c.value))
+    return out
+
+
+def test_the_family_branch_finder_sees_a_branch():
+    """The negative control: a loader's branch on the model type is found, whichever comparison writes it."""
+    src = "def f(mt):\n    if mt == 'qwen3':\n        pass\n    return mt in ('gemma3', 'x')\n"
+    assert family_branches(src) == [(2, "qwen3"), (4, "gemma3")]
+
+
+def test_one_description_per_family_and_no_family_branches_in_the_loaders():
+    from leaplm.models import arch
+
+    names = [a.name for a in arch.FAMILIES]
+    assert len(names) == len(set(names)), f"a family described twice: {names}"
+    types = [t for a in arch.FAMILIES for t in a.model_types]
+    assert len(types) == len(set(types)), f"a model type claimed by two descriptions: {types}"
+    found = []
+    for path in sorted((SRC / "models").rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith("models/arch/") or rel in FAMILY_BRANCH_ALLOWED:
+            continue
+        found += [f"{rel}:{line}: {name}" for line, name in family_branches(path.read_text())]
+    assert not found, "read the family's description (models/arch/) instead of branching on its name:\n" + "\n".join(found)

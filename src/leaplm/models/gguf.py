@@ -335,10 +335,13 @@ def _transformers_version() -> str:
 
 
 def cache_key(info: GGUFInfo) -> str:
-    """The start-up cache key of what transformers builds from this file's metadata (config, tokenizer)."""
-    from ..startup_cache import file_identity, key
+    """The start-up cache key of what transformers builds from this file's metadata (config, tokenizer), and of the
+    code that maps the metadata (a changed family description or mapping reads the file again)."""
+    from ..startup_cache import code_identity, file_identity, key
+    from . import arch, gguf_hf
 
-    return key("gguf-metadata", file_identity(info.path), _transformers_version())
+    mapping = code_identity(gguf_hf.__file__, *sorted(str(p) for p in Path(arch.__file__).parent.glob("*.py")))
+    return key("gguf-metadata", file_identity(info.path), _transformers_version(), mapping)
 
 
 def _fields_and_tensors(info: GGUFInfo, field: str) -> tuple[dict, dict]:

@@ -288,7 +288,10 @@ def refuse_synthetic(path: str | None, allow: bool, field: str = "model") -> Non
 
     if allow or not path or not is_gguf(path) or not Path(path).expanduser().is_file():
         return
-    g = parse_gguf(Path(path).expanduser(), field)
+    try:
+        g = parse_gguf(Path(path).expanduser(), field)
+    except ConfigError:
+        return                       # not a readable GGUF file: the loader refuses it with its own message
     if is_synthetic(g.fields):
         raise ConfigError(field, f"{path}: random weights (shape of {g.fields.get(SYNTHETIC_KEY + '.shape')}), "
                                  "synthetic: for benchmarks only; its text is noise. Pass --allow-synthetic "

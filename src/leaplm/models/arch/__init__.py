@@ -1,4 +1,4 @@
-"""Model families as data (DESIGN.md rule 13): one description per family, looked up by Hugging Face model type
+"""Model families as data: one description per family, looked up by Hugging Face model type
 or GGUF architecture."""
 from __future__ import annotations
 
