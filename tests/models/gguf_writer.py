@@ -104,9 +104,12 @@ def q4_k_m_type(name: str) -> str:
 
 
 def write_tiny_gguf(dir_path, qtype: str = "F32", seed: int = 0, tied: bool = False, add_bos: bool | None = False,
-                    arch: str = "llama", name: str = "tiny random llama") -> tuple[str, str]:
+                    arch: str = "llama", name: str = "tiny random llama", layout: str = "llama",
+                    floats: dict[str, float] | None = None) -> tuple[str, str]:
     """(gguf file path, Hugging Face directory of the same random model). Dimensions are multiples of 32 so every
-    block quantization applies to every matrix (qtype "Q4_K_M": of 256, for the K-quants)."""
+    block quantization applies to every matrix (qtype "Q4_K_M": of 256, for the K-quants). layout "phi3" writes
+    the same weights as llama.cpp's phi3 architecture stores them (q/k/v fused in rotate-half order, gate and up
+    fused). floats: extra float metadata, "{arch}" in a key standing for the architecture."""
     import gguf
     from gguf.quants import quantize
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -160,6 +163,8 @@ def write_tiny_gguf(dir_path, qtype: str = "F32", seed: int = 0, tied: bool = Fa
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
     w.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (floats or {}).items():
+        w.add_float32(key.format(arch=arch), value)
 
     def put(name: str, arr: np.ndarray) -> None:
         arr = np.ascontiguousarray(arr, dtype=np.float32)
@@ -177,7 +182,15 @@ def write_tiny_gguf(dir_path, qtype: str = "F32", seed: int = 0, tied: bool = Fa
     put("output_norm.weight", sd["model.norm.weight"])
     if not tied:
         put("output.weight", sd["lm_head.weight"])
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers if layout == "phi3" else 0):
+        p = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(f"blk.{i}.attn_qkv.weight", np.concatenate([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+        put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        put(f"blk.{i}.ffn_up.weight", np.concatenate([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
+        put(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+    for i in range(cfg.num_hidden_layers if layout == "llama" else 0):
         p = f"model.layers.{i}."
         put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
         put(f"blk.{i}.attn_q.weight", llama_cpp_permute(sd[p + "self_attn.q_proj.weight"], H))

@@ -395,9 +395,12 @@ def load_llamacpp_model(name: str, field: str = "model", kv_cache_dtype: str = "
                                  f"{', '.join(sorted(ARCHITECTURES))})") from e
     tok = load_gguf_tokenizer(info, field)
     cfg = read_gguf_config(info, field)
+    from ..arch import arch_of
     from ..llama import args_from_hf_config
 
-    model.args = args_from_hf_config(cfg)     # the shapes heads and tolerances read (what the file describes)
+    # the shapes heads and tolerances read (what the file describes); a family leaplm's own forward lacks is read
+    # with the llama description: only its sizes matter here, libllama computes the rest
+    model.args = args_from_hf_config(cfg if arch_of(cfg.get("model_type")) else {**cfg, "model_type": "llama"})
     eos = cfg.get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if not eos_ids and tok.eos_token_id is not None:
