@@ -28,6 +28,15 @@ class ReadDeadline:
             handle.cancel()
             self._read_deadline = None
 
+    def connection_lost(self, exc) -> None:
+        self._disarm_read_deadline()
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_read_deadline()      # waiting for the next request on this connection
+
     def _time_out(self, started: bool) -> None:
         """The deadline passed while waiting for a request: a 408 when part of one came (and no response to it
         began), then the socket closed."""

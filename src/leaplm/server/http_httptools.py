@@ -22,10 +22,6 @@ class GuardedHttpToolsProtocol(ReadDeadline, HttpToolsProtocol):
         self._head_bytes = 0               # bytes received while in them
         self._arm_read_deadline()
 
-    def connection_lost(self, exc) -> None:
-        self._disarm_read_deadline()
-        super().connection_lost(exc)
-
     def data_received(self, data: bytes) -> None:
         if data:
             self._partial = True           # on_message_complete (called while feeding) clears it again
@@ -44,11 +40,6 @@ class GuardedHttpToolsProtocol(ReadDeadline, HttpToolsProtocol):
         self._partial = False
         self._in_head, self._head_bytes = True, 0
         self._disarm_read_deadline()       # the request is in
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            self._arm_read_deadline()      # waiting for the next request on this connection
 
     def _read_timed_out(self) -> None:
         self._read_deadline = None

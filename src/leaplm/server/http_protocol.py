@@ -34,19 +34,10 @@ class GuardedH11Protocol(ReadDeadline, H11Protocol):
         self._read_deadline: asyncio.TimerHandle | None = None
         self._arm_read_deadline()
 
-    def connection_lost(self, exc) -> None:
-        self._disarm_read_deadline()
-        super().connection_lost(exc)
-
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):   # the request is in (or the connection is done)
             self._disarm_read_deadline()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            self._arm_read_deadline()        # waiting for the next request on this connection
 
     def _read_timed_out(self) -> None:
         self._read_deadline = None
