@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 from perturb import perturb_ as _perturb_
+from perturb import write_noisy_copy
 
 torch.set_num_threads(1)  # the machine is shared with a long training job
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # tests never touch the network (a hub id fails fast)
@@ -218,19 +219,6 @@ def bert_dir(tmp_path_factory, byte_tokenizer) -> str:
 
 
 # --- a tiny-vocabulary target and two drafts, for Monte Carlo tests ---------------------------------------------
-def write_noisy_copy(src: str, dst, noise: float, seed: int) -> str:
-    """The checkpoint at src with every weight w replaced by w + noise * std(w) * N(0, 1): a different model that
-    still agrees with src often."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(src)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
-    model.save_pretrained(str(dst))
-    AutoTokenizer.from_pretrained(src).save_pretrained(str(dst))
-    return str(dst)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""A tiny model's norms and biases moved off their initial values, for parity tests."""
+"""Tiny models moved off their initial values: norms and biases for parity tests, every weight for a draft that
+agrees with its target often."""
 from __future__ import annotations
 
 import torch
@@ -16,3 +17,18 @@ def perturb_(model, seed: int) -> None:
                     p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
                 elif pname == "bias":
                     p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def write_noisy_copy(src: str, dst, noise: float, seed: int) -> str:
+    """The checkpoint at src with every weight w replaced by w + noise * std(w) * N(0, 1): a different model that
+    still agrees with src often."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
+    model.save_pretrained(str(dst))
+    AutoTokenizer.from_pretrained(src).save_pretrained(str(dst))
+    return str(dst)

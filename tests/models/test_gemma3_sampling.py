@@ -42,7 +42,7 @@ def write_gemma_v8(path, seed: int) -> str:
 @pytest.fixture(scope="module")
 def gemma_v8(tmp_path_factory):
     """{"target", "near" (the target plus noise: agrees often), "far" (an unrelated random Gemma 3)}."""
-    from conftest import write_noisy_copy
+    from perturb import write_noisy_copy
     from leaplm.models import load_model
 
     target = write_gemma_v8(tmp_path_factory.mktemp("gemma_v8"), seed=0)
