@@ -3,7 +3,8 @@
 generate.py        leaplm generate (startup.py: its --startup report)
 serve.py           leaplm serve (and python -m leaplm.server)
 bench.py           leaplm bench, bench memory; bench_serve.py, bench_roofline.py and bench_llamacpp.py: bench serve,
-                   bench --roofline, bench --baselines llamacpp; bench_project.py: bench project
+                   bench --roofline, bench --baselines llamacpp; bench_project.py: bench project;
+                   bench_agree.py: bench agree
 tune.py            leaplm tune
 train.py           leaplm train tokenizer|pretrain|distill|ondata|card; heads.py: train eagle|medusa|export-head|
                    ship-head; train_chat.py: train chatdata|distill-chat
@@ -40,13 +41,14 @@ def add_commands(app: typer.Typer, only: str | None = None) -> None:
         app.command("serve")(serve)
         return
     # heads and train_chat add their commands to train's group when imported
-    from . import (bench, bench_project, bench_serve, evaluate, generate, heads, models, serve, synth,  # noqa: F401
-                   train, train_chat, tune)
+    from . import (bench, bench_agree, bench_project, bench_serve, evaluate, generate, heads, models, serve,  # noqa: F401
+                   synth, train, train_chat, tune)
 
     app.command("generate")(generate.generate)
     app.command("serve")(serve.serve)
     bench.bench_app.command("serve")(bench_serve.bench_serve)
     bench.bench_app.command("project")(bench_project.bench_project)
+    bench.bench_app.command("agree")(bench_agree.bench_agree)
     app.add_typer(bench.bench_app, name="bench")
     app.command("tune")(tune.tune)
     models.models_app.command("synth")(synth.synth)
