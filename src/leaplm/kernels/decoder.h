@@ -57,7 +57,7 @@ struct PackedLinear {
 // run_layers' buffers (Decoder::run_layers)
 struct LayerScratch {
   std::vector<float> h, qkv, att, tmp, gu, act;
-  std::vector<int64_t> keys, nkeys;
+  std::vector<std::vector<int64_t>> wkeys, wnkeys;   // per (window, ring) the layers have: each query's key slots
 };
 
 // v with at least n elements (grown when short; its contents are the caller's to write)
@@ -73,7 +73,14 @@ struct LayerOptions {
   torch::Tensor post_attn, post_mlp;  // [hid] fp32: RMS norm of the attention / MLP output before its residual add
   int64_t rope = 0;                   // which table of cis [R, P, D / 2, 2] (cis [P, D / 2, 2]: the one, 0)
   float scale = 0.f;                  // attention scale (softmax(q k^T scale)); set by make_options
+  int64_t window = 0;                 // > 0: a query at position p attends keys at positions > p - window
 };
+
+// forward()'s rings: per layer, the slots its cache keeps when it is a ring (slot j at j % ring; cache/kv_cache.py:
+// why a window's keys survive there), 0 (or absent) for a cache that holds every slot
+inline int64_t ring_of(const std::vector<int64_t>& rings, int64_t layer) {
+  return layer < int64_t(rings.size()) ? rings[layer] : 0;
+}
 
 // a norm weight of n elements as fp32, or undefined when absent
 inline torch::Tensor norm_weight(const c10::optional<torch::Tensor>& w, int64_t n, const char* name) {
@@ -108,7 +115,7 @@ class Decoder {
   // A layer's options from add_layer's keyword arguments: norms absent when None; scale None: 1 / sqrt(D)
   LayerOptions make_options(const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
                             const c10::optional<torch::Tensor>& post_attn, const c10::optional<torch::Tensor>& post_mlp,
-                            int64_t rope, c10::optional<double> scale) const {
+                            int64_t rope, c10::optional<double> scale, int64_t window = 0) const {
     LayerOptions o;
     o.q_norm = norm_weight(q_norm, D, "q_norm");
     o.k_norm = norm_weight(k_norm, D, "k_norm");
@@ -119,6 +126,8 @@ class Decoder {
     o.rope = rope;
     TORCH_CHECK(!scale.has_value() || *scale > 0, "attn_scale: > 0");
     o.scale = scale.has_value() ? float(*scale) : 1.f / std::sqrt(float(D));
+    TORCH_CHECK(window >= 0, "window: >= 0");
+    o.window = window;
     return o;
   }
 
@@ -227,11 +236,12 @@ class Decoder {
   // order; kv_len = the keys attended (S).
   torch::Tensor forward(torch::Tensor x, int64_t B, int64_t T, std::vector<torch::Tensor> cache_k,
                         std::vector<torch::Tensor> cache_v, std::vector<int64_t> lens, torch::Tensor pos,
-                        torch::Tensor mask, torch::Tensor cis, std::vector<int64_t> run, int64_t kv_len) {
+                        torch::Tensor mask, torch::Tensor cis, std::vector<int64_t> run, int64_t kv_len,
+                        std::vector<int64_t> rings = {}) {
     TORCH_CHECK(x.dim() == 2 && x.size(0) == B * T && x.size(1) == hid && x.scalar_type() == torch::kFloat,
                 "x: fp32 [B * T, hidden]");
     torch::Tensor out = x.clone();
-    run_layers(out.data_ptr<float>(), B, T, cache_k, cache_v, lens, pos, mask, cis, run, kv_len);
+    run_layers(out.data_ptr<float>(), B, T, cache_k, cache_v, lens, pos, mask, cis, run, kv_len, rings);
     return out;
   }
 
@@ -239,7 +249,7 @@ class Decoder {
   void run_layers(float* xp, int64_t B, int64_t T, std::vector<torch::Tensor>& cache_k,
                   std::vector<torch::Tensor>& cache_v, const std::vector<int64_t>& lens, const torch::Tensor& pos,
                   const torch::Tensor& mask, const torch::Tensor& cis, const std::vector<int64_t>& run,
-                  int64_t kv_len) {
+                  int64_t kv_len, const std::vector<int64_t>& rings = {}) {
     TORCH_CHECK(int64_t(lens.size()) >= B && pos.scalar_type() == torch::kLong &&
                 (pos.numel() == B * T || pos.numel() == 0), "lens, pos");
     TORCH_CHECK(cis.scalar_type() == torch::kFloat && (cis.dim() == 3 || cis.dim() == 4) && cis.size(-2) * 2 == D &&
@@ -272,28 +282,51 @@ class Decoder {
     auto& tmp = grown(scratch.tmp, M * hid);
     auto& gu = grown(scratch.gu, M * 2 * inter);
     auto& act = grown(scratch.act, M * inter);
-    // the key slots each query attends, in key order (the same in every layer)
-    auto& keys = grown(scratch.keys, M * kv_len);
-    auto& nkeys = grown(scratch.nkeys, M);
+    // the cache slots each query attends, in key order: one list per (window, ring) among the layers run (a
+    // windowed layer drops keys older than its window; a ring layer's slot j lies at j % ring)
     const bool* mp = maskc.numel() ? maskc.data_ptr<bool>() : nullptr;
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t bt = b * T + t;
-        int64_t n = 0;
-        for (int64_t j = 0; j < kv_len; ++j)
-          if (mp ? mp[bt * kv_len + j] : j <= lens[b] + t) keys[bt * kv_len + n++] = j;
-        nkeys[bt] = n;
-      }
-    const float* pending = nullptr;          // the MLP's output not yet added to the residual stream
+    std::vector<std::pair<int64_t, int64_t>> kinds;                  // (window, ring), in first-use order
+    std::vector<size_t> kind_of(layers.size(), 0);
     for (int64_t li : run) {
       TORCH_CHECK(li >= 0 && li < int64_t(layers.size()), "layer ", li, " out of range");
+      const auto kind = std::make_pair(layers[li].opt.window, ring_of(rings, li));
+      size_t k = 0;
+      while (k < kinds.size() && kinds[k] != kind) ++k;
+      if (k == kinds.size()) kinds.push_back(kind);
+      kind_of[li] = k;
+    }
+    if (scratch.wkeys.size() < kinds.size()) scratch.wkeys.resize(kinds.size()), scratch.wnkeys.resize(kinds.size());
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      const int64_t win = kinds[k].first, ring = kinds[k].second;
+      auto& keys = grown(scratch.wkeys[k], M * kv_len);
+      auto& nkeys = grown(scratch.wnkeys[k], M);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t bt = b * T + t, qpos = posp[bt];
+          int64_t n = 0;
+          // a committed slot j holds position j; the block's slot lens[b] + u holds its token u's position
+          const int64_t first = win > 0 ? std::max<int64_t>(0, std::min(lens[b], qpos - win + 1)) : 0;
+          for (int64_t j = first; j < kv_len; ++j) {
+            if (!(mp ? mp[bt * kv_len + j] : j <= lens[b] + t)) continue;
+            if (win > 0) {
+              const int64_t kpos = j < lens[b] ? j : posp[b * T + (j - lens[b])];
+              if (qpos - kpos >= win) continue;
+            }
+            keys[bt * kv_len + n++] = ring > 0 ? j % ring : j;
+          }
+          nkeys[bt] = n;
+        }
+    }
+    const float* pending = nullptr;          // the MLP's output not yet added to the residual stream
+    for (int64_t li : run) {
       const Layer& L = layers[li];
       TORCH_CHECK(L.opt.rope < tables, "layer ", li, " reads rope table ", L.opt.rope, " of ", tables);
       auto& ck = cache_k[li];
       auto& cv = cache_v[li];
       TORCH_CHECK(ck.is_contiguous() && cv.is_contiguous() && ck.scalar_type() == torch::kFloat &&
-                  ck.size(0) >= B && ck.size(1) == Hkv && ck.size(3) == D && ck.size(2) >= kv_len,
-                  "cache: contiguous fp32 [B, Hkv, capacity, D]");
+                  ck.size(0) >= B && ck.size(1) == Hkv && ck.size(3) == D &&
+                  ck.size(2) >= (ring_of(rings, li) > 0 ? ring_of(rings, li) : kv_len),
+                  "cache: contiguous fp32 [B, Hkv, capacity, D] (a ring layer's: its ring)");
       add_norm(xp, pending, L.ln1.data_ptr<float>(), M, h.data());         // the previous layer's residual
       {
         Span span(R_QKV);
@@ -301,11 +334,14 @@ class Decoder {
       }
       {
         Span span(R_ROPE);
-        rope_and_store(qkv.data(), B, T, posp, cisc.data_ptr<float>() + L.opt.rope * P * D, L.opt, lens, ck, cv);
+        rope_and_store(qkv.data(), B, T, posp, cisc.data_ptr<float>() + L.opt.rope * P * D, L.opt, ring_of(rings, li),
+                       lens, ck, cv);
       }
       {
         Span span(R_ATTN);
-        attention(qkv.data(), B, T, keys.data(), nkeys.data(), ck, cv, kv_len, L.opt.scale, att.data());
+        const size_t k = kind_of[li];
+        attention(qkv.data(), B, T, scratch.wkeys[k].data(), scratch.wnkeys[k].data(), ck, cv, kv_len, L.opt.scale,
+                  att.data());
       }
       {
         Span span(R_O);
@@ -385,7 +421,7 @@ class Decoder {
   // with the layer's q/k norms, normalize each q and k head (a row of D); rotate each q and k head's pairs (2i, 2i+1)
   // by the position's (cos, sin) in the table cis [P, D / 2, 2]; write k and v to the cache slots
   void rope_and_store(float* qkv, int64_t B, int64_t T, const int64_t* pos, const float* cis, const LayerOptions& opt,
-                      const std::vector<int64_t>& lens, torch::Tensor& ck, torch::Tensor& cv) {
+                      int64_t ring, const std::vector<int64_t>& lens, torch::Tensor& ck, torch::Tensor& cv) {
     const float* qn = data_or_null(opt.q_norm);
     const float* kn = data_or_null(opt.k_norm);
     auto norm_heads = path > 0 ? add_norm_avx2 : add_norm_base;
@@ -408,7 +444,7 @@ class Decoder {
             v[2 * i + 1] = a * si + bb * co;
           }
         }
-        const int64_t slot = lens[b] + t;
+        const int64_t slot = ring > 0 ? (lens[b] + t) % ring : lens[b] + t;
         for (int64_t g = 0; g < Hkv; ++g) {
           std::memcpy(kp + ((b * Hkv + g) * cap + slot) * D, row + (H + g) * D, sizeof(float) * D);
           std::memcpy(vp + ((b * Hkv + g) * cap + slot) * D, row + (H + Hkv + g) * D, sizeof(float) * D);

@@ -60,7 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using OptTensor = c10::optional<torch::Tensor>;
   using Parts = std::vector<std::vector<torch::Tensor>>;
   // a layer's options (decoder.h LayerOptions), keyword arguments of add_layer and add_dense_layer: None or absent
-  // is the Llama layer's (no q/k or post norms, rope table 0, scale 1 / sqrt(head_dim))
+  // is the Llama layer's (no q/k or post norms, rope table 0, scale 1 / sqrt(head_dim), no window)
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, const std::string&>(),
            arg("n_heads"), arg("n_kv_heads"), arg("head_dim"), arg("hidden"), arg("intermediate"), arg("eps"),
@@ -69,25 +69,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](Decoder& d, torch::Tensor ln1, torch::Tensor ln2, Parts qp, Parts sp, Parts mp,
               std::vector<torch::Tensor> bias, std::vector<std::vector<int64_t>> rows, OptTensor q_norm,
               OptTensor k_norm, OptTensor post_attn_norm, OptTensor post_mlp_norm, int64_t rope,
-              c10::optional<double> attn_scale) {
+              c10::optional<double> attn_scale, int64_t window) {
              d.add_layer(ln1, ln2, qp, sp, mp, bias, rows,
-                         d.make_options(q_norm, k_norm, post_attn_norm, post_mlp_norm, rope, attn_scale));
+                         d.make_options(q_norm, k_norm, post_attn_norm, post_mlp_norm, rope, attn_scale, window));
            },
            arg("ln1"), arg("ln2"), arg("qp"), arg("sp"), arg("mp"), arg("bias"), arg("rows"),
            arg("q_norm") = pybind11::none(), arg("k_norm") = pybind11::none(), arg("post_attn_norm") = pybind11::none(),
-           arg("post_mlp_norm") = pybind11::none(), arg("rope") = 0, arg("attn_scale") = pybind11::none())
+           arg("post_mlp_norm") = pybind11::none(), arg("rope") = 0, arg("attn_scale") = pybind11::none(),
+           arg("window") = 0)
       .def("add_dense_layer",
            [](Decoder& d, torch::Tensor ln1, torch::Tensor ln2, std::vector<torch::Tensor> w,
               std::vector<torch::Tensor> bias, OptTensor q_norm, OptTensor k_norm, OptTensor post_attn_norm,
-              OptTensor post_mlp_norm, int64_t rope, c10::optional<double> attn_scale) {
+              OptTensor post_mlp_norm, int64_t rope, c10::optional<double> attn_scale, int64_t window) {
              d.add_dense_layer(ln1, ln2, w, bias,
-                               d.make_options(q_norm, k_norm, post_attn_norm, post_mlp_norm, rope, attn_scale));
+                               d.make_options(q_norm, k_norm, post_attn_norm, post_mlp_norm, rope, attn_scale, window));
            },
            arg("ln1"), arg("ln2"), arg("w"), arg("bias"), arg("q_norm") = pybind11::none(),
            arg("k_norm") = pybind11::none(), arg("post_attn_norm") = pybind11::none(),
-           arg("post_mlp_norm") = pybind11::none(), arg("rope") = 0, arg("attn_scale") = pybind11::none())
+           arg("post_mlp_norm") = pybind11::none(), arg("rope") = 0, arg("attn_scale") = pybind11::none(),
+           arg("window") = 0)
       .def("set_head", &Decoder::set_head)
-      .def("forward", &Decoder::forward, nogil())
+      .def("forward", &Decoder::forward, nogil(), arg("x"), arg("B"), arg("T"), arg("cache_k"), arg("cache_v"),
+           arg("lens"), arg("pos"), arg("mask"), arg("cis"), arg("run"), arg("kv_len"),
+           arg("rings") = std::vector<int64_t>())
       .def("logits", &Decoder::logits, nogil())
       .def("greedy_chain", &Decoder::greedy_chain, nogil())
       .def("num_layers", &Decoder::num_layers);

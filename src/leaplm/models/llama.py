@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache.kv_cache import KVCache
+from ..cache.kv_cache import RING_BLOCK, KVCache
 from .base import ModelCapabilities, Scored
 from .native_args import ACTIVATIONS, ROPE_TYPES, LlamaArgs, interleave_rope_rows, rope_inv_freq, rope_kind  # noqa: F401
 # the Hugging Face config readers, importable from here as before
@@ -275,7 +275,8 @@ class LlamaForCausalLM(nn.Module):
     def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
         a = self.args
         return KVCache(a.num_hidden_layers, batch_size, a.num_key_value_heads, a.head_dim,
-                       max_len or a.max_position_embeddings, self.cache_dtype or self.dtype, self.device)
+                       max_len or a.max_position_embeddings, self.cache_dtype or self.dtype, self.device,
+                       windows=[a.layer_window(i) for i in range(a.num_hidden_layers)])
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, *, tree_mask: torch.Tensor | None = None,
                 position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
@@ -304,6 +305,8 @@ class LlamaForCausalLM(nn.Module):
                                            position_offsets=position_offsets, layers=layers, last_only=last_only,
                                            hidden_all=hidden_all)
         B, T = input_ids.shape
+        if T > RING_BLOCK and any(getattr(cache, "rings", ())):
+            return self._forward_in_chunks(input_ids, cache, tree_mask, position_offsets, layers, last_only, hidden_all)
         cache.check_room(T, B)
         lens = cache.lengths[:B]
         offs = position_offsets if position_offsets is not None else self.positions[:T]
@@ -322,6 +325,10 @@ class LlamaForCausalLM(nn.Module):
         kv_len = max(lens) + T
         windows = [a.layer_window(i) for i in range(a.num_hidden_layers)]
         masks = {w: self._mask(lens, T, kv_len, tree_mask, pos, offs, input_ids.device, w) for w in set(windows)}
+        rings = getattr(cache, "rings", None) or [0] * a.num_hidden_layers
+        # a ring layer past its ring: each row's last `ring` slots, gathered in order, and their mask
+        wrapped = {(w, r): self._ring_slots(lens, T, r, kv_len, tree_mask, pos, offs, input_ids.device, w)
+                   for w, r in zip(windows, rings) if r and kv_len > r}
         act = ACTIVATIONS[a.hidden_act]
         H, Hkv, D, hid, eps = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.hidden_size, a.rms_norm_eps
         gqa = {"enable_gqa": True} if (Hkv != H and _HAS_GQA) else {}
@@ -336,12 +343,12 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)                                  # [B, T, hid]
         if a.embed_scale is not None:                              # in the model's dtype, as transformers does
             x = x * torch.tensor(a.embed_scale, dtype=self.dtype).to(x.dtype)
-        # the C++ layer loop scales attention by head_dim ** -0.5 (quant/fused.py)
-        plain_scale = a.attn_scale is None or a.attn_scale == D ** -0.5
-        fused = self.fused_layers() if len(masks) == 1 and cache.dtype == torch.float32 and plain_scale else None
+        # the C++ layer loop applies each layer's window itself (quant/fused.py): it takes the full-attention mask
+        fused = self.fused_layers() if cache.dtype == torch.float32 else None
         run = range(len(fast)) if layers is None else layers
         if fused is not None:
-            x = fused(x, cache, pos, masks[windows[0]], run, kv_len)
+            x = fused(x, cache, pos, self._mask(lens, T, kv_len, tree_mask, pos, offs, input_ids.device, None), run,
+                      kv_len)
             run = ()
         for i in run:
             w = fast[i]
@@ -354,13 +361,20 @@ class LlamaForCausalLM(nn.Module):
             qk = apply_rope(qk, cis_of[i]).transpose(1, 2)               # [B, H+Hkv, T, D]
             q, k = qk.narrow(1, 0, H), qk.narrow(1, H, Hkv)        # [B, H|Hkv, T, D]
             cache.write(i, k, v.transpose(1, 2))
-            keys = cache.k[i].narrow(0, 0, B).narrow(2, 0, kv_len)  # [B, Hkv, S, D]
-            vals = cache.v[i].narrow(0, 0, B).narrow(2, 0, kv_len)
+            ring = wrapped.get((windows[i], rings[i]))
+            if ring is None:
+                keys = cache.k[i].narrow(0, 0, B).narrow(2, 0, kv_len)  # [B, Hkv, S, D]
+                vals = cache.v[i].narrow(0, 0, B).narrow(2, 0, kv_len)
+                mask = masks[windows[i]]
+            else:
+                idx, mask = ring                                   # [B, Hkv, ring, D] gather index, [B, 1, T, ring]
+                keys = torch.gather(cache.k[i].narrow(0, 0, B), 2, idx)
+                vals = torch.gather(cache.v[i].narrow(0, 0, B), 2, idx)
             if keys.dtype != q.dtype:                              # a --kv-cache-dtype other than the weights'
                 keys, vals = keys.to(q.dtype), vals.to(q.dtype)
             if rep > 1:
                 keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
-            y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=masks[windows[i]], **gqa)   # [B, H, T, D]
+            y = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, **gqa)   # [B, H, T, D]
             y = _linear(y.transpose(1, 2).reshape(B, T, H * D), w.o, w.o_bias)   # [B, T, hid]
             x = x + (y if w.post_attn is None else norm(y, w.post_attn))
             h = norm(x, w.ln2)
@@ -373,15 +387,53 @@ class LlamaForCausalLM(nn.Module):
         head = self.quantized.get("lm_head.weight", self.lm_head.weight)
         return Scored(_linear(h[:, -1:].contiguous() if last_only else h, head), h)   # logits [B, T | 1, V]
 
-    def _mask(self, lens, T, kv_len, tree_mask, pos, offs, device, sw: int | None):
-        """Boolean attention mask [B, 1, T, S] (True = attend) for a layer with sliding window sw (None: full),
-        or None when plain causal decoding of one token per row of equal length needs none."""
-        if T == 1 and tree_mask is None and len(set(lens)) == 1 and (sw is None or kv_len <= sw):
-            return None
-        j = torch.arange(kv_len, device=device)                   # key slot
+    def _forward_in_chunks(self, input_ids, cache, tree_mask, position_offsets, layers, last_only, hidden_all):
+        """A chain longer than RING_BLOCK over a cache with ring layers (cache/kv_cache.py): chunks of at most
+        RING_BLOCK tokens, each written before the next; the rows' lengths are where they were afterwards."""
+        if tree_mask is not None or position_offsets is not None:
+            raise ValueError(f"a tree block over a sliding-window cache holds at most {RING_BLOCK} tokens")
+        B, T = input_ids.shape
+        start = list(cache.lengths[:B])
+        outs = []
+        try:
+            for c0 in range(0, T, RING_BLOCK):
+                c1 = min(T, c0 + RING_BLOCK)
+                outs.append(self.forward_hidden(input_ids[:, c0:c1], cache, layers=layers, last_only=last_only,
+                                                hidden_all=hidden_all))
+                if c1 < T:
+                    for b in range(B):
+                        cache.lengths[b] += c1 - c0
+        finally:
+            cache.lengths[:B] = start
+        for b in range(B):
+            cache.written[b] = start[b] + T
+        if last_only:
+            hid = torch.cat([o.hidden for o in outs], 1) if hidden_all else outs[-1].hidden
+            return Scored(outs[-1].logits, hid)
+        return Scored(torch.cat([o.logits for o in outs], 1), torch.cat([o.hidden for o in outs], 1))
+
+    def _ring_slots(self, lens, T, ring, kv_len, tree_mask, pos, offs, device, sw):
+        """For a ring layer once some row passed its ring: each row's last `ring` slots in order (cache slot j at
+        j % ring) as a gather index [B, Hkv, ring, D], and the mask [B, 1, T, ring] over them."""
         B = len(lens)
+        a = self.args
+        ends = torch.tensor(lens, device=device).view(B, 1) + T                 # [B, 1]
+        slots = ends - ring + torch.arange(ring, device=device).view(1, ring)   # [B, ring] logical slots, < 0: none
+        mask = self._mask(lens, T, kv_len, tree_mask, pos, offs, device, sw, slots=slots)
+        idx = (slots.clamp(min=0) % ring).view(B, 1, ring, 1).expand(B, a.num_key_value_heads, ring, a.head_dim)
+        return idx, mask
+
+    def _mask(self, lens, T, kv_len, tree_mask, pos, offs, device, sw: int | None, slots=None):
+        """Boolean attention mask [B, 1, T, S] (True = attend) for a layer with sliding window sw (None: full),
+        or None when plain causal decoding of one token per row of equal length needs none. slots [B, S]: the
+        logical cache slots the keys are (a ring layer's; negative: none), default 0 .. kv_len - 1."""
+        if slots is None and T == 1 and tree_mask is None and len(set(lens)) == 1 and (sw is None or kv_len <= sw):
+            return None
+        B = len(lens)
+        j = torch.arange(kv_len, device=device).view(1, 1, -1) if slots is None else slots.unsqueeze(1)   # [1|B, 1, S]
+        kv_len = j.shape[-1]                                       # key slots
         L = torch.tensor(lens, device=device).view(B, 1, 1)        # [B, 1, 1]
-        rel = j.view(1, 1, -1) - L                                 # [B, 1, S] slot relative to new block
+        rel = j - L                                                # [B, 1, S] slot relative to new block
         new = (rel >= 0) & (rel < T)
         if tree_mask is None:
             within = rel <= torch.arange(T, device=device).view(1, T, 1)   # causal among new tokens
@@ -390,8 +442,10 @@ class LlamaForCausalLM(nn.Module):
             within = torch.gather(tree_mask.unsqueeze(0).expand(B, T, T), 2, idx)
         m = (rel < 0) | (new & within)                             # [B, T, S]
         if sw is not None:
-            key_pos = torch.where(rel < 0, j.view(1, 1, -1), L + offs[rel.clamp(0, T - 1)])   # [B, 1, S]
+            key_pos = torch.where(rel < 0, j, L + offs[rel.clamp(0, T - 1)])   # [B, 1, S]
             m = m & (pos.view(B, T, 1) - key_pos < sw)
+        if slots is not None:
+            m = m & (j >= 0)
         return m.unsqueeze(1)
 
 

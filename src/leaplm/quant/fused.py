@@ -8,8 +8,8 @@ how many tokens or rows share the forward, so plain decoding and verification co
 It applies when every decoder linear is quantized on the extension, the model and the KV cache are fp32 and the
 activation is SiLU or GELU-tanh; otherwise the model runs its PyTorch layer loop. What the loop computes beyond a
 Llama layer is data, built here from the model's description (decoder_options): the activation, per-head q/k norms
-(qwen3), and, per layer, post-attention and post-MLP norms, the rope table and the attention scale. This module is
-the only place that reads the model's fields for the layer loop.
+(qwen3), and, per layer, post-attention and post-MLP norms, the rope table, the attention scale and the sliding
+window with its ring cache. This module is the only place that reads the model's fields for the layer loop.
 """
 from __future__ import annotations
 
@@ -37,10 +37,12 @@ class LayerOptions:
     post_mlp_norm: torch.Tensor | None = None   # [hid]: RMS norm of the MLP output before its residual add
     rope: int = 0                               # which table of DecoderOptions.cis the layer rotates by
     attn_scale: float | None = None             # softmax(q k^T attn_scale); None: 1 / sqrt(head_dim)
+    window: int = 0                             # > 0: keys within this many positions of the query
 
     def kwargs(self) -> dict:
         return {"q_norm": self.q_norm, "k_norm": self.k_norm, "post_attn_norm": self.post_attn_norm,
-                "post_mlp_norm": self.post_mlp_norm, "rope": self.rope, "attn_scale": self.attn_scale}
+                "post_mlp_norm": self.post_mlp_norm, "rope": self.rope, "attn_scale": self.attn_scale,
+                "window": self.window}
 
 
 @dataclass
@@ -66,7 +68,7 @@ class FusedLayers:
         if faults.PLAN and faults.at("kernel", int(pos.max())):
             run.insert(len(run) // 2, -1)        # the loop's own layer check throws there (faults.py)
         y = self.decoder.forward(x.reshape(B * T, hid).contiguous(), B, T, cache.k, cache.v, cache.lengths[:B],
-                                 pos.expand(B, T).contiguous(), m, self.cis, run, kv_len)
+                                 pos.expand(B, T).contiguous(), m, self.cis, run, kv_len, getattr(cache, "rings", []))
         return y.view(B, T, hid)
 
 
@@ -90,18 +92,27 @@ def why_not_fused(model) -> str | None:
 
 
 def decoder_options(model) -> DecoderOptions:
-    """The layer loop's options for `model`, read from its description: the activation, each layer's q/k norm
-    weights when the family has them (args.qk_norm), one rope table. A family with post norms or rope tables per
-    layer (Gemma 3: post_attention_layernorm / post_feedforward_layernorm, local and global rope bases, the scale
-    query_pre_attn_scalar ** -0.5) fills post_attn_norm, post_mlp_norm, rope and attn_scale here; its pre-MLP norm
-    is add_layer's ln2."""
+    """The layer loop's options for `model`, read from its description: the activation; per layer the q/k norm
+    weights when the family has them (args.qk_norm), the norms of the attention and MLP outputs (args.post_norms:
+    Gemma 3's post_attention_layernorm / post_feedforward_layernorm; its pre-MLP norm is add_layer's ln2), which rope
+    table it rotates by (a second table where its base is not rope_theta: Gemma 3's sliding layers), the attention
+    scale (query_pre_attn_scalar ** -0.5) and its sliding window (the ring a cache keeps for it is the cache's:
+    FusedLayers passes cache.rings). The embedding scale stays with the embedding (models/llama.py)."""
     a = model.args
+    local = model.rope_cis_local is not None
     layers = []
-    for blk in model.layers:
+    for i, blk in enumerate(model.layers):
         at = blk.self_attn
-        layers.append(LayerOptions(q_norm=at.q_norm.weight.detach() if a.qk_norm else None,
-                                   k_norm=at.k_norm.weight.detach() if a.qk_norm else None))
+        layers.append(LayerOptions(
+            q_norm=at.q_norm.weight.detach() if a.qk_norm else None,
+            k_norm=at.k_norm.weight.detach() if a.qk_norm else None,
+            post_attn_norm=at.post_norm.weight.detach() if a.post_norms else None,
+            post_mlp_norm=blk.mlp.post_norm.weight.detach() if a.post_norms else None,
+            rope=1 if local and a.layer_theta(i) != a.rope_theta else 0,
+            attn_scale=a.attn_scale, window=a.layer_window(i) or 0))
     cis = torch.view_as_real(model.rope_cis).contiguous()                      # [P, D/2, 2]
+    if local:
+        cis = torch.stack([cis, torch.view_as_real(model.rope_cis_local)]).contiguous()   # [2, P, D/2, 2]
     return DecoderOptions(LOOP_ACTIVATIONS[a.hidden_act], cis, layers)
 
 
