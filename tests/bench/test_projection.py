@@ -114,6 +114,24 @@ def consistent_run(tmp_path, name="run.json"):
     return roofline(tmp_path / name, rows)
 
 
+def test_a_current_roofline_row_gives_the_drafted_share_the_mean_block_and_its_host_time(tmp_path):
+    # adaptive K: 60% of forwards drafted, 3 tokens a drafting forward on average (K = 6 the most)
+    row = method("ngram k=6", 6.0, tau=2.0, k=6, score_ms=5.0, propose_ms=0.2)
+    row.update(drafting=0.6, block=3.0)
+    p = roofline(tmp_path / "r.json", [method("none", 11.0, score_ms=10.0), row])
+    (t,) = load_traces(p)
+    assert (t.drafting, t.block) == (0.6, 3.0)
+    assert t.host_ms == pytest.approx((6.0 - 5.0 - 0.2) * 2.0)          # per step: tau tokens' share
+    c = load_curve(p)
+    # r(3) = 1.2 + 0.5 * 0.4 = 1.4; step = 10 (0.6 * 1.4 + 0.4) + 0.2 * 2 + 1.6 = 14.4; speedup 2 * 11 / 14.4
+    assert projected_speedup(c, t)[0] == pytest.approx(22 / 14.4)
+    # control: the same row read as an old one (every step drafting K) projects another speedup
+    old = {k: v for k, v in row.items() if k not in ("drafting", "block")}
+    (o,) = load_traces(roofline(tmp_path / "old.json", [method("none", 11.0, score_ms=10.0), old]))
+    assert (o.drafting, o.block, o.host_ms) == (1.0, 7.0, None)
+    assert abs(projected_speedup(c, o)[0] / projected_speedup(c, t)[0] - 1) > 0.3
+
+
 def test_the_check_passes_on_a_run_the_formula_describes(tmp_path):
     p = consistent_run(tmp_path)
     rep = project([load_curve(p)], load_traces(p), tolerance=0.10)

@@ -7,19 +7,22 @@ cost of a T-token forward over c1, p the proposer's cost per generated token and
 (verify, commit, bookkeeping: what plain decoding spends beside its forward),
 
     plain decoding, per token     c1 + o
-    speculation, per step         c1 (f r(T) + 1 - f) + p tau + o
-    projected speedup             tau (c1 + o) / (c1 (f r(T) + 1 - f) + p tau + o)
+    speculation, per step         c1 (f r(T) + 1 - f) + p tau + o'
+    projected speedup             tau (c1 + o) / (c1 (f r(T) + 1 - f) + p tau + o')
+
+with o' the host work of the method's own step (o where the run did not split it out)
 
 where f is the share of steps that drafted at all: a copying proposer (ngram, suffix) with nothing to copy drafts
-no token and its step is a one-token forward. A step that drafts is taken to draft K (T = K + 1): from a run's
-totals, f = drafted tokens / (forwards x K), at most 1.
+no token and its step is a one-token forward. A roofline row gives f (drafting steps / forwards), the mean block T of
+a drafting step (1 + drafted tokens / drafting steps: adaptive K drafts fewer than K) and the host time o of the
+method's own step (its ms per token beside score and propose, times tau); a bench JSON gives totals only: a step
+that drafts is taken to draft K (T = K + 1), f = drafted tokens / (forwards x K), at most 1, o plain decoding's.
 
 The curve comes from `leaplm bench --roofline` on the target (a synthetic file of the shape: models/synth.py):
 its whole-forward costs (`forwards`) or one of its block-cost `curves`, read between measured T by linear
 interpolation; c1 and o from its plain-decoding row. tau, T and p come from traces: a roofline JSON's method rows
-(mean_accepted_length, k, propose_ms) or a `leaplm bench` JSON's samples (new tokens / target forwards, 1 + drafted
-tokens / forwards gives f; no proposer cost there: p = 0 unless given). A roofline row gives no drafted count:
-f = 1 there. Acceptance is a property of the model pair and the
+(mean_accepted_length, k, propose_ms, drafting, block) or a `leaplm bench` JSON's samples (new tokens / target
+forwards; no proposer cost there: p = 0 unless given). Acceptance is a property of the model pair and the
 text, so a trace measured on a small model stands in for the large one: that is the projection's assumption.
 
 The check applies the projection to the curve and traces of one run and compares with the speedups the same run
@@ -71,6 +74,8 @@ class Trace:
     source: str = ""
     decode_ratio: float | None = None       # the step's forward cost over plain decoding's, as the run's own
                                             # score times say (roofline rows): what the curve should give
+    host_ms: float | None = None            # o of a step of this method (verify, commit, the K choice), when the
+                                            # run split it out; None: plain decoding's
 
 
 @dataclass
@@ -113,7 +118,8 @@ def projected_speedup(curve: CostCurve, trace: Trace, propose_ms: float | None =
     p = trace.propose_ms if propose_ms is None else propose_ms
     r = trace.drafting * curve.at(trace.block) + 1 - trace.drafting
     c1, o = curve.one_ms, curve.host_ms
-    return trace.tau * (c1 + o) / (c1 * r + p * trace.tau + o), r
+    o_step = o if trace.host_ms is None else trace.host_ms
+    return trace.tau * (c1 + o) / (c1 * r + p * trace.tau + o_step), r
 
 
 def _load(path: str | Path, field_name: str) -> dict:
@@ -179,8 +185,13 @@ def load_traces(path: str | Path) -> list[Trace]:
             tau = float(m["mean_accepted_length"])
             ratio = (float(m["score_ms"]) * tau / float(plain["score_ms"])
                      if plain and plain.get("score_ms") and m.get("score_ms") else None)
-            out.append(Trace(m["config"], "roofline", tau, 1.0 + k, propose_ms=float(m.get("propose_ms", 0.0)),
-                             measured_speedup=measured, source=src, decode_ratio=ratio))
+            # the rows of a current roofline give the drafted share, the mean drafting block and the host time of a
+            # step (a step emits tau tokens); older ones only K (f = 1, T = K + 1, plain decoding's host time)
+            host = (float(m["ms_per_token"]) - float(m["score_ms"]) - float(m.get("propose_ms", 0.0))) * tau \
+                if "drafting" in m else None
+            out.append(Trace(m["config"], "roofline", tau, float(m.get("block") or 1.0 + k),
+                             drafting=float(m.get("drafting", 1.0)), propose_ms=float(m.get("propose_ms", 0.0)),
+                             measured_speedup=measured, source=src, decode_ratio=ratio, host_ms=host))
         return out
     if "samples" not in d or "summaries" not in d:
         raise ConfigError("traces", f"{path}: neither a roofline JSON (methods) nor a bench JSON (samples)")

@@ -46,6 +46,8 @@ class MethodCost:
     vs_floor: float             # ms_per_token / floor_ms
     k: int = 0                  # the most draft tokens a step of this configuration verifies (0: plain decoding)
     adaptive_k: bool = False    # whether the K policy chose K per step (then fewer than k were often verified)
+    drafting: float = 0.0       # share of target forwards that verified a draft (the rest scored one token)
+    block: float = 1.0          # mean tokens in a forward that verified a draft: 1 + drafted tokens per such step
 
 
 @dataclass
@@ -186,9 +188,13 @@ def method_costs(engines: dict, prompts: list[str], max_new_tokens: int, rounds:
         tau = sum(s.new_tokens for s in stats) / max(1, sum(s.target_forwards for s in stats))
         spec = engines[name].spec
         k = 0 if spec.method == "none" else spec.k
+        fwd = max(1, sum(s.target_forwards for s in stats))
+        steps = sum(s.steps_with_draft for s in stats)
+        drafted = sum(s.draft_tokens for s in stats)
         out.append(MethodCost(name, round(ms, 3), round(prop, 3), round(score, 3), round(ver, 3), round(com, 3),
                               round(max(0.0, ms - prop - score - ver - com), 3), round(tau, 3),
-                              round(ms / floor_ms, 3), k, bool(k and spec.adaptive_k)))
+                              round(ms / floor_ms, 3), k, bool(k and spec.adaptive_k), round(steps / fwd, 4),
+                              round(1 + drafted / steps, 3) if steps else 1.0))
     return out
 
 

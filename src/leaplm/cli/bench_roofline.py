@@ -98,10 +98,13 @@ def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens
         console.print(f"[dim]wrote {plot}[/]")
 
 
+CURVE_BYTES = 1 << 30     # the most random weights a per-type block-cost curve may build
+
+
 def block_curves(rep, args) -> None:
     """leaplm's int8 kernel's block-cost curve per weight type, and the int8 compute rate, into `rep`."""
     from ..kernels.build import load
-    from ..bench.roofline import WEIGHT_TYPES, int8_rate, kernel_block_costs, linear_shapes
+    from ..bench.roofline import KERNEL_BLOCK_BYTES, WEIGHT_TYPES, int8_rate, kernel_block_costs, linear_shapes
 
     ext = load()
     if ext is None or ext.path == 0:
@@ -110,7 +113,13 @@ def block_curves(rep, args) -> None:
         return
     rep.int8_GMACs = round(int8_rate(ext) / 1e9, 1)
     shapes = linear_shapes(args)
+    weights = sum(n * k for n, k in shapes)
     for wt in WEIGHT_TYPES:
+        need = weights // 32 * KERNEL_BLOCK_BYTES[wt]
+        if need > CURVE_BYTES:         # random weights of every linear beside the model: the file's curve suffices
+            rep.curves_note += f"{wt}: no per-type curve ({need / 2**30:.1f} GiB of random weights beside the " \
+                               f"model; the whole-forward curve is on the file's own blocks). "
+            continue
         rep.curves.append(kernel_block_costs(shapes, wt, rep.bandwidth_GBps, rep.int8_GMACs * 1e9))
 
 
