@@ -83,6 +83,29 @@ def test_kernel_load_makes_no_full_precision_copy_and_equals_the_dequantizing_pa
     assert lm.tokenizer.chat_template == ref.tokenizer.chat_template
 
 
+@pytest.mark.parametrize("qtype,tied", [("Q4_0", True), ("Q4_K_M", False)])
+def test_a_kernel_model_holds_one_copy_of_each_weight(files, qtype, tied):
+    """The linears hold the kernel's layout alone (no block-format copy beside it); the embedding is read from the
+    memory map (no converted copy), so a tied head's tensor is held once, in the kernel's layout."""
+    from leaplm.kernels.build import unavailable_reason
+    from leaplm.models.gguf_kernel import FileRows
+
+    if unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    m = load_model(files(qtype, tied), quantization="gguf").model
+    parts = [p for lin in m.quantized.values() for p in lin.parts]
+    assert parts and all(p.packed is not None and p._weight is None for p in parts)
+    e = m.embed_quantized
+    assert isinstance(e, FileRows) and not e.raw.flags.owndata           # a view of the mapping
+    ids = torch.tensor([3, 1, 3])
+    rows = e.rows(ids)
+    assert rows.q.shape[0] == 3 and torch.equal(rows.q[0], rows.q[2])
+    # the rows a step converts are the embedding's rows
+    from leaplm.quant.formats import dequantize
+
+    torch.testing.assert_close(dequantize(rows), m.embed_weight()[ids], rtol=0, atol=0)
+
+
 def test_tokenizer_and_config_come_back_from_the_cache_unchanged(files, tmp_path):
     path = files("Q8_0")
     info = inspect_gguf(path)

@@ -2,6 +2,9 @@
 `leaplm tune` report them)."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 from .base import LoadedModel
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -26,3 +29,15 @@ def draft_footprint(draft: LoadedModel, context: int) -> tuple[int, int]:
     elem = params[0].element_size() if params else 4
     dtype = {2: "float16", 4: "float32"}.get(elem, "float32")
     return weights, kv_cache_bytes(draft.config, 1, context, dtype)
+
+
+def return_freed_memory() -> None:
+    """Hand the memory freed while loading back to the operating system (glibc's malloc_trim; elsewhere nothing).
+    Loading leaves hundreds of MB freed but held by the allocator: building Gemma 3's tokenizer (262,144 tokens,
+    514,906 merges) peaks 180 MB above what it keeps, converting a file's blocks into the kernel's layout passes
+    through temporary arrays. Without this, resident memory stays at the peak."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

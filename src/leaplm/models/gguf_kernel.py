@@ -66,6 +66,42 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+class FileRows:
+    """A token embedding [N, K] read where it lies: the file's blocks in the memory map, of which a forward converts
+    the rows it looks up (a few KB a token). Held converted, Gemma 3 270M's 262,144 x 640 Q8_0 embedding would take
+    190 MB beside the head the kernel packs from the same tensor; this way it takes the pages its tokens touch."""
+
+    def __init__(self, raw, type_name: str, shape: tuple[int, int]):
+        self.raw = raw                       # uint8 [N, bytes per row], a view of the mapping (no copy)
+        self.type_name = type_name
+        self.shape = shape
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def rows(self, index: torch.Tensor):
+        """The QuantizedWeight [M, K] of the rows at index (flattened)."""
+        from ..quant.formats import from_gguf_blocks
+
+        idx = index.reshape(-1).numpy()
+        return from_gguf_blocks(self.raw[idx], self.type_name, (len(idx), self.shape[1]))
+
+    def whole(self):
+        """Every row as a QuantizedWeight (for what reads the whole embedding: a head trained on it, an export)."""
+        from ..quant.formats import from_gguf_blocks
+
+        return from_gguf_blocks(self.raw, self.type_name, self.shape)
+
+
 def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
                      cache_dtype: torch.dtype = torch.float32) -> LoadedModel | None:
     """The file on the int8 kernel from its own blocks, or None (logged) when kernel_blockers says it cannot."""
@@ -149,7 +185,8 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
     head_name = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
     et = g.tensors["token_embd.weight"]
     if et.type_name in KERNEL_TYPES:                 # looked up row by row from its blocks (LlamaForCausalLM.embed)
-        model.embed_quantized = blocks("token_embd.weight")
+        model.embed_quantized = FileRows(g.raw("token_embd.weight"), et.type_name,
+                                         (et.n_elements // et.dims[0], et.dims[0]))
         model.embed_tokens.weight = empty()
     else:
         model.embed_tokens.weight = _param(dequantize_tensor(g, "token_embd.weight"))

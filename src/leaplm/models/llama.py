@@ -225,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
             return self.embed_tokens.weight.detach().float()
         from ..quant.formats import dequantize
 
-        return dequantize(self.embed_quantized)
+        return dequantize(self.embed_quantized.whole())
 
     def fused_layers(self):
         """The C++ layer loop over the quantized weights (quant/fused.py), or None."""

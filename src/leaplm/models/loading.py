@@ -366,7 +366,17 @@ def load_model(name: str, device: str = "cpu", dtype: str = "float32", field: st
     """Load target or draft `name`; `field` names the user's option in errors ('model' or 'draft').
     quantization: None, or 'int8' | 'int4' | 'gguf' (quant/apply.py) applied at load. dtype 'auto' takes the
     checkpoint's; kv_cache_dtype 'auto' follows dtype (libllama: its own default, f16). backend: see
-    choose_backend."""
+    choose_backend. What loading freed goes back to the system (footprint.return_freed_memory)."""
+    from .footprint import return_freed_memory
+
+    try:
+        return _load_model(name, device, dtype, field, quantization, kv_cache_dtype, backend)
+    finally:
+        return_freed_memory()
+
+
+def _load_model(name: str, device: str, dtype: str, field: str, quantization: str | None, kv_cache_dtype: str,
+                backend: str) -> LoadedModel:
     if dtype != "auto":
         resolve_dtype(dtype, None, name)
     if kv_cache_dtype != "auto":

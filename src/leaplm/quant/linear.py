@@ -124,8 +124,8 @@ def pack_gguf(raws: list, ggml_type: str, rows: list | None = None) -> PackedWei
 class QuantizedLinear:
     """y = x @ W.T (+ bias) for a QuantizedWeight W [N, K]; x [..., K] fp32 or bf16 -> y [..., N] in x's dtype.
 
-    Built from a QuantizedWeight, or (from_packed) from the kernel's layout alone, whose `weight` is then
-    unpacked when asked for."""
+    On the extension it holds the kernel's layout alone (built from a QuantizedWeight, which it packs and lets go,
+    or from_packed); its `weight` is then unpacked when asked for."""
 
     def __init__(self, weight: QuantizedWeight, backend: str = "auto"):
         from ..kernels.build import load
@@ -137,6 +137,8 @@ class QuantizedLinear:
         if backend == "extension" and self.ext is None:
             raise RuntimeError("the quantized-linear C++ extension is unavailable here (see the log for why)")
         self.packed = pack(weight) if self.ext is not None else None
+        if self.packed is not None:
+            self._weight = None       # one copy: the kernel's layout (`weight` unpacks it when something asks)
 
     @classmethod
     def from_packed(cls, packed: PackedWeight) -> "QuantizedLinear":
