@@ -106,6 +106,31 @@ def test_a_kernel_model_holds_one_copy_of_each_weight(files, qtype, tied):
     torch.testing.assert_close(dequantize(rows), m.embed_weight()[ids], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K_M"])
+def test_a_second_load_maps_the_packed_linears_from_the_cache(files, qtype, monkeypatch):
+    """The first load packs the file's blocks and keeps the layout (models/packed_cache.py); the second packs nothing
+    and computes the same bits. Control: --recalibrate packs again."""
+    from leaplm.kernels.build import unavailable_reason
+    from leaplm.quant import linear as linear_mod
+
+    if unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    path = files(qtype)
+    ids = torch.tensor([[5, 9, 2, 7, 7, 1]])
+    first = load_model(path, quantization="gguf").model
+    want = first(ids, first.new_cache(1, 16))
+    packs = []
+    for name in ("pack_gguf", "pack"):
+        real = getattr(linear_mod, name)
+        monkeypatch.setattr(linear_mod, name, lambda *a, _real=real, **kw: packs.append(1) or _real(*a, **kw))
+    second = load_model(path, quantization="gguf").model
+    assert packs == []
+    assert torch.equal(second(ids, second.new_cache(1, 16)), want)
+    monkeypatch.setenv("LEAPLM_RECALIBRATE", "1")
+    load_model(path, quantization="gguf")
+    assert packs
+
+
 def test_tokenizer_and_config_come_back_from_the_cache_unchanged(files, tmp_path):
     path = files("Q8_0")
     info = inspect_gguf(path)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..quant.formats import GGUF_TYPES
+from . import packed_cache
 from .arch import BY_GGUF_ARCHITECTURE
 from .base import LoadedModel
 from .gguf import GGUFFile, GGUFInfo, dequantize_tensor, parse_gguf, read_gguf_config
@@ -135,9 +136,15 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
 
     ext = load_kernel()
 
-    def linear(names: list[str], rows: list | None = None) -> QuantizedLinear | SplitLinear:
-        """The linear over these tensors' rows stacked (fused q/k/v, gate/up; formats that mix make a split
-        linear). On the extension, the blocks go from the file straight into its layout (quant/linear.pack_gguf)."""
+    cached = packed_cache.load(info.path) if ext is not None else None
+
+    def linear(key: str, names: list[str], rows: list | None = None) -> QuantizedLinear | SplitLinear:
+        """The linear `key` over these tensors' rows stacked (fused q/k/v, gate/up; formats that mix make a split
+        linear). On the extension, the blocks go from the file straight into its layout (quant/linear.pack_gguf),
+        or come mapped from the packed-weight cache (models/packed_cache.py)."""
+        if cached is not None and key in cached:
+            parts = [QuantizedLinear.from_packed(p) for p in cached[key]]
+            return parts[0] if len(parts) == 1 else SplitLinear(parts)
         types = {g.tensors[n].type_name for n in names}
         packed = pack_gguf([g.raw(n) for n in names], types.pop(), rows) \
             if ext is not None and len(types) == 1 else None
@@ -157,11 +164,13 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
         blk.input_layernorm.weight = _param(_vector(g, f"{b}{nm.attn_norm}.weight"))
         blk.post_attention_layernorm.weight = _param(_vector(g, f"{b}{nm.mlp_norm}.weight"))
         at = blk.self_attn
-        q[f"layers.{i}.self_attn.qkv.weight"] = linear([f"{b}{nm.q}.weight", f"{b}{nm.k}.weight", f"{b}{nm.v}.weight"],
-                                                        [perm(H), perm(Hkv), None] if reorder else None)
-        q[f"layers.{i}.self_attn.o_proj.weight"] = linear([f"{b}{nm.o}.weight"])
-        q[f"layers.{i}.mlp.gate_up.weight"] = linear([f"{b}{nm.gate}.weight", f"{b}{nm.up}.weight"])
-        q[f"layers.{i}.mlp.down_proj.weight"] = linear([f"{b}{nm.down}.weight"])
+        q[f"layers.{i}.self_attn.qkv.weight"] = linear(f"layers.{i}.self_attn.qkv.weight",
+                                                       [f"{b}{nm.q}.weight", f"{b}{nm.k}.weight", f"{b}{nm.v}.weight"],
+                                                       [perm(H), perm(Hkv), None] if reorder else None)
+        q[f"layers.{i}.self_attn.o_proj.weight"] = linear(f"layers.{i}.self_attn.o_proj.weight", [f"{b}{nm.o}.weight"])
+        q[f"layers.{i}.mlp.gate_up.weight"] = linear(f"layers.{i}.mlp.gate_up.weight",
+                                                     [f"{b}{nm.gate}.weight", f"{b}{nm.up}.weight"])
+        q[f"layers.{i}.mlp.down_proj.weight"] = linear(f"layers.{i}.mlp.down_proj.weight", [f"{b}{nm.down}.weight"])
         for mod in (at.qkv, at.o_proj, blk.mlp.gate_up, blk.mlp.down_proj):
             mod.weight = empty()
         if a.attention_bias:
@@ -190,7 +199,9 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
         model.embed_tokens.weight = empty()
     else:
         model.embed_tokens.weight = _param(dequantize_tensor(g, "token_embd.weight"))
-    q["lm_head.weight"] = linear([head_name])
+    q["lm_head.weight"] = linear("lm_head.weight", [head_name])
+    if ext is not None and cached is None:
+        packed_cache.save(info.path, q)
     model.lm_head.weight = model.embed_tokens.weight if a.tie_word_embeddings else empty()
     model.reset_buffers("cpu")
     model._fast = None

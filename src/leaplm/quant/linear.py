@@ -172,6 +172,18 @@ class QuantizedLinear:
         return per_row * p.rows
 
     @property
+    def fmt(self) -> str:
+        """The block format ("int8" | "int4" | "int6"), read from the packed layout as unpack does."""
+        if self._weight is not None:
+            return self._weight.fmt
+        p = self.packed
+        return "int4" if p.minv is not None else "int6" if p.scale.shape[1] == 2 * p.q.shape[1] else "int8"
+
+    @property
+    def out_features(self) -> int:
+        return self._weight.out_features if self._weight is not None else self.packed.rows
+
+    @property
     def backend(self) -> str:
         return "extension" if self.ext is not None else "torch"
 
@@ -208,7 +220,7 @@ class SplitLinear:
         if len({p.backend for p in parts}) != 1:
             raise ValueError("the row blocks of a split linear must run on one backend")
         self.parts = parts
-        self.formats = "/".join(p.weight.fmt for p in parts)      # e.g. "int4/int6"
+        self.formats = "/".join(p.fmt for p in parts)      # e.g. "int4/int6"
 
     @property
     def backend(self) -> str:
@@ -220,7 +232,7 @@ class SplitLinear:
 
     @property
     def out_features(self) -> int:
-        return sum(p.weight.out_features for p in self.parts)
+        return sum(p.out_features for p in self.parts)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = torch.cat([p(x) for p in self.parts], dim=-1)            # [..., N]
