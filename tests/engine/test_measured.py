@@ -58,14 +58,13 @@ def run(policy: KPolicy, row: Row, steps: int, accept, clock, tokens: int | None
     for s in range(steps):
         plan = policy.plan([row], lambda i, cap: None, 64)
         k = plan.k
-        policy.proposed([object() if k else None])
         acc = min(k, accept(s, k))
         wall = clock(s, k)
         policy.observe_forward(1, k + 1, load(s) * block(k + 1))
         if k:
             policy.observe_propose("draft", (wall - load(s) * block(k + 1)) / k if propose_s is None
                                    else load(s) * propose_s, rows=1)
-        policy.observe([row], plan, [RowStep(k, acc, k + 1)], wall - commit(s, k), 0.0, wall=wall)
+        policy.observe([row], plan, [RowStep(k, acc, k + 1)], wall=wall)
         ks.append(k)
         seconds += wall
         total += 1 + acc
@@ -91,7 +90,7 @@ def test_an_arm_the_cost_model_overrates_is_abandoned_within_min_steps():
     assert sum(1 for k in ks[first_plain:] if k) <= MIN_STEPS, ks
     # negative control: without the measured rates the model drafts throughout
     off = KPolicy(estimates(), enabled=True, max_len=4096)
-    off.estimates.rates.decide = lambda key, k: k
+    off.estimates.rates.decide = lambda key, k, explore=None: k
     ks_off, _, _ = run(off, draft_row(), 60, accept, clock, propose_s=4.6e-4, commit=commit)
     assert sum(1 for k in ks_off if k) > 50, ks_off
 
@@ -199,9 +198,9 @@ def test_steps_of_a_grammars_forced_tokens_are_not_counted():
     policy = KPolicy(estimates(), enabled=True, max_len=4096)
     row = draft_row()
     plan = policy.plan([row], lambda i, cap: None, 64)
-    policy.observe([row], plan, [RowStep(6, 6, 7)], PLAIN, 0.0, timed=False, wall=PLAIN)
+    policy.observe([row], plan, [RowStep(6, 6, 7)], timed=False, wall=PLAIN)
     assert policy.measured_rates() == {}
-    policy.observe([row], plan, [RowStep(0, 0, 1)], PLAIN, 0.0, timed=True, wall=PLAIN)
+    policy.observe([row], plan, [RowStep(0, 0, 1)], timed=True, wall=PLAIN)
     assert list(policy.measured_rates().values()) == [{plan.k: pytest.approx(1 / PLAIN)}]
 
 
@@ -223,7 +222,7 @@ def test_sampled_drafting_that_pays_by_a_thin_margin_is_kept():
         policy = KPolicy(estimates(), enabled=True, max_len=4096)
         policy.estimates.costs.calibrated(1, [{T: PLAIN if T == 1 else PLAIN * 1.3 for T in range(1, 10)}])
         if not measured_rates:
-            policy.estimates.rates.decide = lambda key, k: k
+            policy.estimates.rates.decide = lambda key, k, explore=None: k
         ks, seconds, tokens = run(policy, draft_row(prior=0.45), 400, accept, clock, propose_s=4.6e-4)
         return ks, tokens / seconds
 

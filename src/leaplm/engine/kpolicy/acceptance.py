@@ -121,7 +121,6 @@ class AcceptanceEstimate:
     prior_weight: float = 3.0                            # pseudo-steps behind each position's extrapolated prior
     # match bucket -> counts of proposals known before K was chosen (cheap proposers), see the module docstring
     by_match: dict[int, Counts] = field(default_factory=dict)
-    version: int = 0                                     # observations so far (the K policy's hold at K = 0)
     carry: bool = True                                   # a proposer that is not bursty: unasked positions at the
                                                          # deepest measured conditional rate (Counts.tokens_by_k)
 
@@ -158,7 +157,6 @@ class AcceptanceEstimate:
         asked = drafted if asked is None else asked
         if asked <= 0:
             return
-        self.version += 1
         d = self.decay
         if not known:
             self.observe_match(drafted > 0)
@@ -174,7 +172,6 @@ class AcceptanceEstimate:
         match length. Counted like a drafting step's outcome (shadow.py gathers it)."""
         if not passed:
             return
-        self.version += 1
         if match is not None:
             self.match_counts(match).observe_expected(passed, self.decay)
         self.counts.observe_expected(passed, self.decay)
@@ -182,7 +179,6 @@ class AcceptanceEstimate:
 
     def observe_match(self, had: bool) -> None:
         """The proposer was asked and had a proposal (or not)."""
-        self.version += 1
         d = self.decay
         self.proposed = d * self.proposed + (1.0 if had else 0.0)
         self.empty = d * self.empty + (0.0 if had else 1.0)
@@ -226,5 +222,6 @@ class AcceptanceEstimate:
         curve, w, _ = next(blk for blk in blocks if bucket in blk[2])
         return [t / w for t in curve]
 
-    def tokens_by_k_after_hit(self, cap: int) -> list[float]:
-        return self.after_hit.tokens_by_k(cap, self.prior_weight, self.carries)
+    def tokens_by_k_after_hit(self, cap: int) -> list[float] | None:
+        """[cap + 1] tokens_by_k after a hit, for a bursty proposer (None: one state)."""
+        return self.after_hit.tokens_by_k(cap, self.prior_weight, self.carries) if self.bursty else None
