@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import random
 from dataclasses import dataclass
 
 import pytest
 
+from leaplm.engine.kpolicy import measured
 from leaplm.engine.kpolicy.acceptance import AcceptanceEstimate, Counts, expected_tokens
 from leaplm.engine.kpolicy.adaptive import NEAR, BatchAdaptiveK, RowSpec, with_proposal
 from leaplm.engine.kpolicy.costs import BatchCostModel
-from leaplm.engine.kpolicy import measured
 from leaplm.engine.kpolicy.measured import RateBandit
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import startup_cache
-from .kpolicy import calibrate as calibrate_module, costs as costs_module
+from .kpolicy import calibrate as calibrate_module
+from .kpolicy import costs as costs_module
 from .kpolicy.calibrate import calibrate
 
 log = logging.getLogger(__name__)

@@ -21,21 +21,19 @@ at most FRESH steps old (else a plain step is run first to confirm).
 The bandit (`RateBandit.decide`) takes the cost model's K as its prior and:
   1. keeps plain decoding measured: while the model drafts, a K = 0 step runs when plain has fewer than 2
      measurements or none for PLAIN_EVERY steps of the class (PLAIN_EVERY_CLEAR when the K wins clearly)
-  2. abandons an arm measured below plain beyond the noise margin (the standard errors of both rates, at least
-     MARGIN), or whose seconds lose on the tokens the model expected of it (ArmClass.costs_more): an arm the
-     model overrates runs at most MIN_STEPS steps once plain is measured, one step when even accepting all its
-     drafts would not reach plain's rate; then K = 0 (other unmeasured K of the class too, after a loss on
-     seconds)
-  3. re-tries an abandoned arm after RETRY steps of its class, its old measurements forgotten, the wait doubling
-     after each loss up to MAX_RETRY and at least what keeps re-tries within RETRY_BUDGET of plain decoding's
-     time; an arm that now pays is taken back and the wait reset
+  2. abandons an arm whose seconds lose on the tokens the model expected of it (ArmClass.costs_more: a cost the
+     model misses), or that loses beyond the noise on fewer tokens than expected (its acceptance overrated):
+     within MIN_STEPS steps once plain is measured, at once when even accepting every draft would not pay
+  3. re-tries an abandoned arm after RETRY steps of its class, measured afresh, the wait doubling after each
+     loss up to MAX_RETRY; an arm that now pays is taken back
   4. picks, among measured K > 0 arms, one that beats the model's K beyond the margin
-  5. while the model says K = 0, takes a K > 0 arm measured faster than plain by MARGIN where the model prices it
-     within adaptive.NEAR of plain (both within the noise: the measured mean decides), and explores: the model's best-priced
-     K > 0 (adaptive.BatchAdaptiveK.explore) runs one step RETRY steps of the class into the stretch, then after
-     a wait that doubles up to MAX_RETRY and is at least what keeps explorations within RETRY_BUDGET of plain
-     decoding's time at the loss measured. Why: at K = 0 a head learns nothing, and a draft's evidence
-     (shadow.py) stops while drafting loses; one drafting step brings its acceptance and cost up to date
+  5. while the model says K = 0: takes an arm measured faster than plain where the model prices it within
+     adaptive.NEAR of plain (both within the noise), and explores, one step of the model's best-priced K > 0
+     (adaptive.BatchAdaptiveK.explore) RETRY steps into the stretch, then after waits doubling up to MAX_RETRY
+     (not while priced near plain or with an upside). Why: at K = 0 a head learns nothing, and a draft's
+     evidence (shadow.py) stops while drafting loses
+Re-tries and explorations share one budget per class: none starts before the last has paid for its measured
+loss within RETRY_BUDGET of plain decoding's time (ArmClass.tried).
 
 It only chooses K: what is accepted is the verifier's.
 `rates()` is the read API: the current rate per arm class and arm.

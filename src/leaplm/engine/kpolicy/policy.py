@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ...propose.base import Proposal
+from ..row import Row
 from .acceptance import AcceptanceEstimate, expected_tokens
 from .adaptive import BatchAdaptiveK, RowSpec, with_proposal
 from .estimates import Estimates, rows_bucket
 from .priors import from_card
 from .shadow import forget, gather, tokens_left
-from ..row import Row
 
 
 @dataclass
