@@ -41,18 +41,12 @@ class Counts:
                       [w * scale for w in self.passed])
 
     def observe(self, drafted: int, accepted: int, asked: int, d: float) -> None:
-        grow = asked - len(self.asked)
-        if grow > 0:
-            self.asked += [0.0] * grow
-            self.passed += [0.0] * grow
-        self.asked = [d * w + (1.0 if i < asked else 0.0) for i, w in enumerate(self.asked)]
-        self.passed = [d * w + (1.0 if i < accepted else 0.0) for i, w in enumerate(self.passed)]
-        self.accepted = d * self.accepted + accepted
-        self.rejected = d * self.rejected + (1 if accepted < drafted else 0)
+        self.observe_expected([1.0] * accepted + [0.0] * (asked - accepted), d, float(accepted < drafted))
 
-    def observe_expected(self, passed: list[float], d: float) -> None:
-        """A step that would have asked len(passed) drafts, passed[i] the probability that its first i + 1 were
-        accepted (1 or 0 where the outcome is known): counterfactual evidence gathered at K = 0 (shadow.py)."""
+    def observe_expected(self, passed: list[float], d: float, rejected: float | None = None) -> None:
+        """A step that asked (or would have asked) len(passed) drafts, passed[i] the probability that its first
+        i + 1 were accepted (1 or 0 where the outcome is known; counterfactual evidence gathered at K = 0:
+        shadow.py). rejected: whether a draft was rejected (default: the last position did not pass)."""
         asked = len(passed)
         grow = asked - len(self.asked)
         if grow > 0:
@@ -61,7 +55,7 @@ class Counts:
         self.asked = [d * w + (1.0 if i < asked else 0.0) for i, w in enumerate(self.asked)]
         self.passed = [d * w + (passed[i] if i < asked else 0.0) for i, w in enumerate(self.passed)]
         self.accepted = d * self.accepted + sum(passed)
-        self.rejected = d * self.rejected + (1.0 - passed[-1])
+        self.rejected = d * self.rejected + (1.0 - passed[-1] if rejected is None else rejected)
 
     def tokens_by_k(self, cap: int, prior_weight: float, carry: bool = False) -> list[float]:
         """Expected tokens of a step with a proposal asking for k = 0..cap drafts (1 at k = 0): 1 + sum over i < k

@@ -104,6 +104,11 @@ class BatchAdaptiveK:
         """Expected seconds of a step with K over these rows (a draft model's catching up spread over the
         request)."""
         n = len(rows)
+        if n == 1:                     # a request alone (the common case, priced at every step): the same sum
+            r, k = rows[0], min(K, rows[0].cap)
+            m = min(1.0, max(0.0, r.match)) if k else 0.0
+            return ((1.0 - m) * self.costs.cost(1, 1) + (m * self.costs.cost(1, k + 1 + round(r.extra_tokens))
+                    + r.match * k * r.propose_s_per_token + r.catchup_s if k else 0.0))
         drafting = [(r, min(K, r.cap)) for r in rows if min(K, r.cap)]
         if not drafting:
             return self.costs.cost(n, 1)
