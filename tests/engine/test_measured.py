@@ -10,6 +10,7 @@ import pytest
 
 from leaplm.engine.kpolicy import measured
 from leaplm.engine.kpolicy.acceptance import AcceptanceEstimate
+from leaplm.engine.kpolicy.adaptive import Alternative
 from leaplm.engine.kpolicy.estimates import Estimates
 from leaplm.engine.kpolicy.measured import MIN_STEPS, RateBandit
 from leaplm.engine.kpolicy.policy import KPolicy, RowStep
@@ -248,3 +249,29 @@ def test_an_engine_measures_its_plain_steps_and_keeps_greedy_output(loaded):
     rates = eng.estimates.rates.rates()
     key = ((("draft", "greedy"),), 1)
     assert key in rates and rates[key][0] > 0, rates
+
+
+@pytest.mark.parametrize("near", [False, True])
+def test_explorations_at_k0_double_their_wait_unless_priced_near_plain(near):
+    """The model says K = 0 throughout; its best-priced K > 0 is 3. The bandit tries it RETRY steps into the
+    stretch, then after the current wait, which doubles after each try (from RETRY, up to MAX_RETRY), or, priced
+    within adaptive.NEAR of plain, stays RETRY; a try in which no row had a proposal (drafted 0) taught nothing and is made again at the next step.
+    The tries lose nothing here (priced at plain's rate), so the budget does not lengthen the waits."""
+    b, key = RateBandit(), ((("draft", "greedy"),), 1)
+    alt = Alternative(3, near)
+    tries, empty = [], True
+    for s in range(1200):
+        k = b.decide(key, 0, lambda: alt)
+        drafted = 0 if (k and empty) else k
+        if k:
+            tries.append(s)
+            empty = not empty                      # every other try has no proposal
+        b.observe(key, k, 1 + drafted, 1.0 + drafted, most=1 + drafted, drafted=drafted)
+    made = [s for i, s in enumerate(tries) if i % 2 == 1]          # the tries that drafted
+    assert all(b - a == 1 for a, b in zip(tries[::2], tries[1::2])), tries   # an empty try: again next step
+    gaps = [b - a for a, b in zip(made, made[1:])]
+    if near:
+        assert set(gaps) == {measured.RETRY + 1}, gaps
+    else:
+        assert gaps[:4] == [measured.RETRY + 1, 2 * measured.RETRY + 1, 4 * measured.RETRY + 1,
+                            8 * measured.RETRY + 1] and max(gaps) == measured.MAX_RETRY + 1, gaps
