@@ -255,8 +255,9 @@ def test_an_engine_measures_its_plain_steps_and_keeps_greedy_output(loaded):
 def test_explorations_at_k0_double_their_wait_unless_priced_near_plain(near):
     """The model says K = 0 throughout; its best-priced K > 0 is 3. The bandit tries it RETRY steps into the
     stretch, then after the current wait, which doubles after each try (from RETRY, up to MAX_RETRY), or, priced
-    within adaptive.NEAR of plain, stays RETRY; a try in which no row had a proposal (drafted 0) taught nothing and is made again at the next step.
-    The tries lose nothing here (priced at plain's rate), so the budget does not lengthen the waits."""
+    within adaptive.NEAR of plain, stays RETRY; a try in which no row had a proposal (drafted 0) taught nothing
+    and is made again at the next step. The tries lose nothing here (priced at plain's rate), so the budget does
+    not lengthen the waits."""
     b, key = RateBandit(), ((("draft", "greedy"),), 1)
     alt = Alternative(3, near)
     tries, empty = [], True

@@ -123,9 +123,9 @@ def test_a_draft_that_missed_at_first_returns_to_speculation_once_it_hits():
 
 
 def test_without_guesses_the_same_row_waits_for_a_try():
-    """The negative control: the same script with a proposer that cannot score guesses learns only from tries at K > 0,
-    and is still at K = 0 where the scored one is drafting again (no step here tells the measured rates its wall
-    time, so nothing tries K > 0)."""
+    """The negative control: the same script with a proposer that cannot score guesses learns only from tries at
+    K > 0, and is still at K = 0 where the scored one is drafting again (no step here tells the measured rates its
+    wall time, so nothing tries K > 0)."""
     switch = PROMPT + 40
     proposer = ScriptedDraft(right_from=switch, shadows=False)
     row, policy = new_row(proposer), KPolicy(costs(), enabled=True, max_len=4096)

@@ -210,8 +210,8 @@ class ArmClass:
         return alt.k
 
     def explored(self, drafted: bool, loss: float) -> None:
-        """The exploration is over: one that drafted pays for itself (tried), and the next waits twice as long
-        unless its K was priced near plain; one that drafted nothing (no proposal) is made again next step."""
+        """The exploration is over: one that drafted pays for itself (tried), and the wait doubles unless its K was
+        priced near plain or had an upside; one that drafted nothing (no proposal) is made again next step."""
         if not drafted:
             self.explore_at = self.steps
             return
