@@ -1,18 +1,20 @@
-"""The one K policy (engine/kpolicy/adaptive.py) and its cost model (engine/kpolicy/costs.py) on synthetic costs and acceptance:
-deterministic (seeded), no model, no timing."""
+"""The cost model's K (engine/kpolicy/adaptive.py), its costs (engine/kpolicy/costs.py) and, in the loop, the measured
+rates that overrule it (engine/kpolicy/measured.py) on synthetic costs and acceptance: deterministic (seeded), no
+model, no timing."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import random
 from dataclasses import dataclass
 
 import pytest
 
+from leaplm.engine.kpolicy import measured
 from leaplm.engine.kpolicy.acceptance import AcceptanceEstimate, Counts, expected_tokens
-from leaplm.engine.kpolicy.adaptive import BatchAdaptiveK, RowSpec, with_proposal
+from leaplm.engine.kpolicy.adaptive import NEAR, BatchAdaptiveK, RowSpec, with_proposal
 from leaplm.engine.kpolicy.costs import BatchCostModel
+from leaplm.engine.kpolicy.measured import RateBandit
 
 
 def costs_from(fn, ns=(1, 2, 4, 8, 16), k_max: int = 8) -> BatchCostModel:
@@ -211,96 +213,25 @@ def test_never_k0_when_acceptance_given_a_match_is_high(match, shape):
     assert ctl.choose([row]) == ctl.best([row])
 
 
-# --- re-probing ----------------------------------------------------------------------------------------------------
-def test_k_is_zero_when_acceptance_is_low_and_re_probes_with_back_off():
-    ctl = BatchAdaptiveK(costs_from(compute_bound), probe_every=4, max_probe_every=16, probe_budget=1e-6)
-    low = [RowSpec(8, 0.05, 1e-4)]
-    assert ctl.rate(low, 1) < ctl.rate(low, 0) * (1 - ctl.near)          # far below break-even: back-off
-    picks = []
-    for _ in range(80):
-        picks.append(ctl.choose(low))
-        ctl.probed(True)
-    probes = [i for i, k in enumerate(picks) if k]
-    best_k = max(range(1, 9), key=lambda k: ctl.rate(low, k))
-    assert all(picks[i] == best_k for i in probes)        # a probe drafts the K > 0 predicted best
-    assert probes[:4] == [3, 3 + 8, 3 + 8 + 16, 3 + 8 + 16 + 16]        # back-off: 4, 8, 16 then capped at 16
-    assert len(probes) == 6
-    # good acceptance: K > 0 at once, and the back-off starts afresh when acceptance falls again
-    assert ctl.choose([RowSpec(8, 0.9, 1e-5)]) > 0
-    again = [ctl.choose(low) for _ in range(4)]
-    assert again == [0, 0, 0, best_k]
-
-
-def test_near_break_even_probes_keep_their_pace():
-    """Estimates that noise may have pushed just below break-even are re-measured every probe_every steps."""
-    costs = BatchCostModel()
-    costs.observe(1, 1, 1.0)
-    costs.observe(1, 2, 1.5)
-    ctl = BatchAdaptiveK(costs, probe_every=4)
-    near = [RowSpec(1, 0.45, 0.0)]                        # K = 1: 1.45 tokens for 1.5 s, 3% below plain
-    picks = []
-    for _ in range(40):
-        picks.append(ctl.choose(near))
-        ctl.probed(True)
-    assert [i for i, k in enumerate(picks) if k] == list(range(3, 40, 4))
-
-
-def test_probes_measured_dearer_than_predicted_wait_for_their_budget_even_near_break_even():
-    """Predicted at plain decoding's rate (within `near`: the pace of probe_every), but each probe measured at 4
-    plain steps for its 2 tokens: a loss of 2 plain steps, so the next probes wait 2 / probe_budget steps, and
-    drafting is priced at the measured overrun."""
-    costs = BatchCostModel()
-    costs.calibrated(1, [{1: 1.0, 2: 1.5, 3: 1.5, 4: 1.5, 5: 1.5}])
-    costs.observe(1, 1, 1.0)           # a live forward sets the level (steps are compared with predictions from it)
-    ctl = BatchAdaptiveK(costs, probe_every=4)
-    near = [RowSpec(4, 0.5, 0.0, tokens_by_k=[1.0, 1.3, 1.45, 1.5, 1.52])]
-    assert ctl.choose(near) == 0 and ctl.rate(near, 3) >= ctl.rate(near, 0) * (1 - ctl.near)
-    picks = []
-    for _ in range(1000):
-        k = ctl.choose(near)
-        ctl.probed(True)
-        ctl.observe_step(1, k, 4.0 if k else 1.0, 2 if k else 1)
-        picks.append(k)
-    probes = [i for i, k in enumerate(picks) if k]
-    assert probes[0] == 2 and len(probes) >= 5
-    assert min(b - a for a, b in zip(probes, probes[1:])) >= (4.0 - 2) / ctl.probe_budget
-    assert ctl.overrun > 2.0                              # on its way to 4 / 1.5 (outliers rise it slowly)
-
-
-def test_probes_spend_at_most_their_budget():
-    """Far below break-even, the wait between probes grows until a probe's extra cost, spread over it, is at most
-    probe_budget of plain decoding's time."""
-    ctl = BatchAdaptiveK(costs_from(cpu_step), probe_every=4, max_probe_every=10 ** 6, probe_budget=0.02)
-    low = [RowSpec(8, 0.05, 0.0)]
-    picks = []
-    for _ in range(5000):
-        picks.append(ctl.choose(low))
-        ctl.probed(True)
-    probes = [i for i, k in enumerate(picks) if k]
-    extra = sum(cpu_step(1, 1 + picks[i]) / cpu_step(1, 1) - 1 for i in probes)
-    assert extra / len(picks) <= 0.02 * 1.1               # the first, shorter waits add a little
-    assert probes[-1] - probes[-2] == round((cpu_step(1, 2) / cpu_step(1, 1) - 1) / 0.02)
-
-
-def test_a_probe_without_a_proposal_is_repeated_at_the_next_step():
-    ctl = BatchAdaptiveK(costs_from(compute_bound), probe_every=4)
-    low = [RowSpec(8, 0.05, 1e-4, match=0.2)]
-    picks = []
-    for _ in range(4):
-        picks.append(ctl.choose(low))
-        ctl.probed(False)                                 # no proposal: nothing learnt, nothing paid
-    picks += [ctl.choose(low)]
-    ctl.probed(True)
-    picks += [ctl.choose(low) for _ in range(3)]
-    assert picks == [0, 0, 0, 1, 1, 0, 0, 0]
-
-
-def test_no_probe_when_even_perfect_acceptance_would_not_pay():
+# --- exploring at K = 0 ------------------------------------------------------------------------------------------
+def test_nothing_is_explored_when_even_perfect_acceptance_would_not_pay():
     costs = BatchCostModel()
     for T in range(1, 10):
         costs.observe(16, T, 1e-3 * T)          # fully compute-bound: T tokens cost T times one
-    ctl = BatchAdaptiveK(costs, probe_every=1)
-    assert [ctl.choose([RowSpec(8, 0.05, 1e-4)] * 16) for _ in range(5)] == [0] * 5
+        costs.observe(1, T, 1e-3)               # control: one row's block costs what one token does
+    ctl = BatchAdaptiveK(costs)
+    assert ctl.explore([RowSpec(8, 0.05, 1e-4)] * 16).k == 0
+    assert ctl.explore([RowSpec(8, 0.05, 1e-4)]).k > 0
+
+
+def test_an_exploration_that_must_first_catch_up_waits_for_a_long_enough_request():
+    """A draft that has not seen the prompt pays its prefill at once: explored only while that fits
+    CATCHUP_BUDGET of the plain steps the request has left."""
+    ctl = BatchAdaptiveK(costs_from(cpu_step))
+    row = RowSpec(8, 0.05, 1e-4, catchup_now_s=0.03, remaining=120)      # 3 plain steps at once
+    assert ctl.explore([row]).k == 0
+    assert ctl.explore([dataclasses.replace(row, remaining=2000)]).k > 0
+    assert ctl.explore([dataclasses.replace(row, catchup_now_s=0.0)]).k > 0
 
 
 # --- the cost model ------------------------------------------------------------------------------------------------
@@ -349,53 +280,6 @@ def test_the_first_live_forward_replaces_the_start_up_level():
     assert c.live(1) and c.cost(1, 1) == pytest.approx(1.0) and c.cost(1, 6) == pytest.approx(1.5)
     c.observe(1, 1, 2.0)
     assert 1.0 < c.cost(1, 1) < 1.5
-
-
-def one_step(ctl: BatchAdaptiveK, spec: RowSpec, T_seconds) -> int:
-    """One step of one row through the controller: its choice K, the forward at T_seconds(1 + K)."""
-    K = ctl.choose([spec])
-    ctl.probed(K > 0)
-    s = T_seconds(1 + K)
-    ctl.costs.observe(1, 1 + K, s)
-    ctl.observe_step(1, K, s, 1 + K)
-    return K
-
-
-@pytest.mark.parametrize("floor", [0.5, 1.0])
-def test_blocks_cheaper_than_calibrated_are_priced_at_what_steps_measure(floor):
-    """A start-up calibration that met a busy machine prices a block of 6 at 2.3x a one-token forward where live
-    forwards take 1.8x: after a request's plain first step and its drafting steps, the next request's plain step
-    measures the level's drift, and the overrun brings the price of drafting to what it costs (within its slack).
-    Negative control: an overrun held at 1 or more (floor 1) keeps the calibration's price."""
-    costs = BatchCostModel()
-    costs.calibrated(1, [{T: 0.010 * (1.0 if T == 1 else 2.3) for T in range(1, 7)}])
-    ctl = BatchAdaptiveK(costs)
-    ctl.over.floor = floor
-    true = lambda T: 0.010 * (1.0 if T == 1 else 1.8)                      # noqa: E731
-    spec = RowSpec(5, 0.7, 0.0)
-    for _ in range(3):                                    # requests: a plain first step, then drafting steps
-        one_step(ctl, dataclasses.replace(spec, cap=0), true)
-        assert all(one_step(ctl, spec, true) == 5 for _ in range(10))
-    predicted = ctl._step_seconds([spec], 5) / ctl._step_seconds([spec], 0)
-    if floor < 1:
-        assert 1.8 <= predicted <= 1.8 + 2.3 * ctl.over.slack + 0.05, ctl.overrun   # the slack is not charged
-    else:
-        assert predicted > 2.1                        # the shape refines slowly (forwards near a one-token one)
-
-
-def test_a_stale_start_up_level_does_not_price_drafting_up():
-    """Calibrated at twice today's level (a start-up cache from a loaded moment) with today's shape: a request's
-    plain first step, predicted from that level, is not compared (it would stand in the plain steps at half its
-    cost and price drafting up 2x), so drafting stays priced at its shape."""
-    costs = BatchCostModel()
-    costs.calibrated(1, [{T: 0.020 * (1.0 if T == 1 else 1.8) for T in range(1, 7)}])
-    ctl = BatchAdaptiveK(costs)
-    true = lambda T: 0.010 * (1.0 if T == 1 else 1.8)                      # noqa: E731
-    spec = RowSpec(5, 0.7, 0.0)
-    one_step(ctl, dataclasses.replace(spec, cap=0), true)
-    assert all(one_step(ctl, spec, true) == 5 for _ in range(10))
-    assert ctl.overrun == 1.0
-    assert ctl._step_seconds([spec], 5) / ctl._step_seconds([spec], 0) == pytest.approx(1.8, rel=0.01)
 
 
 def test_alternating_block_lengths_refine_the_shape():
@@ -465,6 +349,9 @@ def draft_like(a: float):
     return gen
 
 
+ARM = ((("draft", "greedy"),), 1)
+
+
 def simulate(truths: list[Truth], shape, noise: list[float], fixed_k: int | None, cap: int = 8,
              in_hand: bool = False, match: bool = True, overrun: float = 1.0, measured: bool = True) -> float:
     """Tokens per second of one row over these steps, with K fixed or chosen by the policy from what it observes.
@@ -472,11 +359,13 @@ def simulate(truths: list[Truth], shape, noise: list[float], fixed_k: int | None
     in_hand: the proposal (its length, and with `match` its context match length) is known before K is chosen,
     as the step does for cheap proposers; a proposal drafts at most its length. overrun: a step that drafts
     costs this many times what the cost model predicts, the excess in proposing that it does not see (a tree
-    proposal's head levels, a head catching up on the context). measured: the policy is told each step's time
-    (BatchAdaptiveK.observe_step, as the Batch does); off, a negative control."""
+    proposal's head levels, a head catching up on the context). measured: the cost model's K goes through the
+    measured rates (measured.RateBandit, told each step's tokens and seconds as the policy tells it); off, the
+    cost model alone, a negative control."""
     costs = BatchCostModel()
     costs.calibrated(1, [{T: shape(1, T) * f for T in range(1, cap + 2)} for f in (1.3, 1.0, 1.1)])
     ctl = BatchAdaptiveK(costs)
+    bandit = RateBandit() if measured and fixed_k is None else None
     est = AcceptanceEstimate()
     tokens = seconds = 0.0
     for j, t in enumerate(truths):
@@ -484,22 +373,24 @@ def simulate(truths: list[Truth], shape, noise: list[float], fixed_k: int | None
         m = t.match if match else None
         if fixed_k is None:
             spec = RowSpec(cap, est.rate, 0.0, tokens_by_k=est.tokens_by_k(cap), match=est.match,
-                           tokens_by_k_after_hit=est.tokens_by_k_after_hit(cap))
+                           after_hit=est.tokens_by_k_after_hit(cap))
             if in_hand:
                 est.observe_match(t.has)
                 spec = with_proposal(spec, est, length, m)
-            K = ctl.choose([spec])
+            K = model = ctl.choose([spec])
+            if bandit is not None:
+                K = bandit.decide(ARM, K, lambda: ctl.explore([spec]))
         else:
             K = fixed_k
         drafted = min(K, length)
-        ctl.probed(drafted > 0)
         accepted = min(drafted, t.right)
         s = shape(1, 1 + drafted) * noise[j] * (1.0 if j < len(truths) // 2 else 1.5)
         costs.observe(1, 1 + drafted, s)
         propose = (overrun - 1.0) * s if drafted else 0.0
         est.observe(drafted, accepted, drafted if in_hand else K, m, known=in_hand)
-        if measured:
-            ctl.observe_step(1, drafted, s + propose, 1 + accepted)
+        if bandit is not None:
+            bandit.observe(ARM, K, 1 + accepted, s + propose, most=1 + drafted, level=costs.cost(1, 1),
+                           expected=spec.expected(min(K, spec.cap)) if K == model else None, drafted=drafted)
         tokens += 1 + accepted
         seconds += s + propose
     return tokens / seconds
@@ -583,22 +474,23 @@ def test_with_the_proposal_in_hand_long_runs_are_within_5_percent_of_the_best_fi
 
 @pytest.mark.parametrize("shape", [flat, cpu_step])
 @pytest.mark.parametrize("a", [0.5, 0.7])
-def test_probes_that_cost_more_than_predicted_stay_within_the_budget(a, shape):
+def test_drafting_that_costs_more_than_predicted_stays_within_the_budget(a, shape):
     """Drafting steps that cost 3x what the cost model predicts, the excess unseen by it (a tree proposal and its
-    head catching up, priced per drafted token): measured against plain steps, drafting is priced at what it
-    costs and probes wait long enough to stay within their budget of plain decoding's time (2%; half a percent
-    more for the first steps, drafting at the prior before anything is measured). Negative control: the policy
-    not told the steps' times drafts and probes at the predicted pace and falls below that."""
+    head catching up, priced per drafted token): their measured rates leave drafting, and explorations at K = 0
+    wait long enough to stay within their budget of plain decoding's time (measured.RETRY_BUDGET, one for the
+    explorations and re-tries of every K; half a percent more for the first steps, drafting at the prior before
+    anything is measured). Negative control: the cost model alone drafts at its predicted pace and falls below
+    that."""
     rng = random.Random(5)
     steps = 3000
     truths = draft_like(a)(rng, steps)
     noise = [rng.uniform(0.85, 1.2) for _ in range(steps)]
     k0 = simulate(truths, shape, noise, 0)
     assert max(simulate(truths, shape, noise, K, overrun=3.0) for K in range(1, 9)) < k0   # drafting does not pay
-    floor = 1 - BatchAdaptiveK(BatchCostModel()).probe_budget - 0.005
+    floor = 1 - measured.RETRY_BUDGET - 0.005
     assert simulate(truths, shape, noise, None, overrun=3.0) >= floor * k0
-    assert simulate(truths, shape, noise, None, overrun=3.0, measured=False) < floor * k0
-
+    if shape is flat:     # on cpu_step the model alone prices drafting out after its first misses, and stays out
+        assert simulate(truths, shape, noise, None, overrun=3.0, measured=False) < floor * k0
 
 
 @pytest.mark.parametrize("deepen", [True, False])
@@ -614,12 +506,12 @@ def test_a_deeper_k_priced_near_the_chosen_one_is_asked_every_eighth_drafting_st
     row = RowSpec(8, 0.7, 0.01 * 8.5e-3, tokens_by_k=by_k, deepen=deepen)
     assert ctl.best([row]) == 3
     deeper = max(range(4, 9), key=lambda k: ctl.rate([row], k))
-    assert ctl.rate([row], deeper) >= ctl.rate([row], 3) * (1 - ctl.probes.near)
+    assert ctl.rate([row], deeper) >= ctl.rate([row], 3) * (1 - NEAR)
     chosen = [ctl.choose([row]) for _ in range(32)]
     if deepen:
         assert chosen == ([3] * 7 + [deeper]) * 4
     else:
         assert chosen == [3] * 32
     far = RowSpec(8, 0.7, 0.5 * 8.5e-3, tokens_by_k=[1.0, 1.9, 2.7, 3.4] + [3.4] * 5, deepen=True)
-    assert all(ctl.rate([far], k) < ctl.rate([far], 3) * (1 - ctl.probes.near) for k in range(4, 9))
+    assert all(ctl.rate([far], k) < ctl.rate([far], 3) * (1 - NEAR) for k in range(4, 9))
     assert [ctl.choose([far]) for _ in range(16)] == [3] * 16

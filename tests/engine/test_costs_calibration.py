@@ -78,12 +78,12 @@ class _Engine:
 def test_the_thread_check_warns_when_more_threads_run_slower(at_threads, contended, caplog):
     import torch
 
-    from leaplm.engine.kpolicy.calibrate import check_threads
+    from leaplm.engine.startup_checks import check_threads
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with caplog.at_level("WARNING", logger="leaplm.engine.kpolicy.calibrate"):
+        with caplog.at_level("WARNING", logger="leaplm.engine.startup_checks"):
             check = check_threads(_Engine(_SleepyModel(2, at_threads, 0.005)))
         assert torch.get_num_threads() == 2                   # restored
         assert check.threads == 2 and check.contended is contended
@@ -128,12 +128,12 @@ class _SleepyLlama:
 def test_the_thread_check_times_libllama_s_own_threads(at_threads, contended, caplog):
     import torch
 
-    from leaplm.engine.kpolicy.calibrate import check_threads
+    from leaplm.engine.startup_checks import check_threads
 
     engine = _Engine(_SleepyLlama(3, at_threads, 0.005))
     engine.backend = "llamacpp"
     before = torch.get_num_threads()
-    with caplog.at_level("WARNING", logger="leaplm.engine.kpolicy.calibrate"):
+    with caplog.at_level("WARNING", logger="leaplm.engine.startup_checks"):
         check = check_threads(engine, budget_s=10.0)
     assert torch.get_num_threads() == before                  # torch's setting is not libllama's
     assert check.threads == 3 and check.contended is contended
@@ -148,7 +148,7 @@ def test_the_thread_check_times_libllama_s_own_threads(at_threads, contended, ca
 def test_a_slow_thread_check_stops_after_two_forwards_of_each():
     engine = _Engine(_SleepyLlama(2, 0.05, 0.005))
     engine.backend = "llamacpp"
-    from leaplm.engine.kpolicy.calibrate import check_threads
+    from leaplm.engine.startup_checks import check_threads
 
     check = check_threads(engine, tries=6, budget_s=0.01)
     one_token = [t for T, t in engine.model.forwards if T == 1]

@@ -10,6 +10,7 @@ import pytest
 
 from leaplm.engine.kpolicy import measured
 from leaplm.engine.kpolicy.acceptance import AcceptanceEstimate
+from leaplm.engine.kpolicy.adaptive import Alternative
 from leaplm.engine.kpolicy.estimates import Estimates
 from leaplm.engine.kpolicy.measured import MIN_STEPS, RateBandit
 from leaplm.engine.kpolicy.policy import KPolicy, RowStep
@@ -58,14 +59,13 @@ def run(policy: KPolicy, row: Row, steps: int, accept, clock, tokens: int | None
     for s in range(steps):
         plan = policy.plan([row], lambda i, cap: None, 64)
         k = plan.k
-        policy.proposed([object() if k else None])
         acc = min(k, accept(s, k))
         wall = clock(s, k)
         policy.observe_forward(1, k + 1, load(s) * block(k + 1))
         if k:
             policy.observe_propose("draft", (wall - load(s) * block(k + 1)) / k if propose_s is None
                                    else load(s) * propose_s, rows=1)
-        policy.observe([row], plan, [RowStep(k, acc, k + 1)], wall - commit(s, k), 0.0, wall=wall)
+        policy.observe([row], plan, [RowStep(k, acc, k + 1)], wall=wall)
         ks.append(k)
         seconds += wall
         total += 1 + acc
@@ -91,7 +91,7 @@ def test_an_arm_the_cost_model_overrates_is_abandoned_within_min_steps():
     assert sum(1 for k in ks[first_plain:] if k) <= MIN_STEPS, ks
     # negative control: without the measured rates the model drafts throughout
     off = KPolicy(estimates(), enabled=True, max_len=4096)
-    off.estimates.rates.decide = lambda key, k: k
+    off.estimates.rates.decide = lambda key, k, explore=None: k
     ks_off, _, _ = run(off, draft_row(), 60, accept, clock, propose_s=4.6e-4, commit=commit)
     assert sum(1 for k in ks_off if k) > 50, ks_off
 
@@ -199,9 +199,9 @@ def test_steps_of_a_grammars_forced_tokens_are_not_counted():
     policy = KPolicy(estimates(), enabled=True, max_len=4096)
     row = draft_row()
     plan = policy.plan([row], lambda i, cap: None, 64)
-    policy.observe([row], plan, [RowStep(6, 6, 7)], PLAIN, 0.0, timed=False, wall=PLAIN)
+    policy.observe([row], plan, [RowStep(6, 6, 7)], timed=False, wall=PLAIN)
     assert policy.measured_rates() == {}
-    policy.observe([row], plan, [RowStep(0, 0, 1)], PLAIN, 0.0, timed=True, wall=PLAIN)
+    policy.observe([row], plan, [RowStep(0, 0, 1)], timed=True, wall=PLAIN)
     assert list(policy.measured_rates().values()) == [{plan.k: pytest.approx(1 / PLAIN)}]
 
 
@@ -223,7 +223,7 @@ def test_sampled_drafting_that_pays_by_a_thin_margin_is_kept():
         policy = KPolicy(estimates(), enabled=True, max_len=4096)
         policy.estimates.costs.calibrated(1, [{T: PLAIN if T == 1 else PLAIN * 1.3 for T in range(1, 10)}])
         if not measured_rates:
-            policy.estimates.rates.decide = lambda key, k: k
+            policy.estimates.rates.decide = lambda key, k, explore=None: k
         ks, seconds, tokens = run(policy, draft_row(prior=0.45), 400, accept, clock, propose_s=4.6e-4)
         return ks, tokens / seconds
 
@@ -249,3 +249,30 @@ def test_an_engine_measures_its_plain_steps_and_keeps_greedy_output(loaded):
     rates = eng.estimates.rates.rates()
     key = ((("draft", "greedy"),), 1)
     assert key in rates and rates[key][0] > 0, rates
+
+
+@pytest.mark.parametrize("near", [False, True])
+def test_explorations_at_k0_double_their_wait_unless_priced_near_plain(near):
+    """The model says K = 0 throughout; its best-priced K > 0 is 3. The bandit tries it RETRY steps into the
+    stretch, then after the current wait, which doubles after each try (from RETRY, up to MAX_RETRY), or, priced
+    within adaptive.NEAR of plain, stays RETRY; a try in which no row had a proposal (drafted 0) taught nothing
+    and is made again at the next step. The tries lose nothing here (priced at plain's rate), so the budget does
+    not lengthen the waits."""
+    b, key = RateBandit(), ((("draft", "greedy"),), 1)
+    alt = Alternative(3, near)
+    tries, empty = [], True
+    for s in range(1200):
+        k = b.decide(key, 0, lambda: alt)
+        drafted = 0 if (k and empty) else k
+        if k:
+            tries.append(s)
+            empty = not empty                      # every other try has no proposal
+        b.observe(key, k, 1 + drafted, 1.0 + drafted, most=1 + drafted, drafted=drafted)
+    made = [s for i, s in enumerate(tries) if i % 2 == 1]          # the tries that drafted
+    assert all(b - a == 1 for a, b in zip(tries[::2], tries[1::2])), tries   # an empty try: again next step
+    gaps = [b - a for a, b in zip(made, made[1:])]
+    if near:
+        assert set(gaps) == {measured.RETRY + 1}, gaps
+    else:
+        assert gaps[:4] == [measured.RETRY + 1, 2 * measured.RETRY + 1, 4 * measured.RETRY + 1,
+                            8 * measured.RETRY + 1] and max(gaps) == measured.MAX_RETRY + 1, gaps

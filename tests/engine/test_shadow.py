@@ -87,7 +87,6 @@ def step(policy: KPolicy, row: Row, early=None) -> int:
     if k and prop is None and not early:
         prop = Proposal(torch.tensor([row.proposer.guess(L + j) for j in range(k)]))
     drafted = min(k, prop.k) if (k and prop is not None) else 0
-    policy.proposed([prop if drafted else None])
     acc = 0
     while acc < drafted and int(prop.tokens[acc]) == text(L + acc):
         acc += 1
@@ -98,7 +97,7 @@ def step(policy: KPolicy, row: Row, early=None) -> int:
         row.proposer.cached = L + acc                 # the draft has seen what it drafted and was kept
     secs = 1e-2 * (1.0 if not drafted else 1.5 + 0.02 * (drafted + 1))
     row.req.stats.decode_s += secs
-    policy.observe([row], plan, [RowStep(drafted, acc, drafted + 1, prop.match if drafted else None)], secs, 0.0)
+    policy.observe([row], plan, [RowStep(drafted, acc, drafted + 1, prop.match if drafted else None)])
     return drafted
 
 
@@ -112,7 +111,7 @@ def test_a_draft_that_missed_at_first_returns_to_speculation_once_it_hits():
     drafted = []
     while len(row.req.tokens) < switch:
         drafted.append(step(policy, row))
-    assert sum(1 for d in drafted[-16:] if d) <= 2, drafted   # missing: plain decoding, a probe at most
+    assert sum(1 for d in drafted[-16:] if d) <= 2, drafted   # missing: plain decoding, a try at most
     steps_back = None
     for s in range(60):
         if step(policy, row) and steps_back is None:
@@ -123,9 +122,10 @@ def test_a_draft_that_missed_at_first_returns_to_speculation_once_it_hits():
     assert row.req.stats.shadow_s >= 0.0 and proposer.fed > 0
 
 
-def test_without_guesses_the_same_row_waits_for_probes():
-    """The negative control: the same script with a proposer that cannot score guesses learns only at probes,
-    and is still at K = 0 where the scored one is drafting again."""
+def test_without_guesses_the_same_row_waits_for_a_try():
+    """The negative control: the same script with a proposer that cannot score guesses learns only from tries at
+    K > 0, and is still at K = 0 where the scored one is drafting again (no step here tells the measured rates its
+    wall time, so nothing tries K > 0)."""
     switch = PROMPT + 40
     proposer = ScriptedDraft(right_from=switch, shadows=False)
     row, policy = new_row(proposer), KPolicy(costs(), enabled=True, max_len=4096)
@@ -142,7 +142,7 @@ def test_scoring_guesses_stays_within_its_share_of_the_rows_decoding(constrained
     SHADOW_BUDGET (its forced tokens fill chunks fast), one scoring's overshoot at most; both still score some.
     The guesses are wrong throughout, so the row stays at K = 0. The unconstrained row spends more than the
     constrained row's share (the two limits differ)."""
-    from leaplm.engine.kpolicy.policy import SHADOW_BUDGET, SHADOW_SHARE
+    from leaplm.engine.kpolicy.shadow import SHADOW_BUDGET, SHADOW_SHARE
 
     proposer = ScriptedDraft(right_from=10 ** 9, delay_s=6e-3)
     row, policy = new_row(proposer, remaining=2000), KPolicy(costs(), enabled=True, max_len=4096)
@@ -158,10 +158,10 @@ def test_scoring_guesses_stays_within_its_share_of_the_rows_decoding(constrained
 
 
 def test_a_constrained_request_weighs_a_catching_up_against_the_tokens_it_has_produced():
-    """What a draft's catching up paid at once (a prompt fed for evidence, a probe's prefill) is weighed against:
+    """What a draft's catching up paid at once (a prompt fed for evidence, a try's prefill) is weighed against:
     an unconstrained request's remaining budget; a constrained one's grammar usually ends it long before its
     budget, so at most as many tokens as it has produced so far."""
-    from leaplm.engine.kpolicy.policy import tokens_left
+    from leaplm.engine.kpolicy.shadow import tokens_left
 
     def req(produced: int, grammar) -> SimpleNamespace:
         return SimpleNamespace(prompt_ids=[0] * 50, tokens=[0] * (50 + produced), remaining=96 - produced,

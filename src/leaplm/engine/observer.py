@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from ..propose.base import Proposal
     from .kpolicy.policy import RowStep, StepPlan
     from .row import Row
 
@@ -21,9 +20,7 @@ class StepObserver(Protocol):
     def observe_forward(self, rows: int, block_len: int, seconds: float) -> None:
         """A target forward over [rows, block_len] took seconds (the batched one, or a tree row's own)."""
 
-    def proposed(self, proposals: list[Proposal | None]) -> None:
-        """The step's proposals, before any is scored (None: the row drafted nothing)."""
-
-    def observe(self, rows: list[Row], plan: StepPlan, done: list[RowStep | None], seconds: float,
-                catchup_s: float, timed: bool = True) -> None:
-        """The step is over: what each row did (None: it failed) and the seconds the policy measures."""
+    def observe(self, rows: list[Row], plan: StepPlan, done: list[RowStep | None], timed: bool = True,
+                wall: float | None = None) -> None:
+        """The step is over: what each row did (None: it failed), whether it was a choice of K (timed) and its
+        wall seconds."""

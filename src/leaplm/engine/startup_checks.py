@@ -6,14 +6,22 @@ refreshes its level). `--recalibrate` measures again.
 from __future__ import annotations
 
 import logging
+import statistics
+import time
+from dataclasses import dataclass
 
 import torch
 
 from .. import startup_cache
-from .kpolicy import calibrate as calibrate_module, costs as costs_module
-from .kpolicy.calibrate import ThreadCheck, calibrate, check_threads
+from .kpolicy import calibrate as calibrate_module
+from .kpolicy import costs as costs_module
+from .kpolicy.calibrate import calibrate
 
 log = logging.getLogger(__name__)
+
+# torch's threads are slower than one when one forward at them takes this many times the one-thread forward
+CONTENDED = 1.3
+THREAD_CHECK_BUDGET_S = 0.5      # the thread check stops early past this (a contended one is slow)
 
 
 def _identity(engine) -> list:
@@ -137,4 +145,64 @@ def cached_check_threads(engine) -> ThreadCheck | None:
     if check is not None:
         startup_cache.write_json("threads", k, {"threads": check.threads, "s_threads": check.s_threads,
                                                 "s_one": check.s_one})
+    return check
+
+
+@dataclass(frozen=True)
+class ThreadCheck:
+    """A one-token forward at torch's thread count against the same forward at one thread (the median of a few:
+    what a run will see, interference included)."""
+    threads: int
+    s_threads: float              # seconds per one-token forward at `threads`
+    s_one: float                  # ... at one thread
+
+    @property
+    def contended(self) -> bool:
+        """More threads run slower than one: other processes hold the cores some of them wait for."""
+        return self.s_threads > CONTENDED * self.s_one
+
+
+def check_threads(engine, tries: int = 6, budget_s: float = THREAD_CHECK_BUDGET_S) -> ThreadCheck | None:
+    """On a CPU whose cores are partly held by other work, an engine's default threads (one per core) wait for each
+    other at every kernel: on 2 cores with one running a training job, the embedded target's one-token forward
+    took 40-100 ms at 2 threads and 12 ms at 1 on torch, and block forwards varied 1x-10x, so the cost calibration
+    and the K policy's choices changed from run to run; libllama's threads spin at each of a forward's barriers
+    while the other is descheduled (SmolLM2 beside one busy process: 0.4 tokens/s at 2 threads, 140 at 1). This
+    measures it (up to `tries` one-token forwards at each count, interleaved, fewer once two of each took more than
+    budget_s; the setting is restored) and warns with the remedy. None: one thread, or not a CPU engine."""
+    model = engine.model
+    if engine.backend not in ("torch", "llamacpp") or str(model.device) != "cpu":
+        return None
+    llama = engine.backend == "llamacpp"
+    n = (model.threads or torch.get_num_threads()) if llama else torch.get_num_threads()
+    if n <= 1:
+        return None
+    ctx = max(1, min(64, engine.max_model_len // 2))
+    cache = model.new_cache(1, ctx + 2)
+    x = torch.zeros(1, 1, dtype=torch.long)
+    if llama:                      # libllama writes a row's cells in order: a real context before the timed token
+        model(torch.zeros(1, ctx, dtype=torch.long), cache, last_only=True)
+    set_threads = cache.set_threads if llama else torch.set_num_threads
+    times: dict[int, list[float]] = {n: [], 1: []}
+    start = time.perf_counter()
+    try:
+        for j in range(tries + 1):
+            for t in ((n, 1) if j % 2 == 0 else (1, n)):
+                set_threads(t)
+                cache.lengths[:1] = [ctx]
+                t0 = time.perf_counter()
+                model(x, cache)
+                s = time.perf_counter() - t0
+                if j:                                    # the first forward at a thread count is its warm-up
+                    times[t].append(s)
+            if j >= 2 and time.perf_counter() - start > budget_s:
+                break
+    finally:
+        set_threads(n)
+    check = ThreadCheck(n, statistics.median(times[n]), statistics.median(times[1]))
+    if check.contended:
+        log.warning("%s's %d threads run a one-token forward in %.1f ms, one thread in %.1f ms: other processes "
+                    "hold some of the cores, so speeds (and the adaptive K's choices) vary from run to run; "
+                    "--threads 1 (or the number of idle cores) is faster and steadier here",
+                    "libllama" if llama else "torch", n, 1e3 * check.s_threads, 1e3 * check.s_one)
     return check

@@ -132,8 +132,3 @@ class StepClock:
     @property
     def total(self) -> float:
         return self.stop - self.start
-
-    def policy_seconds(self) -> float:
-        """What the K policy measures: the decoding part of the step without its commits (paid per token,
-        drafted or not: they do not make drafting dearer)."""
-        return self.stop - self.decode_start - self.commit

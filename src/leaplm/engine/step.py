@@ -190,7 +190,6 @@ class Batch:
         errors: dict[int, str] = {}                      # rows whose proposer, grammar or forward failed: they end
         proposals, seconds = planned(plan, rows, self.table.row_cache, self.policy, errors)
         clock.propose += seconds
-        self.policy.proposed(proposals)
         # rows whose masks are not ready in time sit the step out (deferred)
         proposals, constraints, deferred = self.grammar.constrain(rows, proposals, forced, errors, room)
 
@@ -220,9 +219,8 @@ class Batch:
         clock.end(rows)
         self.current_k = plan.k
         self.steps += 1
-        self.policy.observe(rows, plan, done, clock.policy_seconds(),
-                            catchup_s=sum(p.catchup_s for p in proposals if p is not None),
-                            timed=not (forced or busy or deferred), wall=clock.stop - clock.decode_start)
+        self.policy.observe(rows, plan, done, timed=not (forced or busy or deferred),
+                            wall=clock.stop - clock.decode_start)
         for i in reversed(range(n)):
             out = outputs[i]
             if out.chunk is not None:

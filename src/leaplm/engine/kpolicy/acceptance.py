@@ -41,18 +41,12 @@ class Counts:
                       [w * scale for w in self.passed])
 
     def observe(self, drafted: int, accepted: int, asked: int, d: float) -> None:
-        grow = asked - len(self.asked)
-        if grow > 0:
-            self.asked += [0.0] * grow
-            self.passed += [0.0] * grow
-        self.asked = [d * w + (1.0 if i < asked else 0.0) for i, w in enumerate(self.asked)]
-        self.passed = [d * w + (1.0 if i < accepted else 0.0) for i, w in enumerate(self.passed)]
-        self.accepted = d * self.accepted + accepted
-        self.rejected = d * self.rejected + (1 if accepted < drafted else 0)
+        self.observe_expected([1.0] * accepted + [0.0] * (asked - accepted), d, float(accepted < drafted))
 
-    def observe_expected(self, passed: list[float], d: float) -> None:
-        """A step that would have asked len(passed) drafts, passed[i] the probability that its first i + 1 were
-        accepted (1 or 0 where the outcome is known): counterfactual evidence gathered at K = 0 (shadow.py)."""
+    def observe_expected(self, passed: list[float], d: float, rejected: float | None = None) -> None:
+        """A step that asked (or would have asked) len(passed) drafts, passed[i] the probability that its first
+        i + 1 were accepted (1 or 0 where the outcome is known; counterfactual evidence gathered at K = 0:
+        shadow.py). rejected: whether a draft was rejected (default: the last position did not pass)."""
         asked = len(passed)
         grow = asked - len(self.asked)
         if grow > 0:
@@ -61,7 +55,7 @@ class Counts:
         self.asked = [d * w + (1.0 if i < asked else 0.0) for i, w in enumerate(self.asked)]
         self.passed = [d * w + (passed[i] if i < asked else 0.0) for i, w in enumerate(self.passed)]
         self.accepted = d * self.accepted + sum(passed)
-        self.rejected = d * self.rejected + (1.0 - passed[-1])
+        self.rejected = d * self.rejected + (1.0 - passed[-1] if rejected is None else rejected)
 
     def tokens_by_k(self, cap: int, prior_weight: float, carry: bool = False) -> list[float]:
         """Expected tokens of a step with a proposal asking for k = 0..cap drafts (1 at k = 0): 1 + sum over i < k
@@ -121,7 +115,6 @@ class AcceptanceEstimate:
     prior_weight: float = 3.0                            # pseudo-steps behind each position's extrapolated prior
     # match bucket -> counts of proposals known before K was chosen (cheap proposers), see the module docstring
     by_match: dict[int, Counts] = field(default_factory=dict)
-    version: int = 0                                     # observations so far (the K policy's hold at K = 0)
     carry: bool = True                                   # a proposer that is not bursty: unasked positions at the
                                                          # deepest measured conditional rate (Counts.tokens_by_k)
 
@@ -158,7 +151,6 @@ class AcceptanceEstimate:
         asked = drafted if asked is None else asked
         if asked <= 0:
             return
-        self.version += 1
         d = self.decay
         if not known:
             self.observe_match(drafted > 0)
@@ -174,7 +166,6 @@ class AcceptanceEstimate:
         match length. Counted like a drafting step's outcome (shadow.py gathers it)."""
         if not passed:
             return
-        self.version += 1
         if match is not None:
             self.match_counts(match).observe_expected(passed, self.decay)
         self.counts.observe_expected(passed, self.decay)
@@ -182,7 +173,6 @@ class AcceptanceEstimate:
 
     def observe_match(self, had: bool) -> None:
         """The proposer was asked and had a proposal (or not)."""
-        self.version += 1
         d = self.decay
         self.proposed = d * self.proposed + (1.0 if had else 0.0)
         self.empty = d * self.empty + (0.0 if had else 1.0)
@@ -226,5 +216,6 @@ class AcceptanceEstimate:
         curve, w, _ = next(blk for blk in blocks if bucket in blk[2])
         return [t / w for t in curve]
 
-    def tokens_by_k_after_hit(self, cap: int) -> list[float]:
-        return self.after_hit.tokens_by_k(cap, self.prior_weight, self.carries)
+    def tokens_by_k_after_hit(self, cap: int) -> list[float] | None:
+        """[cap + 1] tokens_by_k after a hit, for a bursty proposer (None: one state)."""
+        return self.after_hit.tokens_by_k(cap, self.prior_weight, self.carries) if self.bursty else None

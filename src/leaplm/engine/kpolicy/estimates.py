@@ -1,5 +1,6 @@
 """What an engine has measured, shared by every batch it runs (the one cost calibration): batched forward costs
-(engine/kpolicy/costs.py), proposer seconds per drafted token and acceptance per method, a draft model's prefill cost."""
+(costs.py), proposer seconds per drafted token and acceptance per method, a draft model's prefill cost, and the
+measured rates (measured.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

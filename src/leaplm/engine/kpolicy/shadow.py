@@ -30,6 +30,14 @@ import torch
 from ...sampling.positional import ranked
 
 SHADOW_CHUNK = 8        # committed tokens a draft model catches up on at once at K = 0
+# A draft model's long catching up at K = 0 (a new row's prompt; every scoring of a constrained row) waits until it
+# fits, with the evidence's seconds so far, within this share of its row's decoding so far and of the plain steps
+# its request has left
+SHADOW_BUDGET = 0.015
+# All of a draft model's evidence at K = 0 (its scorings, and under rejection sampling the target's top tokens kept
+# at every plain step: a softmax over SmolLM2's 49k vocabulary costs several percent of its 4.5 ms step) at most
+# this share of its row's decoding so far
+SHADOW_SHARE = 0.03
 PROBS_TOP = 32          # the target's top tokens kept per plain step for rejection sampling's sum min(p, q)
 MAX_PENDING = 16        # cheap proposals at K = 0 awaiting the tokens they are compared with
 
@@ -139,3 +147,58 @@ def forget(state: ShadowState) -> None:
     state.right.clear()
     state.probs.clear()
     state.counted = -1
+
+
+def gather(r, d, asked: int, early, estimates) -> None:
+    """Row r's evidence after a step (d: what it did; asked: its drafts asked; early: its cheap proposal made
+    before K was chosen, None: none): a cheap proposal at K = 0 kept and compared with the tokens that follow, a
+    draft model's guesses scored every SHADOW_CHUNK tokens; what is now known counted as drafting would be."""
+    st, req, method, bursty = r.shadow, r.req, r.req.stats.method, r.proposer.bursty
+    if d.drafted:
+        forget(st)
+    plain = not asked and not d.drafted
+    if plain and early is not None:
+        keep_cheap(st, len(req.tokens) - 1, early.tokens.tolist(), early.match)
+    evidence = resolve_cheap(st, req.tokens) if st.pending else []
+    if plain and r.proposer.shadows and r.cap > 0 and st.seconds > SHADOW_SHARE * req.stats.decode_s:
+        # past its share of the row's decoding, a step gathers nothing; what was scored and not yet counted is
+        # dropped, so the scored positions stay contiguous when it resumes
+        forget(st)
+    elif plain and r.proposer.shadows and r.cap > 0:
+        if req.verifier == "rejection" and d.logits is not None:
+            t0 = time.perf_counter()
+            keep_probs(st, len(req.tokens) - 1, r.proc.probs(d.logits[-1:])[0])
+            dt = time.perf_counter() - t0
+            st.seconds += dt
+            req.stats.shadow_s += dt
+            req.stats.decode_s += dt
+        lag = r.proposer.lag(len(req.tokens))
+        # a long catching up (a prompt) waits until it fits, with the evidence's seconds so far, within
+        # SHADOW_BUDGET of the row's decoding so far, and within that share of what the request has left; a
+        # constrained row keeps every scoring within that share (its grammar's forced tokens fill a chunk of
+        # guesses in a few steps, so its scorings come several times as often per plain step)
+        now = lag * estimates.draft_prefill_s_per_token if lag > 2 * SHADOW_CHUNK else 0.0
+        affordable = (lag <= 2 * SHADOW_CHUNK and req.grammar is None) or (
+            st.seconds + now <= SHADOW_BUDGET * req.stats.decode_s
+            and now <= SHADOW_BUDGET * tokens_left(req) * estimates.costs.cost(1, 1))
+        # not on a row's first step: like its drafts, its catching up waits until the first token is out
+        if lag > SHADOW_CHUNK and affordable and req.stats.target_forwards > 1:
+            before = st.seconds
+            score_guesses(st, r.proposer, req, r.proc, req.verifier)
+            req.stats.shadow_s += st.seconds - before
+            req.stats.decode_s += st.seconds - before
+        evidence += [(passed, None) for passed in resolve_guesses(st, r.cap)]
+    for passed, match in evidence:
+        r.acceptance.observe_expected(passed, match)
+        estimates.observe_expected(method, passed, match, bursty, r.band)
+
+
+def tokens_left(req) -> int:
+    """The tokens a request is expected to have left, what a draft model's catching up paid at once is weighed
+    against: its budget (max_new_tokens less its output), or for a constrained request at most as many as it has
+    produced so far. A grammar usually ends its request long before the budget (13-74 tokens of 96 on the
+    structured workloads), and weighed against the budget a short constrained request fed its prompt to the draft
+    for evidence and explorations that its few remaining steps could not repay."""
+    if req.grammar is None:
+        return req.remaining
+    return max(1, min(req.remaining, len(req.tokens) - len(req.prompt_ids)))
