@@ -28,6 +28,7 @@ The bandit (`RateBandit.decide`) takes the cost model's K as its prior and:
      after each loss up to MAX_RETRY and at least what keeps re-tries within RETRY_BUDGET of plain decoding's
      time; an arm that now pays is taken back and the wait reset
   4. picks, among measured K > 0 arms, one that beats the model's K beyond the margin
+A mixed class (rows of several methods or bands) is not decided here but per group (per_group).
 
 It only chooses K: what is accepted is the verifier's.
 `rates()` is the read API: the current rate per arm class and arm.
@@ -144,6 +145,13 @@ class ArmClass:
         return a.rate > b.rate + gap(a, b)
 
 
+def per_group(key: tuple) -> bool:
+    """A class of several (method, band) groups is decided per group, each over the class of a batch of that group
+    alone at the same rows bucket (engine/batch_k.py, which counts each group's share of a mixed step there); its
+    own rates are kept (rates()) but choose nothing: the mix's arms would lump steps where different groups drafted."""
+    return len(key[0]) > 1
+
+
 def gap(a: Arm, b: Arm) -> float:
     """The noise margin between two arms' rates: Z standard errors of their difference, at least MARGIN of the
     larger rate."""
@@ -161,7 +169,10 @@ class RateBandit:
         return self.classes.setdefault(key, ArmClass())
 
     def decide(self, key: tuple, model_k: int) -> int:
-        """The step's K given the cost model's choice model_k over a batch of class `key`."""
+        """The step's K given the cost model's choice model_k over a batch of class `key` (a mixed class: model_k,
+        its groups decide: per_group)."""
+        if per_group(key):
+            return model_k
         c = self.cls(key)
         for k in [k for k, at in c.lost.items() if c.steps >= at]:     # re-try: measured afresh
             del c.lost[k]
@@ -220,6 +231,21 @@ class RateBandit:
         c = self.classes.get(key)
         return c is not None and bool(c.lost) and not any(
             k and k not in c.lost and a.n >= MIN_STEPS for k, a in c.arms.items())
+
+    def pays(self, key: tuple) -> bool:
+        """Some drafting arm of the class is measured (MIN_STEPS steps, not on a re-try, not abandoned) above
+        plain decoding's rate."""
+        c = self.classes.get(key)
+        p = c.arms.get(0) if c is not None else None
+        return p is not None and p.n > 0 and any(k and k not in c.lost and k not in c.retrying and a.n >= MIN_STEPS
+                                                 and a.rate > p.rate for k, a in c.arms.items())
+
+    def gain(self, key: tuple) -> float:
+        """The class's best measured drafting rate over plain decoding's (0.0: either is not measured)."""
+        c = self.classes.get(key)
+        p = c.arms.get(0) if c is not None else None
+        best = max((a.rate for k, a in c.arms.items() if k and a.n), default=0.0) if c is not None else 0.0
+        return best / p.rate if p is not None and p.n and p.rate > 0 else 0.0
 
     def rates(self) -> dict[tuple, dict[int, float]]:
         """The read API: class key -> {K: committed tokens per wall-second at the present load} (arms with a
