@@ -106,8 +106,10 @@ class BatchK:
             return plan
         n = len(rows)
         if plan.k == 0:
+            # groups the policy could have asked: a row past its first step (plain by design), with a proposal
             offered = [g for g, idx in self.groups(rows).items() if g in self._chosen and any(
-                i not in plan.early or plan.early[i] is not None for i in idx)]     # with a proposal, or asked
+                rows[i].req.stats.target_forwards and (i not in plan.early or plan.early[i] is not None)
+                for i in idx)]
             unproven = [g for g in offered if not self.estimates.rates.pays(group_class(g, n))]
             if len(offered) > 1 and unproven:
                 if len(unproven) == len(offered):    # none measured to pay: the best measured gain stays
