@@ -1,24 +1,28 @@
-"""Which rows of a batched step draft: the K policy (kpolicy/policy.py) plans one K for the step's arm class, the set
-of its rows' methods; here, in a batch whose drafting rows run two methods or more, each method keeps drafting only
-where its own measured rate at this batch size pays, and its rows decode plainly in the same step where it does not
-(a step with ragged K).
+"""Which rows of a batched step draft. The K policy (kpolicy/policy.py) plans one K for the step; in a batch whose rows
+run several (method, band) groups (a mixed arm class: measured.per_group), each group drafts only where its own
+measured rate at this batch size pays, and its rows decode plainly in the same steps where it does not (a step
+with ragged K). A batch of one group is the policy's own class: the bandit there drops the whole batch to K = 0
+when drafting at its rows bucket measures below plain decoding, and nothing here changes its plan.
 
-  group        the rows of one (method, temperature band) that draft under the policy (not a fixed-K row, nor a
-               row without a proposer)
-  group class  (((method, band),), rows bucket): the arm class measured.RateBandit keeps for a batch of that
-               group alone (kpolicy/policy.arm_class), so a batch of one method measures it through the policy, and
-               each step of a mixed batch measures each of its groups here: the group's committed tokens over its
-               share (n_g / n) of the step's wall seconds, at the arm of the longest draft its rows were asked for
-  decide       in a mixed step, each group's K is the bandit's decision over its class given the step's K
-               (RateBandit.decide: a K measured below plain decoding beyond the noise is abandoned, plain decoding
-               is kept measured, an abandoned K is re-tried after a wait); 0 leaves the group's rows plain in this
-               step; when every group is left plain the whole step decodes plainly (K = 0)
+  group        the rows of one (method, band) that draft under the policy (not a fixed-K row, nor a row without a
+               proposer)
+  group class  (((method, band),), rows bucket): the arm class measured.RateBandit keeps for a batch of that group
+               alone (policy.arm_class), so a batch of one method measures it through the policy, and each step of
+               a mixed batch measures each of its groups here: the group's committed tokens over its share (n_g / n)
+               of the step's wall seconds, at the arm of the longest draft its rows were asked for
+  decide       before the policy plans a mixed step, each group's K is the bandit's decision over its class given
+               the group's cap (a K measured below plain decoding beyond the noise is abandoned, plain decoding is
+               kept measured, an abandoned K is re-tried after a wait); the rows of a group at 0 are the policy's
+               `free` rows (priced and asked nothing), so its one K is chosen over the groups that draft; when
+               every group is at 0 the whole step decodes plainly
+  refusal      a group not measured to pay that the policy's one K refused with (K = 0 over it and the others: its
+               acceptance or its proposer's cost priced as a loss) sits the next steps out, the wait doubling from
+               RETRY to MAX_RETRY; else it would hold every group of the batch at K = 0, and on a re-try or before
+               it is measured it cannot be judged without drafting
 
-A batch of one method is the policy's own class: there the bandit drops the whole batch to K = 0 when drafting at
-its rows bucket measures below plain decoding, and nothing here changes the plan. Why per group and not per row:
-a row's own drafting moves the step's wall time by a fraction a single step cannot resolve (the step's forward is
-shared), while a group's share is measured over many steps like any arm. It only chooses which rows draft: what is
-accepted is the verifier's, so the output is the same whatever it decides.
+Why per group and not per row: a row's own drafting moves the step's wall time by a fraction a single step cannot
+resolve (the forward is shared), while a group's share is measured over many steps like any arm. It only chooses
+which rows draft: what is accepted is the verifier's, so the output is the same whatever it decides.
 """
 from __future__ import annotations
 
