@@ -40,13 +40,14 @@ def fake_row(method: str, cap: int = 4) -> Row:
     return Row(req, None, proposer, cap, acceptance=AcceptanceEstimate(bursty=False))
 
 
-def run(rows: list[Row], steps: int, accept, per_token: float, batch_k: bool = True) -> list[list[int]]:
+def run(rows: list[Row], steps: int, accept, per_token: float, batch_k: bool = True,
+        est: Estimates | None = None) -> list[list[int]]:
     """steps over rows, told to the policy and to BatchK as engine/step.py tells them: row i accepts accept(row, k)
     of its k drafts; the injected clock charges a step PLAIN (1 + 0.02 K) for its forward (what the cost model
     prices) and per_token for each drafted token (its proposing, its verify, its share of a forward that skips
     padding), which the proposers' measured seconds tell the cost model. -> the drafts asked of each row, per step."""
     n = len(rows)
-    est = estimates(n)
+    est = est or estimates(n)
     policy, bk = KPolicy(est, enabled=True, max_len=4096), BatchK(est, enabled=batch_k)
     asked_by_step = []
     for _ in range(steps):
@@ -92,14 +93,15 @@ def test_in_a_mixed_batch_only_the_method_that_pays_keeps_drafting(n):
         return [fake_row("good")] + [fake_row("bad") for _ in range(n - 1)]
 
     accept = lambda r, k: k if r.req.stats.method == "good" else 0
-    asked = run(rows(), 300, accept, 0.25 * PLAIN / n)
+    est = estimates(n)
+    asked = run(rows(), 300, accept, 0.25 * PLAIN / n, est=est)
     start = next(s for s, a in enumerate(asked) if a[0] and not any(a[1:]))
     assert start <= 12, start
     late = asked[start:]
     assert sum(1 for a in late if a[0]) > 0.9 * len(late)
     assert sum(1 for a in late for k in a[1:] if k) < 0.03 * len(late) * (n - 1)
-    rates = BatchK(estimates(n)).rates(("good", "greedy"), n)
-    assert rates == {}                      # a new engine's estimates: nothing measured
+    good, bad = BatchK(est).rates(("good", "greedy"), n), BatchK(est).rates(("bad", "greedy"), n)   # the read API
+    assert good[4] > 1.5 * good[0] and bad[4] < 0.8 * bad[0], (good, bad)
     # negative control: the policy alone
     alone = run(rows(), 300, accept, 0.25 * PLAIN / n, batch_k=False)
     assert all(all(k == a[0] for k in a) for a in alone)
