@@ -448,9 +448,11 @@ class ServerConfig:
     """The name clients pass as `model`; None uses the --model argument (or 'leaplm-embedded')."""
     max_batch: int = 8
     """Requests decoded together (rows of the batched KV cache)."""
-    max_queue: int = 64
+    max_queue: int = MAX_SAMPLES
     """Sequences (prompts x n) waiting beyond the batch rows: a request that would bring the sequences in flight
-    (waiting or running) over max_batch + max_queue is refused at once with 429 and Retry-After."""
+    (waiting or running) over max_batch + max_queue is refused at once with 429 and Retry-After, one that could
+    never fit (more sequences than that) with 400 naming n. The default holds a request of the largest n (128)
+    on an idle server, whatever max_batch."""
     max_model_len: int | None = None
     """Context length (prompt + output) per request; None: min(the model's, 4096)."""
     max_body_bytes: int = 4 << 20

@@ -106,3 +106,24 @@ def test_choices_that_fit_later_are_429_naming_n():
         adm.check(in_flight=0, reservations=[30] * 4, prompt_lens=[2], max_tokens=28, max_field="max_tokens",
                   prompt_field="prompt", n=4)
     assert e.value.status == 400 and e.value.param == "n"
+
+
+@pytest.mark.parametrize("max_batch", [1, 8, 16])
+def test_the_default_queue_admits_the_largest_n_on_an_idle_server(max_batch):
+    """Defaults: a request of n = 128 (MAX_N) fits max_batch + max_queue whatever max_batch, so what the API
+    allows is served without a flag; the CLI's default is the config's. A queue set below that (the old default of
+    64) refuses it with a 400 naming n and the --max-queue that would hold it (the negative control)."""
+    from leaplm.cli.serve import serve
+    from leaplm.config import ServerConfig
+    from leaplm.server.protocol import MAX_N
+
+    cfg = ServerConfig(max_batch=max_batch)
+    adm = Admission(max_batch=cfg.max_batch, max_queue=cfg.max_queue, budget_tokens=None, budget_bytes=None)
+    adm.check(in_flight=0, reservations=[3] * MAX_N, prompt_lens=[1], max_tokens=2, max_field="max_tokens",
+              prompt_field="prompt", n=MAX_N)
+    import inspect
+    assert inspect.signature(serve).parameters["max_queue"].default.default == ServerConfig.max_queue
+    old = Admission(max_batch=max_batch, max_queue=64, budget_tokens=None, budget_bytes=None)
+    with pytest.raises(APIError) as e:
+        old.check_count(MAX_N, MAX_N, "prompt")
+    assert e.value.status == 400 and e.value.param == "n" and f"--max-queue {MAX_N - max_batch}" in e.value.message

@@ -33,8 +33,9 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LEAPLM_API_KEY",
                                           help="Require 'Authorization: Bearer KEY' on /v1/* (not /health, /metrics)."),
     max_batch: int = typer.Option(8, "--max-batch", "--max-num-seqs", help="Requests decoded together."),
-    max_queue: int = typer.Option(64, "--max-queue", help="Waiting sequences (prompts x n) beyond the batch's rows: "
-                                  "over max_batch + max_queue in flight, new requests get 429."),
+    max_queue: int = typer.Option(ServerConfig.max_queue, "--max-queue",
+                                  help="Waiting sequences (prompts x n) beyond the batch's rows: over max_batch + "
+                                       "max_queue in flight, new requests get 429 (the default admits n = 128)."),
     max_num_batched_tokens: Optional[int] = typer.Option(
         None, "--max-num-batched-tokens", help="Tokens a step may feed the model: longer prompts are prefilled in "
                                                "chunks between decoding steps of running streams (default: whole)."),

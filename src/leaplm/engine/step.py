@@ -7,7 +7,8 @@ leave between steps). A step over the n decoding rows:
   0. prefill  the rows still prefilling get what the decoding rows leave of the token budget (engine/table.py:
               the row table, which also joins and removes rows and keeps their cache rows dense)
   1. propose  the K policy (engine/kpolicy/policy.py) plans the step: one K, each row drafting k_i = min(K, its cap, its
-              room); the proposers draft (engine/proposing.py); a constrained row whose grammar forces the next
+              room), a method measured to lose in a mixed batch at 0 (engine/batch_k.py); the proposers draft
+              (engine/proposing.py); a constrained row whose grammar forces the next
               tokens drafts them instead, for free, and every constrained row's drafts are cut to its grammar
               (engine/constrain.py)
   2. score    ONE target forward over [n, 1 + max k_i] for the chain rows (engine/scoring.py); a tree row is
@@ -32,6 +33,7 @@ from ..config import SamplingParams, SpecConfig, StructuredOutput
 from ..propose.base import Proposal, Proposer, ProposerFactory
 from ..propose.prediction import with_prediction
 from ..sampling import LogitsProcessor
+from .batch_k import BatchK
 from .commit import finish_chunk, new_request, verify_commit
 from .constrain import GrammarWork, dead_end, forced_proposals
 from .kpolicy.estimates import Estimates
@@ -99,6 +101,7 @@ class Batch:
         self.max_len = engine.max_model_len
         self.table = RowTable(self.model, max_rows, self.max_len, engine.max_num_batched_tokens)
         self.policy = KPolicy(engine.estimates, enabled=self.spec.adaptive_k, max_len=self.max_len)
+        self.batch_k = BatchK(engine.estimates, enabled=self.spec.adaptive_k)     # which methods of a mixed batch draft
         budget, full_step = engine.max_num_batched_tokens, max_rows * (1 + self.spec.k) + MIN_CHUNK
         if budget is not None and budget < full_step:
             # every running row decodes each step; prompts get only what is left (at least MIN_CHUNK), so a full
@@ -185,8 +188,9 @@ class Batch:
         forced = {}
         if self.spec.forced_tokens and any(r.req.grammar is not None for r in rows):
             forced = forced_proposals(rows, room, self.max_len, self.model.device, skip=busy)
-        plan = self.policy.plan(rows, lambda i, cap: self._propose(i, rows[i], cap, clock)[0], room,
-                                free=frozenset(forced) | busy)
+        plain = self.batch_k.plain_rows(rows)            # a mixed batch's methods measured to lose here
+        plan = self.batch_k.plan(rows, self.policy.plan(rows, lambda i, cap: self._propose(i, rows[i], cap, clock)[0],
+                                                        room, free=frozenset(forced) | busy | plain))
         errors: dict[int, str] = {}                      # rows whose proposer, grammar or forward failed: they end
         proposals, seconds = planned(plan, rows, self.table.row_cache, self.policy, errors)
         clock.propose += seconds
@@ -221,6 +225,7 @@ class Batch:
         self.steps += 1
         self.policy.observe(rows, plan, done, timed=not (forced or busy or deferred),
                             wall=clock.stop - clock.decode_start)
+        self.batch_k.observe(rows, plan, done, clock.stop - clock.decode_start, not (forced or busy or deferred))
         for i in reversed(range(n)):
             out = outputs[i]
             if out.chunk is not None:

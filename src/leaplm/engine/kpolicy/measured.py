@@ -34,6 +34,7 @@ The bandit (`RateBandit.decide`) takes the cost model's K as its prior and:
      evidence (shadow.py) stops while drafting loses
 Re-tries and explorations share one budget per class: none starts before the last has paid for its measured
 loss within RETRY_BUDGET of plain decoding's time (ArmClass.tried).
+A mixed class (rows of several methods or bands) is not decided here but per group (per_group).
 
 It only chooses K: what is accepted is the verifier's.
 `rates()` is the read API: the current rate per arm class and arm.
@@ -226,6 +227,13 @@ class ArmClass:
         return a.rate > b.rate + gap(a, b)
 
 
+def per_group(key: tuple) -> bool:
+    """A class of several (method, band) groups is decided per group, each over the class of a batch of that group
+    alone at the same rows bucket (engine/batch_k.py, which counts each group's share of a mixed step there); its
+    own rates are kept (rates()) but choose nothing: the mix's arms would lump steps where different groups drafted."""
+    return len(key[0]) > 1
+
+
 def gap(a: Arm, b: Arm) -> float:
     """The noise margin between two arms' rates: Z standard errors of their difference, at least MARGIN of the
     larger rate."""
@@ -244,7 +252,10 @@ class RateBandit:
 
     def decide(self, key: tuple, model_k: int, alternative=lambda: NO_ALTERNATIVE) -> int:
         """The step's K given the cost model's choice model_k over a batch of class `key`; alternative(): its
-        best-priced K > 0 while it says K = 0 (ArmClass.at_zero)."""
+        best-priced K > 0 while it says K = 0 (ArmClass.at_zero). A mixed class: model_k, its groups decide
+        (per_group)."""
+        if per_group(key):
+            return model_k
         c = self.cls(key)
         for k in [k for k, at in c.lost.items() if c.steps >= max(at, c.next_try)]:   # re-try: measured afresh
             del c.lost[k]
@@ -316,6 +327,21 @@ class RateBandit:
         c = self.classes.get(key)
         return c is not None and bool(c.lost) and not any(
             k and k not in c.lost and a.n >= MIN_STEPS for k, a in c.arms.items())
+
+    def pays(self, key: tuple) -> bool:
+        """Some drafting arm of the class is measured (MIN_STEPS steps, not on a re-try, not abandoned) above
+        plain decoding's rate."""
+        c = self.classes.get(key)
+        p = c.arms.get(0) if c is not None else None
+        return p is not None and p.n > 0 and any(k and k not in c.lost and k not in c.retrying and a.n >= MIN_STEPS
+                                                 and a.rate > p.rate for k, a in c.arms.items())
+
+    def gain(self, key: tuple) -> float:
+        """The class's best measured drafting rate over plain decoding's (0.0: either is not measured)."""
+        c = self.classes.get(key)
+        p = c.arms.get(0) if c is not None else None
+        best = max((a.rate for k, a in c.arms.items() if k and a.n), default=0.0) if c is not None else 0.0
+        return best / p.rate if p is not None and p.n and p.rate > 0 else 0.0
 
     def rates(self) -> dict[tuple, dict[int, float]]:
         """The read API: class key -> {K: committed tokens per wall-second at the present load} (arms with a
