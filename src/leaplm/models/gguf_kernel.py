@@ -2,11 +2,14 @@
 for such files): no full-precision copy of any matrix is made.
 
 Each decoder matrix and the output projection is read as the file stores it (a view of the mapped file) and moved
-into the kernel's layout in one copy (quant/linear.pack_gguf; without the extension, quant/formats.from_gguf_blocks
-for the PyTorch path), and the file's pages are dropped from the process's resident memory once packed. Norms and biases are the file's own F32 vectors. The token
-embedding stays in its blocks too: a forward dequantizes the T rows it looks up (exactly the values a
+into the kernel's layout (quant/linear.pack_gguf in one copy; pack_gguf_chunked a chunk of rows at a time for the
+other types, so a K-quant's wider temporaries are a chunk's; without the extension, quant/formats.from_gguf_blocks
+for the PyTorch path); only that packed form is kept, and the file's pages are dropped from the process's resident
+memory once packed. Norms and biases are the file's own F32 vectors. The token embedding is not copied at all: it
+stays in the mapped file (FileRows) and a forward converts the T rows it looks up (exactly the values a
 dequantized copy would hold: a block's integer times its fp16 scale, plus its fp16 minimum, rounds once in fp32
-either way).
+either way). So the process holds the packed matrices, the file's pages of the rows it has looked up, the KV
+cache and the runtime: no second copy of any matrix.
 
 Row order: llama.cpp's converter stores llama/mistral q and k rows with each rotated pair interleaved, which is
 the native model's own layout (llama.interleave_rope_rows), so those rows are taken as they are; qwen2/qwen3 files
@@ -16,12 +19,13 @@ exact permutation of whole rows.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..quant.formats import GGUF_TYPES
+from ..quant.formats import GGUF_TYPES, QuantizedWeight, from_gguf_blocks
 from .arch import BY_GGUF_ARCHITECTURE
 from .base import LoadedModel
 from .gguf import GGUFFile, GGUFInfo, dequantize_tensor, parse_gguf, read_gguf_config
@@ -54,6 +58,56 @@ def kernel_blockers(g: GGUFFile, cfg: dict) -> list[str]:
     return out
 
 
+@dataclass
+class FileRows:
+    """A matrix in a GGUF file's blocks read row by row from the file's mapping (the token embedding): nothing is
+    copied at load, and a lookup converts only the T rows it reads (formats.from_gguf_blocks: the same numbers as
+    those rows of the whole matrix's QuantizedWeight, each row's blocks being its own). The pages a lookup touches
+    are the file's, in the page cache. Stands in for the QuantizedWeight LlamaForCausalLM.embed reads (`rows`);
+    q, scale and minv convert the whole matrix on every access (embed_weight: EAGLE heads, tests)."""
+    raw: np.ndarray              # uint8 [V, bytes per row]: a view of the file's mapping
+    ggml_type: str               # a type in formats.GGUF_TYPES
+    in_features: int             # K (the hidden size)
+
+    @property
+    def fmt(self) -> str:
+        return GGUF_TYPES[self.ggml_type]
+
+    @property
+    def out_features(self) -> int:
+        return self.raw.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the file holds for it (a lookup reads a row's share)."""
+        return self.raw.nbytes
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The rows at index [M] (any shape: the result's leading dimensions are index's) as a QuantizedWeight."""
+        flat = index.reshape(-1).cpu().numpy()
+        w = from_gguf_blocks(self.raw[flat], self.ggml_type, (len(flat), self.in_features))
+        if index.dim() == 1:
+            return w
+        shape = lambda t: t.view(*index.shape, *t.shape[1:])     # noqa: E731
+        return QuantizedWeight(w.fmt, shape(w.q), shape(w.scale), None if w.minv is None else shape(w.minv))
+
+    def whole(self) -> QuantizedWeight:
+        """Every row (a full conversion: [V, K]'s integers and fp32 scales)."""
+        return from_gguf_blocks(self.raw, self.ggml_type, (self.out_features, self.in_features))
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self.whole().q
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.whole().scale
+
+    @property
+    def minv(self) -> torch.Tensor | None:
+        return self.whole().minv
+
+
 def _vector(g: GGUFFile, name: str) -> torch.Tensor:
     """A 1-D tensor (norm weight, bias) as fp32, copied out of the mapping (they are small)."""
     t = g.tensors[name]
@@ -70,8 +124,7 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
                      cache_dtype: torch.dtype = torch.float32) -> LoadedModel | None:
     """The file on the int8 kernel from its own blocks, or None (logged) when kernel_blockers says it cannot."""
     from ..kernels.build import load as load_kernel
-    from ..quant.formats import from_gguf_blocks
-    from ..quant.linear import QuantizedLinear, SplitLinear, fused_linear, pack_gguf
+    from ..quant.linear import QuantizedLinear, SplitLinear, fused_linear, pack_gguf, pack_gguf_chunked
     from .gguf import load_gguf_tokenizer
     from .llama import interleave_rope_rows
     from .tokens import prompt_bos
@@ -101,16 +154,32 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
 
     def linear(names: list[str], rows: list | None = None) -> QuantizedLinear | SplitLinear:
         """The linear over these tensors' rows stacked (fused q/k/v, gate/up; formats that mix make a split
-        linear). On the extension, the blocks go from the file straight into its layout (quant/linear.pack_gguf)."""
-        types = {g.tensors[n].type_name for n in names}
-        packed = pack_gguf([g.raw(n) for n in names], types.pop(), rows) \
-            if ext is not None and len(types) == 1 else None
+        linear). On the extension, the blocks go from the file straight into its layout (quant/linear.pack_gguf, or
+        pack_gguf_chunked a chunk of rows at a time), and nothing but the packed form is kept."""
+        rows = rows or [None] * len(names)
+        types = [g.tensors[n].type_name for n in names]
+        if ext is None:                      # the PyTorch path computes on QuantizedWeights
+            return fused_linear([blocks(n, r) for n, r in zip(names, rows)])
+        packed = pack_gguf([g.raw(n) for n in names], types[0], rows) if len(set(types)) == 1 else None
         if packed is not None:
             for n in names:
                 g.release(n)
             return QuantizedLinear.from_packed(packed)
-        parts = [blocks(n, r) for n, r in zip(names, rows or [None] * len(names))]
-        return fused_linear(parts)           # parts in two formats (Q4_K q, k beside a Q6_K v): two row blocks
+        runs: list[list[int]] = []           # parts of one kernel format (Q4_K q, k beside a Q6_K v: two runs)
+        for j, t in enumerate(types):
+            if runs and GGUF_TYPES[types[runs[-1][0]]] == GGUF_TYPES[t]:
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+        lins = []
+        for run in runs:
+            K = g.tensors[names[run[0]]].dims[0]
+            pk = pack_gguf_chunked([(g.raw(names[j]), types[j], rows[j]) for j in run], K)
+            lins.append(QuantizedLinear.from_packed(pk) if pk is not None else
+                        fused_linear([blocks(names[j], rows[j]) for j in run]))
+            for j in run:
+                g.release(names[j])
+        return lins[0] if len(lins) == 1 else SplitLinear(lins)
 
     model = meta_model(a)
     empty = lambda: _param(torch.empty(0, dtype=torch.float32))   # noqa: E731  (a weight the kernel holds)
@@ -147,13 +216,13 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
             blk.mlp.post_norm.weight = _param(_vector(g, f"{b}{nm.post_mlp_norm}.weight"))
     model.norm.weight = _param(_vector(g, "output_norm.weight"))
     head_name = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+    q["lm_head.weight"] = linear([head_name])        # packed, then its pages dropped (a tied embedding's too)
     et = g.tensors["token_embd.weight"]
-    if et.type_name in KERNEL_TYPES:                 # looked up row by row from its blocks (LlamaForCausalLM.embed)
-        model.embed_quantized = blocks("token_embd.weight")
+    if et.type_name in KERNEL_TYPES:                 # looked up row by row from the file (LlamaForCausalLM.embed)
+        model.embed_quantized = FileRows(g.raw("token_embd.weight"), et.type_name, et.dims[0])
         model.embed_tokens.weight = empty()
     else:
         model.embed_tokens.weight = _param(dequantize_tensor(g, "token_embd.weight"))
-    q["lm_head.weight"] = linear([head_name])
     model.lm_head.weight = model.embed_tokens.weight if a.tie_word_embeddings else empty()
     model.reset_buffers("cpu")
     model._fast = None

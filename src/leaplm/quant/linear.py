@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -85,8 +86,6 @@ def pack_gguf(raws: list, ggml_type: str, rows: list | None = None) -> PackedWei
 
     None for other types (Q5_0, the K-quants) and when the rows do not split into whole groups of 8 per tensor:
     the caller packs those through QuantizedWeight."""
-    import numpy as np
-
     if ggml_type not in GGUF_BLOCKS:
         return None
     blk = np.dtype(GGUF_BLOCKS[ggml_type])
@@ -121,22 +120,57 @@ def pack_gguf(raws: list, ggml_type: str, rows: list | None = None) -> PackedWei
                         torch.from_numpy(scale), None if minv is None else torch.from_numpy(minv), N)
 
 
+PACK_CHUNK_WEIGHTS = 1 << 22      # weights per chunk of pack_gguf_chunked (~4M: its temporaries stay tens of MB)
+
+
+def pack_gguf_chunked(parts: list[tuple], K: int) -> PackedWeight | None:
+    """The PackedWeight of GGUF tensors of one kernel format (formats.GGUF_TYPES: Q4_K beside Q4_1 is int4 in both)
+    stacked along their output rows, built a chunk of rows at a time: each chunk's blocks read from the file
+    (formats.from_gguf_blocks), packed, and copied into the output, so the temporaries (a K-quant's unpacked
+    integers are several times its blocks) are a chunk's, not a whole matrix's, and no unpacked copy is kept.
+    parts: (raw uint8 [N_i, bytes per row], ggml type, None or an index [N_i] reordering its rows). The scales
+    are fp32, as pack's. None when a part other than the last has rows that do not split into groups of 8."""
+    from .formats import GGUF_TYPES, from_gguf_blocks
+
+    ns = [r.shape[0] for r, _, _ in parts]
+    if any(n % GROUP for n in ns[:-1]) or len({GGUF_TYPES[t] for _, t, _ in parts}) != 1:
+        return None
+    chunk = max(GROUP, PACK_CHUNK_WEIGHTS // K // GROUP * GROUP)                # rows, whole groups
+    NG = -(-sum(ns) // GROUP)
+    q = scale = minv = None
+    at = 0                                                                        # row groups written
+    for (raw, ggml_type, rows), n in zip(parts, ns):
+        for i in range(0, n, chunk):
+            sub = raw[i:i + chunk] if rows is None else raw[np.asarray(rows[i:i + chunk])]   # [c, bytes per row]
+            pk = pack(from_gguf_blocks(sub, ggml_type, (sub.shape[0], K)))
+            if q is None:                                                         # shapes known from the first
+                q = torch.empty(NG, *pk.q.shape[1:], dtype=pk.q.dtype)
+                scale = torch.empty(NG, *pk.scale.shape[1:], dtype=pk.scale.dtype)
+                minv = None if pk.minv is None else torch.empty(NG, *pk.minv.shape[1:], dtype=pk.minv.dtype)
+            g = pk.q.shape[0]
+            q[at:at + g], scale[at:at + g] = pk.q, pk.scale
+            if minv is not None:
+                minv[at:at + g] = pk.minv
+            at += g
+    return PackedWeight(q, scale, minv, sum(ns))
+
+
 class QuantizedLinear:
     """y = x @ W.T (+ bias) for a QuantizedWeight W [N, K]; x [..., K] fp32 or bf16 -> y [..., N] in x's dtype.
 
-    Built from a QuantizedWeight, or (from_packed) from the kernel's layout alone, whose `weight` is then
-    unpacked when asked for."""
+    Built from a QuantizedWeight, or (from_packed) from the kernel's layout alone. On the extension only the packed
+    form is kept (the weight's bytes once, not twice); `weight` is then unpacked when asked for."""
 
     def __init__(self, weight: QuantizedWeight, backend: str = "auto"):
         from ..kernels.build import load
 
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self._weight: QuantizedWeight | None = weight
         self.ext = load() if backend in ("auto", "extension") else None
         if backend == "extension" and self.ext is None:
             raise RuntimeError("the quantized-linear C++ extension is unavailable here (see the log for why)")
         self.packed = pack(weight) if self.ext is not None else None
+        self._weight: QuantizedWeight | None = weight if self.packed is None else None
 
     @classmethod
     def from_packed(cls, packed: PackedWeight) -> "QuantizedLinear":
@@ -159,6 +193,18 @@ class QuantizedLinear:
     @weight.setter
     def weight(self, w: QuantizedWeight | None) -> None:
         self._weight = w
+
+    @property
+    def fmt(self) -> str:
+        """'int8' | 'int4' | 'int6' (read from the packed form without unpacking it)."""
+        p = self.packed
+        if p is None:
+            return self._weight.fmt
+        return "int4" if p.minv is not None else "int6" if p.scale.shape[1] == 2 * p.q.shape[1] else "int8"
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.rows if self.packed is not None else self._weight.out_features
 
     @property
     def nbytes(self) -> int:
@@ -196,6 +242,20 @@ class QuantizedLinear:
                            for i in range(0, M, KERNEL_ROWS)])
         return y.view(*shape[:-1], p.rows).to(x.dtype)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [...] long: the index of each row's largest output, torch.argmax's of self(x) (the first
+        maximum), without writing the [..., N] outputs on the extension (kernels/driver.h qlinear_argmax: the
+        same products, reduced per block of output rows)."""
+        if self.ext is None:
+            return self(x).argmax(-1)
+        x2 = x.reshape(-1, x.shape[-1])                                 # [M, K]
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        p, run, path = self.packed, self.ext.module.qlinear_argmax, self.ext.path
+        ids = [run(x2[i:i + KERNEL_ROWS], p.q, p.scale, p.minv, None, p.rows, path)[1]
+               for i in range(0, x2.shape[0], KERNEL_ROWS)]
+        return (ids[0] if len(ids) == 1 else torch.cat(ids)).view(x.shape[:-1])      # [...]
+
 
 class SplitLinear:
     """One linear whose row blocks are held in different formats (q/k/v of a Q4_K_M file: Q4_K q and k beside a
@@ -206,7 +266,7 @@ class SplitLinear:
         if len({p.backend for p in parts}) != 1:
             raise ValueError("the row blocks of a split linear must run on one backend")
         self.parts = parts
-        self.formats = "/".join(p.weight.fmt for p in parts)      # e.g. "int4/int6"
+        self.formats = "/".join(p.fmt for p in parts)             # e.g. "int4/int6"
 
     @property
     def backend(self) -> str:
@@ -218,11 +278,15 @@ class SplitLinear:
 
     @property
     def out_features(self) -> int:
-        return sum(p.weight.out_features for p in self.parts)
+        return sum(p.out_features for p in self.parts)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = torch.cat([p(x) for p in self.parts], dim=-1)            # [..., N]
         return y if bias is None else y + bias.to(y.dtype)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [...] long (an output layer is one tensor, so never split: the outputs are written)."""
+        return self(x).argmax(-1)
 
 
 def fused_linear(parts: list[QuantizedWeight], backend: str = "auto") -> "QuantizedLinear | SplitLinear":
