@@ -118,3 +118,76 @@ def test_the_bias_is_added_as_qlinear_adds_it_and_a_nan_output_wins_as_in_torch(
     values, got = mod.qlinear_argmax(x, p.q, p.scale, p.minv, bias, p.rows, path)
     y = mod.qlinear(x, p.q, p.scale, p.minv, bias, p.rows, path)
     assert torch.equal(got, y.argmax(-1)) and torch.equal(values, y.amax(-1))
+
+
+# ---- the engine: greedy rows whose logits nothing reads take the model's argmax alone ----------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Q4_K_M GGUF file on the kernel (Q4_K, Q6_K, Q5_0 and Q8_0 blocks; tests/models/gguf_writer.py)."""
+    import sys
+    from pathlib import Path
+
+    from leaplm.models import load_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from gguf_writer import write_tiny_gguf
+
+    return load_model(write_tiny_gguf(tmp_path_factory.mktemp("argmax"), "Q4_K_M", seed=2)[0], quantization="gguf")
+
+
+PROMPT = "ab ab ab cd ab ab ab cd ab ab"           # repeats, so ngram and suffix find drafts
+
+
+def generate(lm, method: str, **params):
+    from leaplm.config import SamplingParams
+    from leaplm.engine.engine import Engine
+
+    engine = Engine(lm, method=method, k=4, adaptive_k=False)
+    return engine.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, **params))
+
+
+@pytest.fixture
+def head_calls(monkeypatch):
+    """Counts QuantizedLinear.argmax calls (the kernel's argmax head)."""
+    calls = [0]
+    real = QuantizedLinear.argmax
+
+    def counted(self, x):
+        calls[0] += 1
+        return real(self, x)
+
+    monkeypatch.setattr(QuantizedLinear, "argmax", counted)
+    return calls
+
+
+@needs_ext
+@pytest.mark.parametrize("method", ["none", "ngram", "suffix"])
+def test_greedy_tokens_are_the_same_with_the_argmax_head_on_and_off(tiny, method, head_calls, monkeypatch):
+    from dataclasses import replace
+
+    model_type = type(tiny.model)
+    assert model_type.capabilities.argmax_head
+    on = generate(tiny, method)
+    assert head_calls[0] >= 1 and len(on.token_ids) == 24
+    if method != "none":
+        assert on.stats.draft_tokens > 0
+    monkeypatch.setattr(model_type, "capabilities", replace(model_type.capabilities, argmax_head=False))
+    before = head_calls[0]
+    off = generate(tiny, method)
+    assert head_calls[0] == before                               # the full logits, argmaxed by the verifier
+    assert on.token_ids == off.token_ids
+
+
+@needs_ext
+def test_a_wrong_argmax_head_changes_the_tokens(tiny, monkeypatch):
+    """Negative control: the identity above can fail (a head answering each position's runner-up)."""
+    want = generate(tiny, "ngram").token_ids
+    monkeypatch.setattr(QuantizedLinear, "argmax", lambda self, x: self(x).topk(2, dim=-1).indices[..., 1])
+    assert generate(tiny, "ngram").token_ids != want
+
+
+@needs_ext
+@pytest.mark.parametrize("params", [{"logprobs": 2}, {"repetition_penalty": 1.3}], ids=["logprobs", "penalty"])
+def test_rows_that_read_their_logits_get_them(tiny, params, head_calls):
+    out = generate(tiny, "ngram", **params)
+    assert head_calls[0] == 0 and len(out.token_ids) == 24
