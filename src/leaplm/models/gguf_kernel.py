@@ -19,6 +19,7 @@ exact permutation of whole rows.
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,6 +109,19 @@ class FileRows:
         return self.whole().minv
 
 
+def _drop_pages(g: GGUFFile, start: int, end: int) -> None:
+    """Drop the whole pages of the file's bytes [start, end) from the process's resident memory (a read-only
+    mapping: they stay in the page cache and come back on the next read)."""
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, end // page * page
+    if g.data is None or hi <= lo or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    try:
+        g.data.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    except (OSError, ValueError):
+        pass
+
+
 def _vector(g: GGUFFile, name: str) -> torch.Tensor:
     """A 1-D tensor (norm weight, bias) as fp32, copied out of the mapping (they are small)."""
     t = g.tensors[name]
@@ -152,6 +166,15 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
 
     ext = load_kernel()
 
+    def dropped(names: list[str]):
+        """The packers' done(i, r0, r1): rows [r0, r1) of names[i] are packed; their pages leave the resident set
+        (the output layer of a 1B model is ~150 MB of the file, which need not be resident while it is packed)."""
+        def done(i: int, r0: int, r1: int) -> None:
+            t = g.tensors[names[i]]
+            per_row = t.n_bytes // (t.n_elements // t.dims[0])
+            _drop_pages(g, t.offset + r0 * per_row, t.offset + r1 * per_row)
+        return done
+
     def linear(names: list[str], rows: list | None = None) -> QuantizedLinear | SplitLinear:
         """The linear over these tensors' rows stacked (fused q/k/v, gate/up; formats that mix make a split
         linear). On the extension, the blocks go from the file straight into its layout (quant/linear.pack_gguf, or
@@ -160,7 +183,8 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
         types = [g.tensors[n].type_name for n in names]
         if ext is None:                      # the PyTorch path computes on QuantizedWeights
             return fused_linear([blocks(n, r) for n, r in zip(names, rows)])
-        packed = pack_gguf([g.raw(n) for n in names], types[0], rows) if len(set(types)) == 1 else None
+        packed = pack_gguf([g.raw(n) for n in names], types[0], rows, dropped(names)) \
+            if len(set(types)) == 1 else None
         if packed is not None:
             for n in names:
                 g.release(n)
@@ -174,7 +198,8 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
         lins = []
         for run in runs:
             K = g.tensors[names[run[0]]].dims[0]
-            pk = pack_gguf_chunked([(g.raw(names[j]), types[j], rows[j]) for j in run], K)
+            pk = pack_gguf_chunked([(g.raw(names[j]), types[j], rows[j]) for j in run], K,
+                                   dropped([names[j] for j in run]))
             lins.append(QuantizedLinear.from_packed(pk) if pk is not None else
                         fused_linear([blocks(names[j], rows[j]) for j in run]))
             for j in run:

@@ -69,6 +69,9 @@ def unpack(p: PackedWeight) -> QuantizedWeight:
     return QuantizedWeight(fmt, q.view(torch.int8), lay(p.scale), None)
 
 
+PACK_CHUNK_WEIGHTS = 1 << 22      # weights per chunk of the packers (~4M: temporaries of tens of MB, pages dropped)
+
+
 # a GGUF block as numpy reads it from the file: the scale (and minimum) in fp16, then the integers as 4-byte words
 # (8 words of int8 for Q8_0; 4 words of nibble pairs for Q4_x), the bytes pack() moves in 4-byte words too
 GGUF_BLOCKS = {"Q8_0": [("d", "<f2"), ("q", "<u4", (8,))],
@@ -76,13 +79,14 @@ GGUF_BLOCKS = {"Q8_0": [("d", "<f2"), ("q", "<u4", (8,))],
                "Q4_1": [("d", "<f2"), ("m", "<f2"), ("q", "<u4", (4,))]}
 
 
-def pack_gguf(raws: list, ggml_type: str, rows: list | None = None) -> PackedWeight | None:
+def pack_gguf(raws: list, ggml_type: str, rows: list | None = None, done=None) -> PackedWeight | None:
     """The PackedWeight of GGUF Q8_0 / Q4_0 / Q4_1 tensors stacked along their output rows (fused q/k/v, gate/up),
     moved from the file's blocks (raw uint8 views [N_i, bytes per row]) straight into the kernel's layout: one
     copy of the integers, none of them widened; the scales (and minimums) kept in fp16 as the file holds them, so a
     forward reads the file's bytes per weight (the kernel widens them exactly, so the products are those of
     pack(cat_rows([from_gguf_blocks(...)])), whose scales are fp32). `rows`: per tensor, None or an index [N_i]
-    reordering its rows.
+    reordering its rows. done(i, r0, r1): called once rows [r0, r1) of tensor i (one not reordered) are copied,
+    so that the caller can drop those pages of the file while the rest is packed.
 
     None for other types (Q5_0, the K-quants) and when the rows do not split into whole groups of 8 per tensor:
     the caller packs those through QuantizedWeight."""
@@ -101,13 +105,18 @@ def pack_gguf(raws: list, ggml_type: str, rows: list | None = None) -> PackedWei
     scale = np.empty((NG, G, GROUP), np.float16)
     minv = None if ggml_type == "Q8_0" else np.empty((NG, G, GROUP), np.float16)
     at = 0
-    for b in blocks:
+    step = max(1, PACK_CHUNK_WEIGHTS // (G * BLOCK * GROUP))                  # row groups per chunk
+    for i, b in enumerate(blocks):
         n = b.shape[0] // GROUP
         g = b.reshape(n, GROUP, G)                                             # [n, 8 rows, G]
-        q[at:at + n] = g["q"].transpose(0, 2, 3, 1)                            # [n, G, chunks, 8 rows]
-        scale[at:at + n] = g["d"].transpose(0, 2, 1)                           # [n, G, 8]
-        if ggml_type == "Q4_1":
-            minv[at:at + n] = g["m"].transpose(0, 2, 1)
+        for c in range(0, n, step):
+            e = min(n, c + step)
+            q[at + c:at + e] = g["q"][c:e].transpose(0, 2, 3, 1)               # [e - c, G, chunks, 8 rows]
+            scale[at + c:at + e] = g["d"][c:e].transpose(0, 2, 1)              # [e - c, G, 8]
+            if ggml_type == "Q4_1":
+                minv[at + c:at + e] = g["m"][c:e].transpose(0, 2, 1)
+            if done is not None and (rows is None or rows[i] is None):
+                done(i, c * GROUP, e * GROUP)
         at += n
     if ggml_type == "Q4_0":
         # w = (q - 8) d: the minimum from_gguf_blocks computes in fp32; -8 d is exact in fp16 unless it overflows
@@ -120,16 +129,14 @@ def pack_gguf(raws: list, ggml_type: str, rows: list | None = None) -> PackedWei
                         torch.from_numpy(scale), None if minv is None else torch.from_numpy(minv), N)
 
 
-PACK_CHUNK_WEIGHTS = 1 << 22      # weights per chunk of pack_gguf_chunked (~4M: its temporaries stay tens of MB)
-
-
-def pack_gguf_chunked(parts: list[tuple], K: int) -> PackedWeight | None:
+def pack_gguf_chunked(parts: list[tuple], K: int, done=None) -> PackedWeight | None:
     """The PackedWeight of GGUF tensors of one kernel format (formats.GGUF_TYPES: Q4_K beside Q4_1 is int4 in both)
     stacked along their output rows, built a chunk of rows at a time: each chunk's blocks read from the file
     (formats.from_gguf_blocks), packed, and copied into the output, so the temporaries (a K-quant's unpacked
     integers are several times its blocks) are a chunk's, not a whole matrix's, and no unpacked copy is kept.
     parts: (raw uint8 [N_i, bytes per row], ggml type, None or an index [N_i] reordering its rows). The scales
-    are fp32, as pack's. None when a part other than the last has rows that do not split into groups of 8."""
+    are fp32, as pack's. done(i, r0, r1): as pack_gguf's. None when a part other than the last has rows that do
+    not split into groups of 8."""
     from .formats import GGUF_TYPES, from_gguf_blocks
 
     ns = [r.shape[0] for r, _, _ in parts]
@@ -139,7 +146,7 @@ def pack_gguf_chunked(parts: list[tuple], K: int) -> PackedWeight | None:
     NG = -(-sum(ns) // GROUP)
     q = scale = minv = None
     at = 0                                                                        # row groups written
-    for (raw, ggml_type, rows), n in zip(parts, ns):
+    for j, ((raw, ggml_type, rows), n) in enumerate(zip(parts, ns)):
         for i in range(0, n, chunk):
             sub = raw[i:i + chunk] if rows is None else raw[np.asarray(rows[i:i + chunk])]   # [c, bytes per row]
             pk = pack(from_gguf_blocks(sub, ggml_type, (sub.shape[0], K)))
@@ -152,6 +159,8 @@ def pack_gguf_chunked(parts: list[tuple], K: int) -> PackedWeight | None:
             if minv is not None:
                 minv[at:at + g] = pk.minv
             at += g
+            if done is not None and rows is None:
+                done(j, i, i + sub.shape[0])
     return PackedWeight(q, scale, minv, sum(ns))
 
 
