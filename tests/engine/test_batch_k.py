@@ -187,6 +187,14 @@ def batch_run(loaded, monkeypatch, methods: list[str], per_token: dict[str, floa
         return forward(ids, *a, **kw)
 
     monkeypatch.setattr(eng.model, "forward", timed_forward)
+    if eng.model.capabilities.argmax_head:                 # greedy rows score through the argmax head
+        argmax = eng.model.forward_argmax
+
+        def timed_argmax(ids, *a, **kw):
+            clock.now += PLAIN * (1 + 0.02 * (ids.shape[1] - 1))
+            return argmax(ids, *a, **kw)
+
+        monkeypatch.setattr(eng.model, "forward_argmax", timed_argmax)
     # the start-up calibration's shape, as the clock charges it (an engine of method none skips calibrating)
     eng.estimates.costs.calibrated(len(methods), [{T: PLAIN * (1 + 0.02 * (T - 1)) for T in range(1, 10)}])
     vocab = eng.model.vocab_size

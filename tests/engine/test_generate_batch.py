@@ -38,13 +38,16 @@ def test_rows_share_the_target_forwards(target, monkeypatch):
     """Three rows of 16 tokens without speculation: 16 steps of one batched forward, not 48 forwards in turn."""
     eng = Engine(target, method="none")
     calls = []
-    forward = eng.model.forward
 
-    def counting(*a, **kw):
-        calls.append(a[0].shape[0])                                       # rows in this forward
-        return forward(*a, **kw)
+    def counting(forward):
+        def run(*a, **kw):
+            calls.append(a[0].shape[0])                                   # rows in this forward
+            return forward(*a, **kw)
+        return run
 
-    monkeypatch.setattr(eng.model, "forward", counting)
+    # greedy rows whose logits nothing reads are scored by forward_argmax (engine/scoring.py)
+    for name in ("forward", "forward_argmax"):
+        monkeypatch.setattr(eng.model, name, counting(getattr(eng.model, name)))
     outs = eng.generate_batch(PROMPT, [SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)] * 3)
     assert all(len(o.token_ids) == 16 for o in outs)
     assert calls.count(3) == 16 and len(calls) == 16 + 3                  # 3 prefills (one row each), 16 steps

@@ -31,7 +31,7 @@ from .row import Row, RowOutput, engine_error
 from .scoring import ChainScores
 from .stats import GenerationStats, StepClock
 from .tree_step import extra_logits, score_tree
-from .verification import request_verifier, verify_chain
+from .verification import request_verifier, verify_argmax, verify_chain
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,10 @@ def verify_commit(model, cache, i: int, r: Row, p: Proposal | None, scored: Chai
             observer.observe_forward(1, tree.block_len, tree.score_s)
             result, row_logits, row_hidden, score_s = tree.result, tree.logits, tree.hidden, tree.score_s
             kept = [0] + [j + 1 for j in result.path]
+        elif scored.logits is None:                  # nothing reads its logits: the target's argmax alone
+            row_logits = None
+            result = verify_argmax(p, scored.argmax[i, : 1 + d])                         # [1 + k_i]
+            row_hidden, kept, score_s = None, list(range(1 + result.accepted)), 0.0
         else:
             row_logits = scored.logits[i, : 1 + d]                                        # [1 + k_i, V]
             result = verify_chain(r.req, p, r.proc, masked(row_logits, rc) if rc is not None else row_logits)
@@ -151,7 +155,8 @@ def verify_commit(model, cache, i: int, r: Row, p: Proposal | None, scored: Chai
         return out, None
     if forced:                                       # nothing the row's proposer drafted: not its acceptance
         return out, RowStep(0, 0, 1)
-    return out, RowStep(d, result.accepted, row_logits.shape[0], p.match if p is not None else None, row_logits)
+    n = row_logits.shape[0] if row_logits is not None else 1 + d
+    return out, RowStep(d, result.accepted, n, p.match if p is not None else None, row_logits)
 
 
 def finish_chunk(req: Request, chunk: StreamChunk) -> StreamChunk:

@@ -3,6 +3,11 @@ token, its drafts, padding]. A tree row (Proposal.parents set) is scored by its 
 a batch-1 view of its cache row (engine/tree_step.py); its block here is its last token alone, and when every row
 is a tree row the batched forward is skipped.
 
+When nothing reads a step's logits beyond their argmax (every scored row greedy, without a repetition penalty,
+logprobs, a grammar or a proposer's extra rows, and no proposer reading the target's features), a model that can
+(ModelCapabilities.argmax_head) is asked for each position's argmax alone: its output layer reduces its rows
+without writing [n, T, V] logits (a verify block of Gemma 3's 262,144-token vocabulary is T MB of them).
+
 Padding is harmless: a row commits only its accepted + 1 slots, and causal attention means the logits of its real
 positions never see the padding after them. A model taking ragged rows (ModelCapabilities.ragged_rows) is told
 each row's real length and skips the padding.
@@ -30,6 +35,8 @@ class ChainScores:
     failed: dict[int, str]           # row -> the error that ended it (proposing or scoring)
     seconds: float | None = None     # the forward's time (None: no forward ran)
     alone: bool = False              # the batched forward failed and the rows were scored one by one
+    argmax: torch.Tensor | None = None   # [n, T] long: each position's argmax, scored instead of logits when
+                                         # nothing read them (reads_logits); logits is then None
 
 
 def forward(model, ids: torch.Tensor, cache, feats: bool, **kw):
@@ -40,6 +47,14 @@ def forward(model, ids: torch.Tensor, cache, feats: bool, **kw):
     if feats:
         return model.forward_hidden(ids, cache, hidden_all=True, **kw)
     return model(ids, cache, **kw)
+
+
+def reads_logits(r: Row, p: Proposal | None) -> bool:
+    """Does anything but greedy verification's argmax read row r's logits this step (its chain proposal p)? The
+    sampled verifiers, a repetition penalty (presence), logprobs, a grammar's mask and a proposer's extra rows do."""
+    req = r.req
+    return (req.verifier != "greedy" or req.presence is not None or req.logprobs is not None
+            or req.grammar is not None or (p is not None and p.extra is not None))
 
 
 def score_chains(model, cache, rows: list[Row], proposals: list[Proposal | None], failed: dict[int, str],
@@ -67,7 +82,14 @@ def score_chains(model, cache, rows: list[Row], proposals: list[Proposal | None]
     if model.capabilities.ragged_rows:
         ragged["row_tokens"] = [0 if i in skip or (p is not None and p.parents is not None)
                                 else 1 + (c.k if c is not None else 0) for i, (p, c) in enumerate(zip(proposals, chain))]
+    # the argmax alone when no scored row reads its logits (a tree row's block here is not read at all)
+    argmax = model.capabilities.argmax_head and not feats and not any(
+        reads_logits(r, p) for i, (r, p) in enumerate(zip(rows, chain))
+        if i not in failed and i not in skip and (proposals[i] is None or proposals[i].parents is None))
     try:
+        if argmax:
+            ids = model.forward_argmax(block.to(model.device), cache, **ragged)        # [n, T]
+            return ChainScores(None, None, T, failed, time.perf_counter() - t, argmax=ids)
         out = forward(model, block.to(model.device), cache, feats, **ragged)
     except Exception as e:  # noqa: BLE001 - the rows that cause it end, not the batch
         log.warning("a batched forward of %d rows failed (%s: %s): scoring each row alone", len(rows),

@@ -1,6 +1,7 @@
 """Stage 3 of the step: which verifier a request runs, on the target's p at every verified position.
 
-  greedy     temperature 0: a draft token is kept while it equals the target's argmax (verify/greedy.py)
+  greedy     temperature 0: a draft token is kept while it equals the target's argmax (verify/greedy.py); where
+             nothing else reads the logits, the model returns the argmax alone (verify_argmax)
   rejection  sampled requests without a seed (SamplingParams.verifier 'auto') or asking for it: draft token x is
              kept with probability min(1, p(x) / q(x)) (q one-hot for deterministic proposers), the recovered token
              sampled from normalize(max(0, p - q)), the bonus from p (verify/rejection.py; trees: each node's
@@ -62,6 +63,13 @@ def verify_chain(req: Request, proposal: Proposal | None, proc: LogitsProcessor,
         q = proposal.q if proposal is not None else None                               # [K, V] or None
         return verify_rejection(drafts, q, p, req.generator)
     return verify_coupled(drafts, p, req.seed, len(req.tokens))
+
+
+def verify_argmax(proposal: Proposal | None, target_argmax: torch.Tensor) -> VerifyResult:
+    """Greedy verification of a chain against target_argmax [K+1] long, the target's own argmax at each position
+    (scoring asked the model for it alone: the request reads nothing else of its logits, engine/scoring.py)."""
+    drafts = proposal.tokens if proposal is not None else target_argmax.new_empty(0)             # [K]
+    return verify_greedy(drafts, target_argmax)
 
 
 def verify_tree(req: Request, proposal: Proposal, proc: LogitsProcessor, logits: torch.Tensor,

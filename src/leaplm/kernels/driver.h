@@ -2,7 +2,8 @@
 // the kernel's threads (pool.h) in chunks of whole row groups (an even count: the AVX-512 pairs stay whole), each
 // chunk through one path's block products (run_groups, the one dispatch); the tokens of one row group in tiles
 // (AVX2: 4, VNNI: 8 tokens) and the blocks in chunks that keep the activations in L1. Entry points: linear_raw
-// (any token count, a linear in several parts) and qlinear (the Python one, 1..32 tokens).
+// (any token count, a linear in several parts), qlinear (the Python one, 1..32 tokens) and qlinear_argmax (its
+// per-token argmax, for a greedy output layer, without writing the outputs).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -116,9 +117,10 @@ void linear_raw(const float* x, int64_t M, int64_t K, const std::vector<W>& ws, 
       for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
 }
 
-// x [T, K] fp32 contiguous (T <= 32); qp, sp, mp packed as common.h describes; returns y [T, N].
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::optional<torch::Tensor> mp,
-                      c10::optional<torch::Tensor> bias, int64_t N, int64_t path) {
+// The packed weight W of qp, sp, mp (common.h's layout) for x [T, K] fp32 contiguous, T <= 32, after checking
+// every shape and type; the path checked too (and taken as SCALAR off x86).
+W packed_view(const torch::Tensor& x, const torch::Tensor& qp, const torch::Tensor& sp,
+              const c10::optional<torch::Tensor>& mp, int64_t N, int64_t& path) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: [T, K] contiguous fp32");
   const int64_t T = x.size(0), K = x.size(1);
   TORCH_CHECK(T >= 1 && T <= MAX_T, "qlinear takes 1..", MAX_T, " tokens, got ", T);
@@ -140,16 +142,92 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::
 #if !defined(__x86_64__)
   path = SCALAR;
 #endif
+  return W{qp.data_ptr<uint8_t>(), sp.data_ptr(), int4 ? mp->data_ptr() : nullptr, N, int(G), int4, half, N, s16};
+}
+
+// x [T, K] fp32 contiguous (T <= 32); qp, sp, mp packed as common.h describes; returns y [T, N].
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::optional<torch::Tensor> mp,
+                      c10::optional<torch::Tensor> bias, int64_t N, int64_t path) {
+  const W w = packed_view(x, qp, sp, mp, N, path);
+  const int64_t T = x.size(0), NG = (N + RG - 1) / RG;
   Span span(R_QLINEAR);
   Act act;
-  quantize_act(x.data_ptr<float>(), int(T), K, act, int(path));
-  const W w{qp.data_ptr<uint8_t>(), sp.data_ptr(), int4 ? mp->data_ptr() : nullptr, N, int(G), int4, half, N, s16};
+  quantize_act(x.data_ptr<float>(), int(T), x.size(1), act, int(path));
   auto y = torch::empty({T, N}, x.options());
   float* yp = y.data_ptr<float>();
   leaplm_pool::parallel_for(NG, group_grain(NG),
                             [&](int64_t g0, int64_t g1) { run_groups(w, act, int(path), g0, g1, yp); });
   if (bias.has_value()) y.add_(*bias);
   return y;
+}
+
+// ---- argmax over a linear's outputs (a greedy output layer) ----------------------------------------------------
+// Row groups per slab of qlinear_argmax: a slab's outputs [T, 8 x 64] (at most 64 KiB) stay in L2 between the
+// products that write them and the scan that reduces them. Even, so the AVX-512 and AMX pairs stay whole.
+constexpr int64_t ARGMAX_SLAB = 64;
+
+// a above b in torch.argmax's order: NaN above every number
+LEAPLM_INLINE bool above(float a, float b) { return a > b || (std::isnan(a) && !std::isnan(b)); }
+
+// For each token t, (max_n y[t, n], the first n reaching it) of y = qlinear(x, ...) without writing y: the row groups
+// in slabs of ARGMAX_SLAB, each slab computed by run_groups into a per-thread buffer (the same products, so the same
+// bits as qlinear's y, bias added the same way) and reduced there, the slabs merged in order. Ties go to the lowest
+// index and a NaN counts above every number, as torch.argmax over qlinear's y. Returns (values fp32 [T], indices
+// int64 [T]).
+std::vector<torch::Tensor> qlinear_argmax(torch::Tensor x, torch::Tensor qp, torch::Tensor sp,
+                                          c10::optional<torch::Tensor> mp, c10::optional<torch::Tensor> bias,
+                                          int64_t N, int64_t path) {
+  const W w = packed_view(x, qp, sp, mp, N, path);
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat && bias->numel() == N, "bias: fp32 [N]");
+  const int T = int(x.size(0));
+  const int64_t NG = (N + RG - 1) / RG, slabs = (NG + ARGMAX_SLAB - 1) / ARGMAX_SLAB;
+  Span span(R_QLINEAR);
+  Act act;
+  quantize_act(x.data_ptr<float>(), T, x.size(1), act, int(path));
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  std::vector<float> best(slabs * T);              // [slabs, T]: each slab's maximum per token
+  std::vector<int64_t> where(slabs * T);           // [slabs, T]: where it first occurs
+  const int64_t sbytes = w.scale_bytes() * RG * w.G * (w.half ? 2 : 1);   // one row group's scales
+  const int64_t mbytes = w.scale_bytes() * RG * w.G;                      // and minimums
+  auto slab = [&](int64_t c0, int64_t c1) {
+    static thread_local std::vector<float> buf;    // [T, 8 x slab], kept between calls
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t g0 = c * ARGMAX_SLAB, g1 = std::min(NG, g0 + ARGMAX_SLAB), n0 = g0 * RG;
+      W ws = w;                                    // the slab's row groups as a matrix of their own
+      ws.q = w.q + g0 * w.G * w.block_bytes();
+      ws.s = static_cast<const uint8_t*>(w.s) + g0 * sbytes;
+      ws.m = w.m ? static_cast<const uint8_t*>(w.m) + g0 * mbytes : nullptr;
+      ws.N = std::min(N, g1 * RG) - n0;
+      ws.ldy = (g1 - g0) * RG;
+      buf.resize(size_t(T) * ws.ldy);
+      run_groups(ws, act, int(path), 0, g1 - g0, buf.data());
+      for (int t = 0; t < T; ++t) {
+        const float* yt = buf.data() + t * ws.ldy;
+        float m = b ? yt[0] + b[n0] : yt[0];
+        int64_t i = 0;
+        for (int64_t r = 1; r < ws.N; ++r) {
+          const float v = b ? yt[r] + b[n0 + r] : yt[r];
+          if (above(v, m)) m = v, i = r;
+        }
+        best[c * T + t] = m;
+        where[c * T + t] = n0 + i;
+      }
+    }
+  };
+  const int64_t grain = std::max<int64_t>(1, slabs / (8 * int64_t(at::get_num_threads())));
+  leaplm_pool::parallel_for(slabs, grain, slab);
+  auto values = torch::empty({T}, x.options());
+  auto index = torch::empty({T}, x.options().dtype(torch::kLong));
+  float* vp = values.data_ptr<float>();
+  int64_t* ip = index.data_ptr<int64_t>();
+  for (int t = 0; t < T; ++t) {                    // slabs in order: a later slab wins only by being above
+    vp[t] = best[t];
+    ip[t] = where[t];
+    for (int64_t c = 1; c < slabs; ++c)
+      if (above(best[c * T + t], vp[t])) vp[t] = best[c * T + t], ip[t] = where[c * T + t];
+  }
+  return {values, index};
 }
 
 }  // namespace

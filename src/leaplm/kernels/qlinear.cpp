@@ -33,6 +33,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "int8-activation quantized linear for 1..32 tokens over packed weights",
         pybind11::arg("x"), pybind11::arg("qp"), pybind11::arg("sp"), pybind11::arg("mp"), pybind11::arg("bias"),
         pybind11::arg("n"), pybind11::arg("path"), nogil());
+  m.def("qlinear_argmax", &qlinear_argmax, "qlinear's per-token (max, first argmax) over its N outputs, not written",
+        pybind11::arg("x"), pybind11::arg("qp"), pybind11::arg("sp"), pybind11::arg("mp"), pybind11::arg("bias"),
+        pybind11::arg("n"), pybind11::arg("path"), nogil());
   m.def("int8_peak", &int8_peak, "int8 multiply-adds per second of a path's dot-product instruction, all threads",
         pybind11::arg("path"), pybind11::arg("iters"), nogil());
   m.def("pool_probe", &pool_probe, "the kernel's thread pool over n busy items (for tests): (thread per item, runs)",

@@ -28,13 +28,17 @@ class ModelCapabilities:
     layer_subsets: bool = False    # forward(..., layers=[...]): some layers only (layer-skip drafting)
     greedy_chain: bool = False     # greedy_chain(ids, k, cache, real): k greedy drafts of one row in one call, or
                                    # None when this model cannot (models/one_call.py)
+    argmax_head: bool = False      # forward_argmax(ids, cache, **forward's keywords) -> [B, T] long: each position's
+                                   # argmax of its logits (torch.argmax's: the first maximum), the [B, T, V] logits
+                                   # not written where the output layer can reduce its rows itself
 
 
 @dataclass
 class Scored:
     """forward_hidden's result."""
-    logits: torch.Tensor     # [B, T, V] ([B, 1, V] with last_only)
-    hidden: torch.Tensor     # [B, T, hidden]: the last hidden state after the final norm (lm_head's input)
+    logits: torch.Tensor | None   # [B, T, V] ([B, 1, V] with last_only); None when only the argmax was asked for
+    hidden: torch.Tensor          # [B, T, hidden]: the last hidden state after the final norm (lm_head's input)
+    argmax: torch.Tensor | None = None   # [B, T | 1] long: each position's argmax, when asked for instead of logits
 
 
 class KVCacheProtocol(Protocol):
@@ -83,6 +87,8 @@ class CausalLM(Protocol):
 
     # with capabilities.hidden_states:
     #   forward_hidden(input_ids, cache, *, ..., hidden_all=False) -> Scored
+    # with capabilities.argmax_head:
+    #   forward_argmax(input_ids, cache, *, ...forward's keywords) -> [B, T] long (the argmax of forward's logits)
 
 
 @dataclass

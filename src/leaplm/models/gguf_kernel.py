@@ -2,11 +2,14 @@
 for such files): no full-precision copy of any matrix is made.
 
 Each decoder matrix and the output projection is read as the file stores it (a view of the mapped file) and moved
-into the kernel's layout in one copy (quant/linear.pack_gguf; without the extension, quant/formats.from_gguf_blocks
-for the PyTorch path), and the file's pages are dropped from the process's resident memory once packed. Norms and biases are the file's own F32 vectors. The token
-embedding stays in its blocks too: a forward dequantizes the T rows it looks up (exactly the values a
+into the kernel's layout (quant/linear.pack_gguf in one copy; pack_gguf_chunked a chunk of rows at a time for the
+other types, so a K-quant's wider temporaries are a chunk's; without the extension, quant/formats.from_gguf_blocks
+for the PyTorch path); only that packed form is kept, and the file's pages are dropped from the process's resident
+memory once packed. Norms and biases are the file's own F32 vectors. The token embedding is not copied at all: it
+stays in the mapped file (FileRows) and a forward converts the T rows it looks up (exactly the values a
 dequantized copy would hold: a block's integer times its fp16 scale, plus its fp16 minimum, rounds once in fp32
-either way).
+either way). So the process holds the packed matrices, the file's pages of the rows it has looked up, the KV
+cache and the runtime: no second copy of any matrix.
 
 Row order: llama.cpp's converter stores llama/mistral q and k rows with each rotated pair interleaved, which is
 the native model's own layout (llama.interleave_rope_rows), so those rows are taken as they are; qwen2/qwen3 files
@@ -16,12 +19,13 @@ exact permutation of whole rows.
 from __future__ import annotations
 
 import logging
+import mmap
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..quant.formats import GGUF_TYPES
+from ..quant.formats import GGUF_TYPES, from_gguf_blocks
 from . import packed_cache
 from .arch import BY_GGUF_ARCHITECTURE
 from .base import LoadedModel
@@ -53,6 +57,19 @@ def kernel_blockers(g: GGUFFile, cfg: dict) -> list[str]:
     if "token_embd.weight" not in g.tensors:
         out.append("tensor token_embd.weight is missing")
     return out
+
+
+def _drop_pages(g: GGUFFile, start: int, end: int) -> None:
+    """Drop the whole pages of the file's bytes [start, end) from the process's resident memory (a read-only
+    mapping: they stay in the page cache and come back on the next read)."""
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, end // page * page
+    if g.data is None or hi <= lo or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    try:
+        g.data.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    except (OSError, ValueError):
+        pass
 
 
 def _vector(g: GGUFFile, name: str) -> torch.Tensor:
@@ -91,15 +108,11 @@ class FileRows:
 
     def rows(self, index: torch.Tensor):
         """The QuantizedWeight [M, K] of the rows at index (flattened)."""
-        from ..quant.formats import from_gguf_blocks
-
         idx = index.reshape(-1).numpy()
         return from_gguf_blocks(self.raw[idx], self.type_name, (len(idx), self.shape[1]))
 
     def whole(self):
         """Every row as a QuantizedWeight (for what reads the whole embedding: a head trained on it, an export)."""
-        from ..quant.formats import from_gguf_blocks
-
         return from_gguf_blocks(self.raw, self.type_name, self.shape)
 
 
@@ -107,8 +120,7 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
                      cache_dtype: torch.dtype = torch.float32) -> LoadedModel | None:
     """The file on the int8 kernel from its own blocks, or None (logged) when kernel_blockers says it cannot."""
     from ..kernels.build import load as load_kernel
-    from ..quant.formats import from_gguf_blocks
-    from ..quant.linear import QuantizedLinear, SplitLinear, fused_linear, pack_gguf
+    from ..quant.linear import QuantizedLinear, SplitLinear, fused_linear, pack_gguf, pack_gguf_chunked
     from .gguf import load_gguf_tokenizer
     from .llama import interleave_rope_rows
     from .tokens import prompt_bos
@@ -136,24 +148,51 @@ def load_gguf_kernel(info: GGUFInfo, name: str, field: str = "model",
 
     ext = load_kernel()
 
+    def dropped(names: list[str]):
+        """The packers' done(i, r0, r1): rows [r0, r1) of names[i] are packed; their pages leave the resident set
+        (the output layer of a 1B model is ~150 MB of the file, which need not be resident while it is packed)."""
+        def done(i: int, r0: int, r1: int) -> None:
+            t = g.tensors[names[i]]
+            per_row = t.n_bytes // (t.n_elements // t.dims[0])
+            _drop_pages(g, t.offset + r0 * per_row, t.offset + r1 * per_row)
+        return done
+
     cached = packed_cache.load(info.path) if ext is not None else None
 
     def linear(key: str, names: list[str], rows: list | None = None) -> QuantizedLinear | SplitLinear:
         """The linear `key` over these tensors' rows stacked (fused q/k/v, gate/up; formats that mix make a split
-        linear). On the extension, the blocks go from the file straight into its layout (quant/linear.pack_gguf),
-        or come mapped from the packed-weight cache (models/packed_cache.py)."""
+        linear). On the extension, the blocks go from the file straight into its layout (quant/linear.pack_gguf, or
+        pack_gguf_chunked a chunk of rows at a time) and nothing but the packed form is kept, or they come mapped
+        from the packed-weight cache (models/packed_cache.py)."""
         if cached is not None and key in cached:
             parts = [QuantizedLinear.from_packed(p) for p in cached[key]]
             return parts[0] if len(parts) == 1 else SplitLinear(parts)
-        types = {g.tensors[n].type_name for n in names}
-        packed = pack_gguf([g.raw(n) for n in names], types.pop(), rows) \
-            if ext is not None and len(types) == 1 else None
+        rows = rows or [None] * len(names)
+        types = [g.tensors[n].type_name for n in names]
+        if ext is None:                      # the PyTorch path computes on QuantizedWeights
+            return fused_linear([blocks(n, r) for n, r in zip(names, rows)])
+        packed = pack_gguf([g.raw(n) for n in names], types[0], rows, dropped(names)) \
+            if len(set(types)) == 1 else None
         if packed is not None:
             for n in names:
                 g.release(n)
             return QuantizedLinear.from_packed(packed)
-        parts = [blocks(n, r) for n, r in zip(names, rows or [None] * len(names))]
-        return fused_linear(parts)           # parts in two formats (Q4_K q, k beside a Q6_K v): two row blocks
+        runs: list[list[int]] = []           # parts of one kernel format (Q4_K q, k beside a Q6_K v: two runs)
+        for j, t in enumerate(types):
+            if runs and GGUF_TYPES[types[runs[-1][0]]] == GGUF_TYPES[t]:
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+        lins = []
+        for run in runs:
+            K = g.tensors[names[run[0]]].dims[0]
+            pk = pack_gguf_chunked([(g.raw(names[j]), types[j], rows[j]) for j in run], K,
+                                   dropped([names[j] for j in run]))
+            lins.append(QuantizedLinear.from_packed(pk) if pk is not None else
+                        fused_linear([blocks(names[j], rows[j]) for j in run]))
+            for j in run:
+                g.release(names[j])
+        return lins[0] if len(lins) == 1 else SplitLinear(lins)
 
     model = meta_model(a)
     empty = lambda: _param(torch.empty(0, dtype=torch.float32))   # noqa: E731  (a weight the kernel holds)

@@ -132,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
     """Implements leaplm's CausalLM protocol (see models/base.py)."""
 
     capabilities = ModelCapabilities(batch=True, trees=True, hidden_states=True, layer_subsets=True,
-                                     greedy_chain=True)
+                                     greedy_chain=True, argmax_head=True)
 
     def __init__(self, a: LlamaArgs):
         super().__init__()
@@ -294,16 +294,27 @@ class LlamaForCausalLM(nn.Module):
         return self.forward_hidden(input_ids, cache, tree_mask=tree_mask, position_offsets=position_offsets,
                                    layers=layers, last_only=last_only).logits
 
+    def forward_argmax(self, input_ids: torch.Tensor, cache: KVCache, *, tree_mask: torch.Tensor | None = None,
+                       position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
+                       last_only: bool = False) -> torch.Tensor:
+        """forward()'s logits' argmax [B, T] long (ModelCapabilities.argmax_head): a quantized output layer
+        reduces its rows in the kernel (quant/linear.QuantizedLinear.argmax), no [B, T, V] written."""
+        if self.one_call and tree_mask is None and position_offsets is None and layers is None:
+            return self.forward(input_ids, cache, last_only=last_only).argmax(-1)   # the one call's rounding
+        return self.forward_hidden(input_ids, cache, tree_mask=tree_mask, position_offsets=position_offsets,
+                                   layers=layers, last_only=last_only, argmax=True).argmax
+
     def forward_hidden(self, input_ids: torch.Tensor, cache: KVCache, *, tree_mask: torch.Tensor | None = None,
                        position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
-                       last_only: bool = False, hidden_all: bool = False) -> "Scored":
+                       last_only: bool = False, hidden_all: bool = False, argmax: bool = False) -> "Scored":
         """forward(), also returning the last hidden state after the final norm (what EAGLE heads read).
-        hidden_all: with last_only, the hidden state of every position [B, T, hid] (logits still [B, 1, V])."""
+        hidden_all: with last_only, the hidden state of every position [B, T, hid] (logits still [B, 1, V]).
+        argmax: Scored.argmax instead of the logits (forward_argmax)."""
         if not torch.is_inference_mode_enabled():   # entering the mode costs more than a small layer
             with torch.inference_mode():
                 return self.forward_hidden(input_ids, cache, tree_mask=tree_mask,
                                            position_offsets=position_offsets, layers=layers, last_only=last_only,
-                                           hidden_all=hidden_all)
+                                           hidden_all=hidden_all, argmax=argmax)
         B, T = input_ids.shape
         if T > RING_BLOCK and any(getattr(cache, "rings", ())):
             return self._forward_in_chunks(input_ids, cache, tree_mask, position_offsets, layers, last_only, hidden_all)
@@ -385,7 +396,11 @@ class LlamaForCausalLM(nn.Module):
             x = x[:, -1:]
         h = norm(x, self.norm.weight)                              # [B, T, hid]
         head = self.quantized.get("lm_head.weight", self.lm_head.weight)
-        return Scored(_linear(h[:, -1:].contiguous() if last_only else h, head), h)   # logits [B, T | 1, V]
+        hs = h[:, -1:].contiguous() if last_only else h                              # [B, T | 1, hid]
+        if argmax:             # a quantized head reduces each row in its kernel: no [B, T, V] logits written
+            ids = F.linear(hs, head).argmax(-1) if isinstance(head, torch.Tensor) else head.argmax(hs)
+            return Scored(None, h, ids)                                              # argmax [B, T | 1]
+        return Scored(_linear(hs, head), h)                                          # logits [B, T | 1, V]
 
     def _forward_in_chunks(self, input_ids, cache, tree_mask, position_offsets, layers, last_only, hidden_all):
         """A chain longer than RING_BLOCK over a cache with ring layers (cache/kv_cache.py): chunks of at most

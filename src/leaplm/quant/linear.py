@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -68,6 +69,9 @@ def unpack(p: PackedWeight) -> QuantizedWeight:
     return QuantizedWeight(fmt, q.view(torch.int8), lay(p.scale), None)
 
 
+PACK_CHUNK_WEIGHTS = 1 << 22      # weights per chunk of the packers (~4M: temporaries of tens of MB, pages dropped)
+
+
 # a GGUF block as numpy reads it from the file: the scale (and minimum) in fp16, then the integers as 4-byte words
 # (8 words of int8 for Q8_0; 4 words of nibble pairs for Q4_x), the bytes pack() moves in 4-byte words too
 GGUF_BLOCKS = {"Q8_0": [("d", "<f2"), ("q", "<u4", (8,))],
@@ -75,18 +79,17 @@ GGUF_BLOCKS = {"Q8_0": [("d", "<f2"), ("q", "<u4", (8,))],
                "Q4_1": [("d", "<f2"), ("m", "<f2"), ("q", "<u4", (4,))]}
 
 
-def pack_gguf(raws: list, ggml_type: str, rows: list | None = None) -> PackedWeight | None:
+def pack_gguf(raws: list, ggml_type: str, rows: list | None = None, done=None) -> PackedWeight | None:
     """The PackedWeight of GGUF Q8_0 / Q4_0 / Q4_1 tensors stacked along their output rows (fused q/k/v, gate/up),
     moved from the file's blocks (raw uint8 views [N_i, bytes per row]) straight into the kernel's layout: one
     copy of the integers, none of them widened; the scales (and minimums) kept in fp16 as the file holds them, so a
     forward reads the file's bytes per weight (the kernel widens them exactly, so the products are those of
     pack(cat_rows([from_gguf_blocks(...)])), whose scales are fp32). `rows`: per tensor, None or an index [N_i]
-    reordering its rows.
+    reordering its rows. done(i, r0, r1): called once rows [r0, r1) of tensor i (one not reordered) are copied,
+    so that the caller can drop those pages of the file while the rest is packed.
 
     None for other types (Q5_0, the K-quants) and when the rows do not split into whole groups of 8 per tensor:
     the caller packs those through QuantizedWeight."""
-    import numpy as np
-
     if ggml_type not in GGUF_BLOCKS:
         return None
     blk = np.dtype(GGUF_BLOCKS[ggml_type])
@@ -102,13 +105,18 @@ def pack_gguf(raws: list, ggml_type: str, rows: list | None = None) -> PackedWei
     scale = np.empty((NG, G, GROUP), np.float16)
     minv = None if ggml_type == "Q8_0" else np.empty((NG, G, GROUP), np.float16)
     at = 0
-    for b in blocks:
+    step = max(1, PACK_CHUNK_WEIGHTS // (G * BLOCK * GROUP))                  # row groups per chunk
+    for i, b in enumerate(blocks):
         n = b.shape[0] // GROUP
         g = b.reshape(n, GROUP, G)                                             # [n, 8 rows, G]
-        q[at:at + n] = g["q"].transpose(0, 2, 3, 1)                            # [n, G, chunks, 8 rows]
-        scale[at:at + n] = g["d"].transpose(0, 2, 1)                           # [n, G, 8]
-        if ggml_type == "Q4_1":
-            minv[at:at + n] = g["m"].transpose(0, 2, 1)
+        for c in range(0, n, step):
+            e = min(n, c + step)
+            q[at + c:at + e] = g["q"][c:e].transpose(0, 2, 3, 1)               # [e - c, G, chunks, 8 rows]
+            scale[at + c:at + e] = g["d"][c:e].transpose(0, 2, 1)              # [e - c, G, 8]
+            if ggml_type == "Q4_1":
+                minv[at + c:at + e] = g["m"][c:e].transpose(0, 2, 1)
+            if done is not None and (rows is None or rows[i] is None):
+                done(i, c * GROUP, e * GROUP)
         at += n
     if ggml_type == "Q4_0":
         # w = (q - 8) d: the minimum from_gguf_blocks computes in fp32; -8 d is exact in fp16 unless it overflows
@@ -119,6 +127,41 @@ def pack_gguf(raws: list, ggml_type: str, rows: list | None = None) -> PackedWei
             scale = scale.astype(np.float32)
     return PackedWeight(torch.from_numpy(q.view(np.uint8).reshape(NG, G, words * GROUP * 4)),
                         torch.from_numpy(scale), None if minv is None else torch.from_numpy(minv), N)
+
+
+def pack_gguf_chunked(parts: list[tuple], K: int, done=None) -> PackedWeight | None:
+    """The PackedWeight of GGUF tensors of one kernel format (formats.GGUF_TYPES: Q4_K beside Q4_1 is int4 in both)
+    stacked along their output rows, built a chunk of rows at a time: each chunk's blocks read from the file
+    (formats.from_gguf_blocks), packed, and copied into the output, so the temporaries (a K-quant's unpacked
+    integers are several times its blocks) are a chunk's, not a whole matrix's, and no unpacked copy is kept.
+    parts: (raw uint8 [N_i, bytes per row], ggml type, None or an index [N_i] reordering its rows). The scales
+    are fp32, as pack's. done(i, r0, r1): as pack_gguf's. None when a part other than the last has rows that do
+    not split into groups of 8."""
+    from .formats import GGUF_TYPES, from_gguf_blocks
+
+    ns = [r.shape[0] for r, _, _ in parts]
+    if any(n % GROUP for n in ns[:-1]) or len({GGUF_TYPES[t] for _, t, _ in parts}) != 1:
+        return None
+    chunk = max(GROUP, PACK_CHUNK_WEIGHTS // K // GROUP * GROUP)                # rows, whole groups
+    NG = -(-sum(ns) // GROUP)
+    q = scale = minv = None
+    at = 0                                                                        # row groups written
+    for j, ((raw, ggml_type, rows), n) in enumerate(zip(parts, ns)):
+        for i in range(0, n, chunk):
+            sub = raw[i:i + chunk] if rows is None else raw[np.asarray(rows[i:i + chunk])]   # [c, bytes per row]
+            pk = pack(from_gguf_blocks(sub, ggml_type, (sub.shape[0], K)))
+            if q is None:                                                         # shapes known from the first
+                q = torch.empty(NG, *pk.q.shape[1:], dtype=pk.q.dtype)
+                scale = torch.empty(NG, *pk.scale.shape[1:], dtype=pk.scale.dtype)
+                minv = None if pk.minv is None else torch.empty(NG, *pk.minv.shape[1:], dtype=pk.minv.dtype)
+            g = pk.q.shape[0]
+            q[at:at + g], scale[at:at + g] = pk.q, pk.scale
+            if minv is not None:
+                minv[at:at + g] = pk.minv
+            at += g
+            if done is not None and rows is None:
+                done(j, i, i + sub.shape[0])
+    return PackedWeight(q, scale, minv, sum(ns))
 
 
 class QuantizedLinear:
@@ -132,13 +175,12 @@ class QuantizedLinear:
 
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self._weight: QuantizedWeight | None = weight
         self.ext = load() if backend in ("auto", "extension") else None
         if backend == "extension" and self.ext is None:
             raise RuntimeError("the quantized-linear C++ extension is unavailable here (see the log for why)")
         self.packed = pack(weight) if self.ext is not None else None
-        if self.packed is not None:
-            self._weight = None       # one copy: the kernel's layout (`weight` unpacks it when something asks)
+        # one copy: the kernel's layout where it exists (`weight` unpacks it when something asks)
+        self._weight: QuantizedWeight | None = weight if self.packed is None else None
 
     @classmethod
     def from_packed(cls, packed: PackedWeight) -> "QuantizedLinear":
@@ -161,6 +203,18 @@ class QuantizedLinear:
     @weight.setter
     def weight(self, w: QuantizedWeight | None) -> None:
         self._weight = w
+
+    @property
+    def fmt(self) -> str:
+        """'int8' | 'int4' | 'int6' (read from the packed form without unpacking it)."""
+        p = self.packed
+        if p is None:
+            return self._weight.fmt
+        return "int4" if p.minv is not None else "int6" if p.scale.shape[1] == 2 * p.q.shape[1] else "int8"
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.rows if self.packed is not None else self._weight.out_features
 
     @property
     def nbytes(self) -> int:
@@ -210,6 +264,20 @@ class QuantizedLinear:
                            for i in range(0, M, KERNEL_ROWS)])
         return y.view(*shape[:-1], p.rows).to(x.dtype)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [...] long: the index of each row's largest output, torch.argmax's of self(x) (the first
+        maximum), without writing the [..., N] outputs on the extension (kernels/driver.h qlinear_argmax: the
+        same products, reduced per block of output rows)."""
+        if self.ext is None:
+            return self(x).argmax(-1)
+        x2 = x.reshape(-1, x.shape[-1])                                 # [M, K]
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        p, run, path = self.packed, self.ext.module.qlinear_argmax, self.ext.path
+        ids = [run(x2[i:i + KERNEL_ROWS], p.q, p.scale, p.minv, None, p.rows, path)[1]
+               for i in range(0, x2.shape[0], KERNEL_ROWS)]
+        return (ids[0] if len(ids) == 1 else torch.cat(ids)).view(x.shape[:-1])      # [...]
+
 
 class SplitLinear:
     """One linear whose row blocks are held in different formats (q/k/v of a Q4_K_M file: Q4_K q and k beside a
@@ -237,6 +305,10 @@ class SplitLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = torch.cat([p(x) for p in self.parts], dim=-1)            # [..., N]
         return y if bias is None else y + bias.to(y.dtype)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [...] long (an output layer is one tensor, so never split: the outputs are written)."""
+        return self(x).argmax(-1)
 
 
 def fused_linear(parts: list[QuantizedWeight], backend: str = "auto") -> "QuantizedLinear | SplitLinear":
