@@ -9,6 +9,12 @@ libllama's batch-invariance check (LlamaCppLM.batch_variance: about a second per
 to a speculating method, so a start for plain decoding leaves it out and the first speculating start adds it to
 the entry (its own cache entry, kind "batch-variance", answers it when libllama has run the file before).
 
+A file of more than TIMED_LAYERS decoder layers is timed on its first TIMED_LAYERS alone (with the embedding, the
+final norm and the output projection; every layer has the same shapes): the kernel runs them by the forward's
+`layers` argument on the file it loads anyway (the engine's own load reads its packed weights back:
+models/packed_cache.py), libllama on a copy of the file cut to those layers (models/gguf_truncate.py), so a first
+start costs a few layers' forwards however large the model.
+
 The choice (choose_by_costs) is a pure function of the measurement: plain decoding takes the engine with the
 faster one-token forward, a speculating method the faster block, except that a speculating method stays on the
 kernel where libllama is not batch-invariant for the file (there only the kernel keeps greedy output identical).
@@ -20,6 +26,7 @@ import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -28,6 +35,7 @@ log = logging.getLogger(__name__)
 BLOCK = 8                 # tokens of the timed block (a verify step of K = 7)
 CTX = 32                  # cached tokens before the timed forwards
 REPEATS = 5               # timed forwards per engine and T (interleaved; medians)
+TIMED_LAYERS = 4          # a file with more decoder layers is timed on its first TIMED_LAYERS (module docstring)
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,7 @@ class BackendCosts:
     llamacpp_invariant: bool | None   # libllama's block and one-token kernels give the same bits for this file;
                                       # None: not checked (plain decoding does not ask)
     threads: int
+    layers_timed: int = 0             # the forwards ran the first layers_timed layers (and the head); 0: all
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,8 @@ def choose_by_costs(method: str, c: BackendCosts) -> CostChoice:
     one = (f"one token {c.kernel_one_ms:.2f} ms on leaplm's int8 kernel, {c.llamacpp_one_ms:.2f} ms on libllama")
     block = (f"a block of {BLOCK} {c.kernel_block_ms:.2f} ms on the kernel, {c.llamacpp_block_ms:.2f} ms on "
              f"libllama")
-    measured = f"measured at start-up, {c.threads} threads"
+    measured = f"measured at start-up, {c.threads} threads" + (
+        f", the first {c.layers_timed} layers and the head" if c.layers_timed else "")
     if method == "none":
         kernel = c.kernel_one_ms <= c.llamacpp_one_ms
         return CostChoice("torch" if kernel else "llamacpp", f"plain decoding: {one} ({measured})")
@@ -67,23 +77,25 @@ def choose_by_costs(method: str, c: BackendCosts) -> CostChoice:
 
 
 def forward_ms(model, tokens=(1, BLOCK), ctx: int = CTX, repeats: int = REPEATS, rows: int = 1,
-               new_cache=None) -> dict[int, float]:
+               new_cache=None, layers: int | None = None) -> dict[int, float]:
     """Median ms of one forward over `rows` rows of T tokens each after `ctx` cached tokens per row, for each T;
     the T values interleaved per repeat (order reversed every other one), rolled back after each forward.
-    new_cache(rows, max_len): the cache to time in (default model.new_cache)."""
+    new_cache(rows, max_len): the cache to time in (default model.new_cache); layers: run only the first this
+    many decoder layers (a native model's forward takes the subset)."""
     cache = (new_cache or model.new_cache)(rows, ctx + max(tokens) + 1)
     g = torch.Generator().manual_seed(0)
-    model(torch.randint(0, model.vocab_size, (rows, ctx), generator=g), cache, last_only=True)
+    sub = {} if layers is None else {"layers": range(layers)}
+    model(torch.randint(0, model.vocab_size, (rows, ctx), generator=g), cache, last_only=True, **sub)
     for b in range(rows):
         cache.advance(ctx, b)
     blocks = {T: torch.randint(0, model.vocab_size, (rows, T), generator=g) for T in tokens}
     for T in tokens:                                             # warm-up
-        model(blocks[T], cache)
+        model(blocks[T], cache, **sub)
     times: dict[int, list[float]] = {T: [] for T in tokens}
     for r in range(repeats):
         for T in (tokens if r % 2 == 0 else tokens[::-1]):
             t = time.perf_counter()
-            model(blocks[T], cache)
+            model(blocks[T], cache, **sub)
             times[T].append(time.perf_counter() - t)
     return {T: statistics.median(v) * 1e3 for T, v in times.items()}
 
@@ -92,19 +104,29 @@ def measure(path: str, load_kernel, check_invariance: bool = True) -> BackendCos
     """Load the file on each engine in turn and time it (about a second on a small model). load_kernel(path): the
     file's model on the int8 kernel (loading.py passes its loader). libllama is timed in a context of its own
     default attention (flash attention) before any check; check_invariance: run its batch-invariance check too."""
+    import tempfile
+
+    from .gguf import parse_gguf
+    from .gguf_truncate import truncate_gguf
     from .llamacpp.caches import LlamaCppCache
     from .llamacpp.model import LlamaCppLM
 
     kernel = load_kernel(path)
-    k = forward_ms(kernel)
+    cut = TIMED_LAYERS if kernel.num_layers > TIMED_LAYERS else None
+    k = forward_ms(kernel, layers=cut)
     del kernel
     gc.collect()
-    lm = LlamaCppLM(path)
-    ll = forward_ms(lm, new_cache=lambda rows, n: LlamaCppCache(lm, rows, n))
-    invariant = lm.batch_invariant if check_invariance else None
-    del lm
-    gc.collect()
-    return BackendCosts(k[1], k[BLOCK], ll[1], ll[BLOCK], invariant, torch.get_num_threads())
+    with tempfile.TemporaryDirectory(prefix="leaplm-cut-") as tmp:
+        ll_path = path if cut is None else str(truncate_gguf(path, cut, Path(tmp) / "cut.gguf"))
+        lm = LlamaCppLM(ll_path)
+        ll = forward_ms(lm, new_cache=lambda rows, n: LlamaCppCache(lm, rows, n))
+        # the cut file's matrices have the whole file's shapes and types: the same kernels, the same answer
+        invariant = lm.batch_invariant if check_invariance else None
+        del lm
+        gc.collect()
+        if cut is not None:
+            parse_gguf(path)                     # the mapping of the whole file again, not the deleted cut's
+    return BackendCosts(k[1], k[BLOCK], ll[1], ll[BLOCK], invariant, torch.get_num_threads(), cut or 0)
 
 
 def llamacpp_invariant(path: str) -> bool:

@@ -1,0 +1,104 @@
+"""A GGUF file cut to its first layers: what a start-up timing of libllama runs instead of the whole model.
+
+`--backend auto` times a forward on both engines on a file's first start (models/backend_costs.py). Every
+decoder layer of a file has the same shapes, so the first few layers, the embedding lookup, the final norm and
+the output projection show how the engines compare at a fraction of the cost: an 8B file's forward takes about
+a second per token here, its first 4 layers and head a fifth of that. libllama runs only whole files, so the cut
+is a file of its own: the header copied byte for byte, `{arch}.block_count` set to the layers kept, and the
+tensors of those layers (and of no layer) copied after it, aligned as the header says.
+"""
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+from .gguf import DEFAULT_ALIGNMENT, GGML_TYPES, parse_gguf
+
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}   # GGUF value types
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _kv_section(mm, n_kv: int, key: str) -> tuple[int, int]:
+    """(offset of `key`'s u32 value, end of the metadata section) in a GGUF v2/v3 header."""
+    off, at = 24, -1
+    unpack = struct.unpack_from
+
+    def skip(vt: int, o: int) -> int:
+        if vt in _SCALAR_BYTES:
+            return o + _SCALAR_BYTES[vt]
+        if vt == 8:
+            return o + 8 + unpack("<Q", mm, o)[0]
+        if vt == 9:
+            et, n = unpack("<IQ", mm, o)
+            o += 12
+            if et in _SCALAR_BYTES:
+                return o + n * _SCALAR_BYTES[et]
+            for _ in range(n):
+                o = skip(et, o)
+            return o
+        raise ValueError(f"unknown metadata value type {vt}")
+
+    for _ in range(n_kv):
+        n = unpack("<Q", mm, off)[0]
+        k = bytes(mm[off + 8:off + 8 + n]).decode("utf-8", errors="replace")
+        off += 8 + n
+        (vt,) = unpack("<I", mm, off)
+        if k == key:
+            if vt != 4:
+                raise ValueError(f"{key} is of GGUF type {vt}, not u32")
+            at = off + 4
+        off = skip(vt, off + 4)
+    if at < 0:
+        raise ValueError(f"no {key} in the header")
+    return at, off
+
+
+def truncate_gguf(path: str | Path, layers: int, out: str | Path) -> Path:
+    """Write to `out` the file `path` with only its first `layers` decoder layers (every tensor outside a layer
+    kept). ValueError when the file has no more layers than that."""
+    g = parse_gguf(path)
+    arch = g.fields["general.architecture"]
+    total = int(g.fields[f"{arch}.block_count"])
+    if layers >= total:
+        raise ValueError(f"{path} has {total} layers, not more than {layers}")
+    mm = g.data
+    _, _, n_kv = struct.unpack_from("<IQQ", mm, 4)
+    count_at, kv_end = _kv_section(mm, n_kv, f"{arch}.block_count")
+    keep = [t for t in g.tensors.values() if (layer_of(t.name) or 0) < layers]
+    type_ids = {name: i for i, (name, _, _) in GGML_TYPES.items()}
+    align = int(g.fields.get("general.alignment", DEFAULT_ALIGNMENT))
+    header = bytearray(mm[:kv_end])
+    struct.pack_into("<Q", header, 8, len(keep))                   # n_tensors
+    struct.pack_into("<I", header, count_at, layers)               # {arch}.block_count
+    offsets, at = [], 0
+    for t in keep:
+        at = -(-at // align) * align
+        offsets.append(at)
+        at += t.n_bytes
+    for t, o in zip(keep, offsets):
+        name = t.name.encode()
+        header += struct.pack("<Q", len(name)) + name + struct.pack("<I", len(t.dims))
+        header += struct.pack(f"<{len(t.dims)}Q", *t.dims) + struct.pack("<IQ", _type_id(t.type_name, type_ids), o)
+    header += b"\0" * (-len(header) % align)
+    out = Path(out)
+    view = memoryview(mm)
+    with open(out, "wb") as f:
+        f.write(header)
+        for t, o in zip(keep, offsets):
+            f.write(b"\0" * (len(header) + o - f.tell()))
+            f.write(view[t.offset:t.offset + t.n_bytes])
+    return out
+
+
+def _type_id(type_name: str, known: dict[str, int]) -> int:
+    if type_name in known:
+        return known[type_name]
+    from gguf.constants import GGMLQuantizationType
+
+    return int(GGMLQuantizationType[type_name])

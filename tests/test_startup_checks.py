@@ -1,0 +1,134 @@
+"""Start-up on a tiny GGUF file: a second start reads every check from the start-up cache (no timing of the
+engines, no calibration, no packing of the file's blocks) and produces the same tokens; a file with more layers
+than the timing takes is timed on its first layers alone, on both engines (libllama on a copy of the file cut to
+them); the cut file holds exactly those layers."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "models"))
+from gguf_writer import write_tiny_gguf  # noqa: E402
+
+from leaplm.models import backend_costs  # noqa: E402
+from leaplm.models.gguf import parse_gguf  # noqa: E402
+from leaplm.models.gguf_truncate import layer_of, truncate_gguf  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    from leaplm.models import gguf as gguf_mod
+
+    monkeypatch.setenv("LEAPLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LEAPLM_NO_STARTUP_CACHE", raising=False)
+    monkeypatch.delenv("LEAPLM_NO_PACKED_CACHE", raising=False)
+    monkeypatch.delenv("LEAPLM_RECALIBRATE", raising=False)
+    gguf_mod._tokenizers.clear()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 2-layer Q8_0 file (the kernel packs its blocks directly)."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny_q8"), "Q8_0", seed=3)[0]
+
+
+def kernel_or_skip():
+    from leaplm.kernels.build import load
+    from leaplm.models.llamacpp.binding import available
+
+    if load() is None or not available():
+        pytest.skip("needs the int8 kernel's extension and libllama")
+
+
+def test_the_cut_file_holds_the_first_layers_byte_for_byte(tiny, tmp_path):
+    g = parse_gguf(tiny)
+    whole = {n: bytes(g.raw(n).reshape(-1).view(np.uint8)) for n in g.tensors}
+    fields = dict(g.fields)
+    cut = parse_gguf(truncate_gguf(tiny, 1, tmp_path / "cut.gguf"))
+    arch = fields["general.architecture"]
+    assert cut.fields[f"{arch}.block_count"] == 1 and fields[f"{arch}.block_count"] == 2
+    assert cut.fields.keys() == fields.keys()
+    assert list(cut.tensors) == [n for n in g.tensors if (layer_of(n) or 0) < 1]
+    assert any(layer_of(n) == 1 for n in g.tensors)
+    for n in cut.tensors:
+        assert bytes(cut.raw(n).reshape(-1).view(np.uint8)) == whole[n], n
+    with pytest.raises(ValueError, match="has 2 layers"):
+        truncate_gguf(tiny, 2, tmp_path / "none.gguf")
+
+
+class Timed:
+    """forward_ms, recording what each call ran: (engine, layers argument, layers in the model)."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple[str, int | None, int]] = []
+        real = backend_costs.forward_ms
+
+        def forward_ms(model, *a, layers=None, **kw):
+            self.calls.append((type(model).__name__, layers, model.num_layers))
+            return real(model, *a, layers=layers, repeats=1, **kw)
+        monkeypatch.setattr(backend_costs, "forward_ms", forward_ms)
+
+
+def load_kernel(p):
+    from leaplm.models import load_model
+
+    return load_model(p, quantization="gguf", backend="torch").model
+
+
+def test_a_big_files_first_start_times_only_its_first_layers(tiny, monkeypatch):
+    kernel_or_skip()
+    monkeypatch.setattr(backend_costs, "TIMED_LAYERS", 1)
+    timed = Timed(monkeypatch)
+    c = backend_costs.measure(tiny, load_kernel, check_invariance=False)
+    # the kernel runs its first layer of two; libllama a file of one layer
+    assert timed.calls == [("LlamaForCausalLM", 1, 2), ("LlamaCppLM", None, 1)]
+    assert c.layers_timed == 1 and c.kernel_one_ms > 0 and c.llamacpp_one_ms > 0
+    assert "the first 1 layers and the head" in backend_costs.choose_by_costs("none", c).reason
+
+
+def test_a_file_within_the_bound_is_timed_whole(tiny, monkeypatch):
+    """Control: with the bound at the file's own 2 layers, both engines run the whole model."""
+    kernel_or_skip()
+    monkeypatch.setattr(backend_costs, "TIMED_LAYERS", 2)
+    timed = Timed(monkeypatch)
+    c = backend_costs.measure(tiny, load_kernel, check_invariance=False)
+    assert timed.calls == [("LlamaForCausalLM", None, 2), ("LlamaCppLM", None, 2)] and c.layers_timed == 0
+
+
+def test_a_second_start_measures_nothing_and_packs_nothing(tiny, monkeypatch):
+    """Two engines in turn, as two starts would build them (backend auto, an adaptive K that calibrates): the
+    second times neither engine, calibrates nothing and packs no block, and its greedy tokens are the first's."""
+    kernel_or_skip()
+    from leaplm.config import SamplingParams
+    from leaplm.engine import startup_checks
+    from leaplm.engine.engine import Engine
+    from leaplm.models import gguf as gguf_mod
+    from leaplm.quant import linear
+
+    counts = {"measure": 0, "calibrate": 0, "pack": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **kw):
+            counts[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(backend_costs, "measure", counting("measure", backend_costs.measure))
+    monkeypatch.setattr(startup_checks, "calibrate", counting("calibrate", startup_checks.calibrate))
+    monkeypatch.setattr(linear, "pack_gguf", counting("pack", linear.pack_gguf))
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = []
+    for start in (1, 2):
+        before = dict(counts)
+        gguf_mod._tokenizers.clear()
+        e = Engine(tiny, method="ngram", k=3)
+        outs.append(e.generate("abc abc abc", params).token_ids)
+        if start == 1:
+            assert counts["measure"] == 1 and counts["calibrate"] == 1 and counts["pack"] > 0
+        else:
+            assert counts == before, counts
+        del e
+    assert outs[0] == outs[1]
