@@ -132,3 +132,36 @@ def test_a_second_start_measures_nothing_and_packs_nothing(tiny, monkeypatch):
             assert counts == before, counts
         del e
     assert outs[0] == outs[1]
+
+
+def test_the_calibration_of_a_big_model_runs_its_first_layers(tiny, monkeypatch):
+    """The cost calibration and the thread check time the first TIMED_LAYERS layers of a deeper quantized model,
+    their times scaled by the weight bytes; with the bound at the model's depth (the control) they run it whole."""
+    kernel_or_skip()
+    import torch
+
+    from leaplm.engine.engine import Engine
+    from leaplm.engine.kpolicy import calibrate as cal
+
+    monkeypatch.setenv("LEAPLM_NO_STARTUP_CACHE", "1")
+    e = Engine(tiny, method="ngram", k=3, backend="torch", quantization="gguf")
+    m = e.model
+    seen: list = []
+    real = m.forward
+    monkeypatch.setattr(m, "forward", lambda *a, **kw: seen.append(kw.get("layers")) or real(*a, **kw))
+    q = m.quantized
+    run = sum(lin.nbytes for n, lin in q.items() if not n.startswith("layers.1."))
+    for bound, want, scale in ((1, range(1), sum(lin.nbytes for lin in q.values()) / run), (2, None, 1.0)):
+        monkeypatch.setattr(cal, "TIMED_LAYERS", bound)
+        assert cal.layer_subset(m).scale == pytest.approx(scale, rel=1e-12)
+        seen.clear()
+        e.estimates.calibrated_rows.clear()
+        cal.calibrate(e, max_rows=1, ctx=8, repeats=2)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            check = cal.check_threads(e, tries=2)
+        finally:
+            torch.set_num_threads(threads)
+        assert check is not None and seen and all(s == want for s in seen), (bound, seen)
+    assert scale == 1.0 < sum(lin.nbytes for lin in q.values()) / run

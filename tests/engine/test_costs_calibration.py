@@ -52,6 +52,7 @@ class _Cache:
 class _SleepyModel:
     """A one-token forward that sleeps `at_threads` seconds at torch's thread count and `at_one` at one thread."""
     device = "cpu"
+    quantized: dict = {}             # not quantized: timed whole (calibrate.layer_subset)
 
     def __init__(self, threads: int, at_threads: float, at_one: float):
         self.threads, self.at_threads, self.at_one = threads, at_threads, at_one
@@ -107,6 +108,7 @@ class _SleepyLlama:
     """libllama's side of _SleepyModel: its threads are the context's (set_threads), not torch's; a prompt is
     written before the timed token (a forward over many tokens)."""
     device = "cpu"
+    quantized: dict = {}
 
     def __init__(self, threads: int, at_threads: float, at_one: float):
         self.threads, self.at_threads, self.at_one = threads, at_threads, at_one

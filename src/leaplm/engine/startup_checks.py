@@ -15,7 +15,7 @@ import torch
 from .. import startup_cache
 from .kpolicy import calibrate as calibrate_module
 from .kpolicy import costs as costs_module
-from .kpolicy.calibrate import calibrate
+from .kpolicy.calibrate import calibrate, layer_subset
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,7 @@ def check_threads(engine, tries: int = 6, budget_s: float = THREAD_CHECK_BUDGET_
     ctx = max(1, min(64, engine.max_model_len // 2))
     cache = model.new_cache(1, ctx + 2)
     x = torch.zeros(1, 1, dtype=torch.long)
+    sub = layer_subset(model)      # the ratio of the two thread counts is what matters; times scaled to a forward
     if llama:                      # libllama writes a row's cells in order: a real context before the timed token
         model(torch.zeros(1, ctx, dtype=torch.long), cache, last_only=True)
     set_threads = cache.set_threads if llama else torch.set_num_threads
@@ -191,8 +192,8 @@ def check_threads(engine, tries: int = 6, budget_s: float = THREAD_CHECK_BUDGET_
                 set_threads(t)
                 cache.lengths[:1] = [ctx]
                 t0 = time.perf_counter()
-                model(x, cache)
-                s = time.perf_counter() - t0
+                model(x, cache, **sub.kwargs)
+                s = sub.scale * (time.perf_counter() - t0)
                 if j:                                    # the first forward at a thread count is its warm-up
                     times[t].append(s)
             if j >= 2 and time.perf_counter() - start > budget_s:

@@ -4,6 +4,7 @@ measurement, is engine/startup_checks.py's."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,8 @@ ROUNDS_BUDGET_S = 2.0
 # few times one token's, far less than the 33 / 6 times a linear extrapolation from K + 1 = 6 would price it)
 LONG_BLOCKS = (9, 17, 33)
 LONG_ROWS = 2
+# a quantized model of more decoder layers is timed on its first TIMED_LAYERS (layer_subset)
+TIMED_LAYERS = 4
 
 
 def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> None:
@@ -35,10 +38,12 @@ def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> No
         cache = model.new_cache(max(ns), engine.max_model_len)
         top = engine.max_model_len - ctx
         short = list(range(1, min(k + 1, top) + 1))
+        sub = layer_subset(model)
         for n in ns:
             Ts = short + ([T for T in LONG_BLOCKS if k + 1 < T <= top] if n <= LONG_ROWS else [])
             cache.lengths[:n] = [ctx] * n
-            forward = lambda T: model(torch.zeros(n, T, dtype=torch.long, device=dev), cache)  # noqa: E731
+            forward = lambda T: model(torch.zeros(n, T, dtype=torch.long, device=dev), cache,  # noqa: E731
+                                      **sub.kwargs)
             forward(Ts[-1])                              # warm-up: the first forward of a shape is not its cost
             # rounds of every T back to back, the order reversed every other round (a trend in the machine's
             # speed within a round cancels); the cost model keeps each T's fastest time (shape) and the median of
@@ -48,7 +53,7 @@ def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> No
             while len(rounds) < max(2, repeats) or (len(rounds) < ROUNDS
                                                      and time.perf_counter() - t_start < ROUNDS_BUDGET_S):
                 j = len(rounds)
-                rounds.append({T: _timed(lambda: forward(T)) for T in (Ts if j % 2 == 0 else Ts[::-1])})
+                rounds.append({T: sub.scale * _timed(lambda: forward(T)) for T in (Ts if j % 2 == 0 else Ts[::-1])})
             est.costs.calibrated(n, rounds)
             cache.lengths[:n] = [0] * n
         est.calibrated_rows.update(ns)
@@ -81,6 +86,32 @@ def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> No
                 best = min(_timed(lambda: draft(torch.zeros(n, 1, dtype=torch.long, device=draft.device), cache,
                                                 last_only=True)) for _ in range(repeats + 1))
                 est.propose_s_rows[("draft", rows_bucket(n))] = best / n
+
+
+@dataclass(frozen=True)
+class LayerSubset:
+    """What a start-up timing runs of a model: its first layers (kwargs for its forward) and the factor from their
+    time to the whole forward's."""
+    kwargs: dict
+    scale: float                  # the whole forward's linear weight bytes over those of the layers run and the head
+    layers: int | None            # the layers run; None: all
+
+
+def layer_subset(model) -> LayerSubset:
+    """A quantized model of more than TIMED_LAYERS decoder layers that runs layer subsets is timed on its first
+    TIMED_LAYERS: every layer has the same shapes, and a forward of a few tokens reads its weights once, so its
+    time scales with the weight bytes read (the output projection's included: on a 128k-token vocabulary it is a
+    fifth of a 1B model's bytes). Others are timed whole (scale 1)."""
+    q = model.quantized
+    if not q or not model.capabilities.layer_subsets or model.num_layers <= TIMED_LAYERS:
+        return LayerSubset({}, 1.0, None)
+
+    def layer(name: str) -> int | None:
+        return int(name.split(".")[1]) if name.startswith("layers.") else None
+
+    whole = sum(lin.nbytes for lin in q.values())
+    run = sum(lin.nbytes for name, lin in q.items() if (layer(name) or 0) < TIMED_LAYERS)
+    return LayerSubset({"layers": range(TIMED_LAYERS)}, whole / run, TIMED_LAYERS)
 
 
 def _timed(fn) -> float:
