@@ -107,7 +107,7 @@ def measure(path: str, load_kernel, check_invariance: bool = True) -> BackendCos
     import tempfile
 
     from .gguf import parse_gguf
-    from .gguf_truncate import truncate_gguf
+    from .gguf_truncate import cut_bytes, scratch_dir, truncate_gguf
     from .llamacpp.caches import LlamaCppCache
     from .llamacpp.model import LlamaCppLM
 
@@ -116,7 +116,8 @@ def measure(path: str, load_kernel, check_invariance: bool = True) -> BackendCos
     k = forward_ms(kernel, layers=cut)
     del kernel
     gc.collect()
-    with tempfile.TemporaryDirectory(prefix="leaplm-cut-") as tmp:
+    scratch = scratch_dir(cut_bytes(path, cut)) if cut is not None else None
+    with tempfile.TemporaryDirectory(prefix="leaplm-cut-", dir=scratch) as tmp:
         ll_path = path if cut is None else str(truncate_gguf(path, cut, Path(tmp) / "cut.gguf"))
         lm = LlamaCppLM(ll_path)
         ll = forward_ms(lm, new_cache=lambda rows, n: LlamaCppCache(lm, rows, n))
