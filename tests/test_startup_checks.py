@@ -141,6 +141,7 @@ def test_the_calibration_of_a_big_model_runs_its_first_layers(tiny, monkeypatch)
     import torch
 
     from leaplm.engine.engine import Engine
+    from leaplm.engine import startup_checks
     from leaplm.engine.kpolicy import calibrate as cal
 
     monkeypatch.setenv("LEAPLM_NO_STARTUP_CACHE", "1")
@@ -160,7 +161,7 @@ def test_the_calibration_of_a_big_model_runs_its_first_layers(tiny, monkeypatch)
         threads = torch.get_num_threads()
         torch.set_num_threads(2)
         try:
-            check = cal.check_threads(e, tries=2)
+            check = startup_checks.check_threads(e, tries=2)
         finally:
             torch.set_num_threads(threads)
         assert check is not None and seen and all(s == want for s in seen), (bound, seen)
