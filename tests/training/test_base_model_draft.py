@@ -114,3 +114,29 @@ def test_base_model_run_makes_a_lossless_gemma_draft(gemma, tmp_path):
         outs[method] = eng.generate(prompt, SamplingParams(max_new_tokens=24, temperature=0.0))
     assert outs["draft"].token_ids == outs["none"].token_ids
     assert outs["draft"].stats.draft_tokens > 0
+
+
+def test_bos_is_a_draft_row_and_text_windows_start_with_it():
+    from types import SimpleNamespace
+
+    from leaplm.models.draft_vocab import t2d_table
+    from leaplm.training.chat_distill import text_ce
+    from leaplm.training.chat_shards import choose_vocab
+
+    mass = torch.tensor([0.0, 0.3, 0.2, 0.1, 0.25, 0.15, 0.0, 0.0])         # BOS (7) is never emitted
+    assert 7 not in choose_vocab([], 4, 8, mass).tolist()                     # negative control
+    d2t = choose_vocab([], 4, 8, mass, keep=(7,))
+    assert d2t.tolist()[:2] == [-1, 7] and len(d2t) == 4
+    seen = []
+
+    def draft(input_ids):                                                     # records what the draft reads
+        seen.append(input_ids)
+        return SimpleNamespace(logits=torch.zeros(*input_ids.shape, 4))
+
+    t2d = t2d_table(d2t, 8)
+    x = torch.tensor([[1, 4, 1, 4], [4, 1, 4, 1]])                           # [B, S] target ids
+    text_ce(draft, x, t2d, bos=7)
+    assert seen[0].shape == (2, 4) and (seen[0][:, 0] == t2d[7]).all()
+    assert seen[0][:, 1:].tolist() == t2d[x[:, :-1]].tolist()
+    text_ce(draft, x, t2d)
+    assert seen[1].tolist() == t2d[x[:, :-1]].tolist()                      # without BOS: the text as it is

@@ -160,12 +160,18 @@ def _forward(draft, b: ChatBatch) -> torch.Tensor:
     return draft.lm_head(h[b.where[:, 0], b.where[:, 1]])                        # [M, N]
 
 
-def text_ce(draft, x: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
-    """Next-token CE of the draft on target-tokenized text x [B, S]; targets outside the vocabulary skipped."""
+def text_ce(draft, x: torch.Tensor, t2d: torch.Tensor, bos: int | None = None) -> torch.Tensor:
+    """Next-token CE of the draft on target-tokenized text x [B, S]; targets outside the vocabulary skipped.
+    With `bos`, each window starts with it as every prompt does (no loss on the window's first token, which
+    follows BOS here but not in the text)."""
+    if bos is not None:
+        x = torch.cat([torch.full_like(x[:, :1], bos), x], 1)                  # [B, S + 1]
     d = t2d[x]                                                                  # [B, S] draft ids
     logits = draft(input_ids=d[:, :-1]).logits.float()                          # [B, S-1, N]
     logits[..., 0] = float("-inf")
-    y = d[:, 1:]
+    y = d[:, 1:].clone()
+    if bos is not None:
+        y[:, 0] = 0
     keep = y > 0
     return F.cross_entropy(logits[keep], y[keep])
 
@@ -203,9 +209,13 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
 
         text = TokenStream.build(corpus_texts(cfg.text_corpus, "train", cfg.text_max_files), tok, tok.eos_token_id)
         log.info("text corpus %s: %d tokens (CE weight %g)", cfg.text_corpus, len(text), cfg.text_weight)
+    from ..models.tokens import bos_to_add
+
+    bos = bos_to_add(tok)
     vocab_path = out / "d2t.pt"
     d2t = torch.load(vocab_path) if vocab_path.exists() else choose_vocab(
-        shards.train, cfg.draft_vocab, V, text_token_mass(text.ids, V) if text is not None else None)
+        shards.train, cfg.draft_vocab, V, text_token_mass(text.ids, V) if text is not None else None,
+        keep=() if bos is None else (bos,))
     torch.save(d2t, vocab_path)
     t2d = t2d_table(d2t, V)
     cov = coverage(shards.valid or shards.train, d2t)
@@ -227,7 +237,7 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
             r = chat_loss(_forward(draft, b), b, cfg.alpha, cfg.temperatures, cfg.loss)
             loss, n_tok = r.loss, len(b.emitted)
         if text is not None:
-            loss = loss + cfg.text_weight * text_ce(draft, text.batch(rng, cfg.batch_size, cfg.text_seq_len), t2d)
+            loss = loss + cfg.text_weight * text_ce(draft, text.batch(rng, cfg.batch_size, cfg.text_seq_len), t2d, bos)
             n_tok += cfg.batch_size * cfg.text_seq_len
         return StepResult(loss, n_tok, dict(kl=r.kl.item() if r else 0.0, ce=r.ce.item() if r else 0.0,
                                             agree=r.agree.item() if r else None))
