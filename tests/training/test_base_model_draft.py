@@ -140,3 +140,17 @@ def test_bos_is_a_draft_row_and_text_windows_start_with_it():
     assert seen[0][:, 1:].tolist() == t2d[x[:, :-1]].tolist()
     text_ce(draft, x, t2d)
     assert seen[1].tolist() == t2d[x[:, :-1]].tolist()                      # without BOS: the text as it is
+
+
+def test_max_context_keeps_the_first_token_and_the_prompts_end():
+    from leaplm.training.chat_distill import make_batch
+    from leaplm.training.chat_shards import ChatRow
+
+    ids = torch.arange(2, 16)                                                 # prompt 2..11 (P = 10), answer 12..15
+    row = ChatRow(ids, 10, torch.stack([ids[10:], ids[10:] - 1], 1), torch.zeros(4, 2))
+    t2d = torch.arange(20)
+    full, cut = make_batch([row], t2d), make_batch([row], t2d, max_context=3)
+    assert cut.inputs.tolist() == [[2, 9, 10, 11, 12, 13, 14]]               # BOS, the last 3 prompt tokens, answer
+    assert torch.equal(cut.inputs[0, cut.where[:, 1]], full.inputs[0, full.where[:, 1]])   # same positions scored
+    assert torch.equal(cut.emitted, full.emitted) and torch.equal(cut.topk, full.topk)
+    assert make_batch([row], t2d, max_context=9).inputs.tolist() == full.inputs.tolist()   # nothing to cut

@@ -91,6 +91,11 @@ def distill_chat_cmd(
                                       help="Add this times next-token CE on --text-corpus (no target needed)."),
     text_corpus: str = typer.Option(_dd("text_corpus"), "--text-corpus",
                                     help="'stdlib', a directory of .py files, or a .jsonl file."),
+    text_seq_len: int = typer.Option(_dd("text_seq_len"), "--text-seq-len", min=2,
+                                     help="Tokens per --text-corpus window."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", min=1,
+                                              help="Prompt tokens kept before each answer (default: all); "
+                                                   "shorter contexts make a step cheaper."),
     threads: Optional[int] = Threads,
     loop: dict = None,
 ) -> None:
@@ -103,11 +108,13 @@ def distill_chat_cmd(
         temps = tuple(float(x) for x in temperatures.split(",") if x.strip())
     except ValueError:
         raise typer.BadParameter("expected comma-separated numbers", param_hint="--temperatures") from None
-    with user_errors(["model", "logits_dir", "shape", "draft_vocab", "temperatures", "text_corpus", "loss"]):
+    with user_errors(["model", "logits_dir", "shape", "draft_vocab", "temperatures", "text_corpus", "loss",
+                      "max_context"]):
         cfg = ChatDistillConfig(model=resolve_model_name(model), logits_dir=str(logits_dir), out_dir=str(out_dir),
                                 shape=shape, draft_vocab=draft_vocab, steps=steps, batch_size=batch_size,
                                 alpha=alpha, loss=loss, temperatures=temps, text_weight=text_weight,
-                                text_corpus=text_corpus, **loop)
+                                text_corpus=text_corpus, text_seq_len=text_seq_len, max_context=max_context,
+                                **loop)
         with StepProgress(f"distill-chat {shape}") as bar:
             last = distill_chat(cfg, bar)
     report_done(out_dir, last)

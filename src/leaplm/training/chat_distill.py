@@ -62,6 +62,9 @@ class ChatDistillConfig:
     text_weight: float = 0.0
     text_seq_len: int = 256
     text_max_files: int | None = 300   # the first files of the corpus (tokenizing all of the stdlib takes minutes)
+    # prompt tokens a row keeps before its answer (its first token, BOS, kept too); None: all. The draft's cost
+    # per step is mostly the prompts' when they are long; its attention then learns from shorter contexts
+    max_context: int | None = None
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "warmup_steps", "save_every", "eval_every", "valid_every"):
@@ -74,6 +77,8 @@ class ChatDistillConfig:
             raise ConfigError("loss", f"{self.loss!r} unknown; choose from {', '.join(LOSSES)}")
         if self.draft_vocab < 2:
             raise ConfigError("draft_vocab", f"must be >= 2, got {self.draft_vocab}")
+        if self.max_context is not None and self.max_context < 1:
+            raise ConfigError("max_context", f"must be >= 1 or None, got {self.max_context}")
         if not 0 <= self.alpha <= 1:
             raise ConfigError("alpha", f"must be in [0, 1], got {self.alpha}")
         if not self.temperatures or not all(0 < t <= 10 for t in self.temperatures):
@@ -95,7 +100,16 @@ class ChatBatch:
     argmax_in: torch.Tensor            # [M] bool: the target's argmax is inside the draft vocabulary
 
 
-def make_batch(rows: list[ChatRow], t2d: torch.Tensor) -> ChatBatch:
+def _cut_context(r: ChatRow, max_context: int | None) -> ChatRow:
+    """The row with only its first token and the last max_context tokens of its prompt before the answer."""
+    start = 1 if max_context is None else max(1, r.prompt_len - max_context)
+    if start == 1:
+        return r
+    return ChatRow(torch.cat([r.ids[:1], r.ids[start:]]), r.prompt_len - start + 1, r.topk_ids, r.topk_logp)
+
+
+def make_batch(rows: list[ChatRow], t2d: torch.Tensor, max_context: int | None = None) -> ChatBatch:
+    rows = [_cut_context(r, max_context) for r in rows]
     L = max(len(r.ids) for r in rows) - 1
     inputs = torch.zeros(len(rows), L, dtype=torch.long)
     where, topk, logp, emitted = [], [], [], []
@@ -184,7 +198,8 @@ def evaluate(draft, rows: list[ChatRow], t2d: torch.Tensor, cfg: ChatDistillConf
         return None
     draft.eval()
     parts = [chat_loss(_forward(draft, b), b, cfg.alpha, cfg.temperatures, cfg.loss)
-             for b in (make_batch(rows[i : i + cfg.batch_size], t2d) for i in range(0, len(rows), cfg.batch_size))]
+             for b in (make_batch(rows[i : i + cfg.batch_size], t2d, cfg.max_context)
+                       for i in range(0, len(rows), cfg.batch_size))]
     draft.train()
     return ChatLoss(*(torch.stack([getattr(p, f) for p in parts]).mean()
                       for f in ("loss", "kl", "ce", "agree", "overlap")))
@@ -233,7 +248,7 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
     def step(i: int) -> StepResult:
         r, loss, n_tok = None, torch.zeros(()), 0
         if shards.train:
-            b = make_batch(rng.sample(shards.train, min(cfg.batch_size, len(shards.train))), t2d)
+            b = make_batch(rng.sample(shards.train, min(cfg.batch_size, len(shards.train))), t2d, cfg.max_context)
             r = chat_loss(_forward(draft, b), b, cfg.alpha, cfg.temperatures, cfg.loss)
             loss, n_tok = r.loss, len(b.emitted)
         if text is not None:
