@@ -34,6 +34,9 @@ def chatdata_cmd(
                                      help="Comma list; shards cycle through them (0 = greedy)."),
     max_prompt_tokens: int = typer.Option(_d("max_prompt_tokens"), "--max-prompt-tokens", min=1,
                                           help="Skip chat prompts longer than this (templated)."),
+    prompts: str = typer.Option(_d("prompts"), "--prompts",
+                                help="chat (chat answers through the chat template) or text (a base model's "
+                                     "continuations of code and prose)."),
     backend: str = typer.Option(_d("backend"), "--backend",
                                 help="auto (libllama for a GGUF file when llama-cpp-python is installed), llamacpp "
                                      "or engine (leaplm's batched engine)."),
@@ -54,9 +57,9 @@ def chatdata_cmd(
     cfg = ChatDataConfig(model=resolve_model_name(model), out_dir=str(out_dir), n_prompts=n_prompts,
                          new_tokens=new_tokens, top_k=top_k, batch_size=batch_size, shard_rows=shard_rows,
                          temperatures=temps, max_prompt_tokens=max_prompt_tokens, seed=seed, max_files=max_files,
-                         backend=backend, threads=threads)
+                         backend=backend, threads=threads, prompts=prompts)
     with user_errors([f.name for f in dataclasses.fields(cfg)]), \
-            counter("chat answers") as prog:
+            counter(f"{prompts} answers") as prog:
         task = prog.add_task("gen", total=n_prompts)
         rows = generate_chat_logits(cfg, on_rows=lambda d, n: prog.update(task, completed=d, total=n))
     out.print(f"{rows} answers in {out_dir}")
@@ -88,6 +91,11 @@ def distill_chat_cmd(
                                       help="Add this times next-token CE on --text-corpus (no target needed)."),
     text_corpus: str = typer.Option(_dd("text_corpus"), "--text-corpus",
                                     help="'stdlib', a directory of .py files, or a .jsonl file."),
+    text_seq_len: int = typer.Option(_dd("text_seq_len"), "--text-seq-len", min=2,
+                                     help="Tokens per --text-corpus window."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", min=1,
+                                              help="Prompt tokens kept before each answer (default: all); "
+                                                   "shorter contexts make a step cheaper."),
     threads: Optional[int] = Threads,
     loop: dict = None,
 ) -> None:
@@ -100,11 +108,13 @@ def distill_chat_cmd(
         temps = tuple(float(x) for x in temperatures.split(",") if x.strip())
     except ValueError:
         raise typer.BadParameter("expected comma-separated numbers", param_hint="--temperatures") from None
-    with user_errors(["model", "logits_dir", "shape", "draft_vocab", "temperatures", "text_corpus", "loss"]):
+    with user_errors(["model", "logits_dir", "shape", "draft_vocab", "temperatures", "text_corpus", "loss",
+                      "max_context"]):
         cfg = ChatDistillConfig(model=resolve_model_name(model), logits_dir=str(logits_dir), out_dir=str(out_dir),
                                 shape=shape, draft_vocab=draft_vocab, steps=steps, batch_size=batch_size,
                                 alpha=alpha, loss=loss, temperatures=temps, text_weight=text_weight,
-                                text_corpus=text_corpus, **loop)
+                                text_corpus=text_corpus, text_seq_len=text_seq_len, max_context=max_context,
+                                **loop)
         with StepProgress(f"distill-chat {shape}") as bar:
             last = distill_chat(cfg, bar)
     report_done(out_dir, last)
@@ -134,7 +144,10 @@ def draft_cmd(
                                                  "cut-N (the target's first N layers and its head rows)."),
     draft_vocab: int = typer.Option(_dr("draft_vocab"), "--draft-vocab", min=2,
                                     help="Draft vocabulary rows: the target tokens with most mass, + 1 'other'."),
-    n_prompts: int = typer.Option(_dr("n_prompts"), "--n-prompts", min=1, help="Chat answers to generate."),
+    prompts: str = typer.Option(_dr("prompts"), "--prompts",
+                                help="chat (chat answers through the chat template) or text (a base model's "
+                                     "continuations of code and prose)."),
+    n_prompts: int = typer.Option(_dr("n_prompts"), "--n-prompts", min=1, help="Answers to generate."),
     new_tokens: int = typer.Option(_dr("new_tokens"), "--new-tokens", min=1, help="Longest answer kept."),
     max_prompt_tokens: int = typer.Option(_dr("max_prompt_tokens"), "--max-prompt-tokens", min=1,
                                           help="Skip chat prompts longer than this (templated)."),
@@ -156,16 +169,17 @@ def draft_cmd(
     max_files: Optional[int] = typer.Option(None, min=1, help="Scan only the first N stdlib files (tests)."),
     threads: Optional[int] = Threads,
 ) -> None:
-    """A draft for a target in one command: the target's own chat answers (libllama for a GGUF file when
-    installed), then a reduced-vocabulary draft distilled on them. Resumable; refuses a directory of another run."""
+    """A draft for a target in one command: the target's own chat answers, or a base model's continuations
+    (--prompts text), generated by libllama for a GGUF file when installed; then a reduced-vocabulary draft
+    distilled on them. Resumable; refuses a directory of another run."""
     from ..models.catalog import resolve_model_name
     from ..training.draft_run import DraftRunConfig, train_draft
 
     setup_training(threads)
     with user_errors(["target", "out_dir", "shape", "draft_vocab", "loss", "temperatures", "data_temperatures",
-                      "sampled_steps", "sampled_temperatures"]):
+                      "sampled_steps", "sampled_temperatures", "prompts"]):
         cfg = DraftRunConfig(target=resolve_model_name(target, "target"), out_dir=str(out_dir), shape=shape,
-                             draft_vocab=draft_vocab, n_prompts=n_prompts, new_tokens=new_tokens,
+                             draft_vocab=draft_vocab, prompts=prompts, n_prompts=n_prompts, new_tokens=new_tokens,
                              max_prompt_tokens=max_prompt_tokens,
                              data_temperatures=_floats(data_temperatures, "--data-temperatures"), steps=steps,
                              batch_size=batch_size, lr=lr, loss=loss,

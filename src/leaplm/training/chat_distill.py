@@ -62,6 +62,9 @@ class ChatDistillConfig:
     text_weight: float = 0.0
     text_seq_len: int = 256
     text_max_files: int | None = 300   # the first files of the corpus (tokenizing all of the stdlib takes minutes)
+    # prompt tokens a row keeps before its answer (its first token, BOS, kept too); None: all. The draft's cost
+    # per step is mostly the prompts' when they are long; its attention then learns from shorter contexts
+    max_context: int | None = None
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "warmup_steps", "save_every", "eval_every", "valid_every"):
@@ -74,6 +77,8 @@ class ChatDistillConfig:
             raise ConfigError("loss", f"{self.loss!r} unknown; choose from {', '.join(LOSSES)}")
         if self.draft_vocab < 2:
             raise ConfigError("draft_vocab", f"must be >= 2, got {self.draft_vocab}")
+        if self.max_context is not None and self.max_context < 1:
+            raise ConfigError("max_context", f"must be >= 1 or None, got {self.max_context}")
         if not 0 <= self.alpha <= 1:
             raise ConfigError("alpha", f"must be in [0, 1], got {self.alpha}")
         if not self.temperatures or not all(0 < t <= 10 for t in self.temperatures):
@@ -95,7 +100,16 @@ class ChatBatch:
     argmax_in: torch.Tensor            # [M] bool: the target's argmax is inside the draft vocabulary
 
 
-def make_batch(rows: list[ChatRow], t2d: torch.Tensor) -> ChatBatch:
+def _cut_context(r: ChatRow, max_context: int | None) -> ChatRow:
+    """The row with only its first token and the last max_context tokens of its prompt before the answer."""
+    start = 1 if max_context is None else max(1, r.prompt_len - max_context)
+    if start == 1:
+        return r
+    return ChatRow(torch.cat([r.ids[:1], r.ids[start:]]), r.prompt_len - start + 1, r.topk_ids, r.topk_logp)
+
+
+def make_batch(rows: list[ChatRow], t2d: torch.Tensor, max_context: int | None = None) -> ChatBatch:
+    rows = [_cut_context(r, max_context) for r in rows]
     L = max(len(r.ids) for r in rows) - 1
     inputs = torch.zeros(len(rows), L, dtype=torch.long)
     where, topk, logp, emitted = [], [], [], []
@@ -160,12 +174,18 @@ def _forward(draft, b: ChatBatch) -> torch.Tensor:
     return draft.lm_head(h[b.where[:, 0], b.where[:, 1]])                        # [M, N]
 
 
-def text_ce(draft, x: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
-    """Next-token CE of the draft on target-tokenized text x [B, S]; targets outside the vocabulary skipped."""
+def text_ce(draft, x: torch.Tensor, t2d: torch.Tensor, bos: int | None = None) -> torch.Tensor:
+    """Next-token CE of the draft on target-tokenized text x [B, S]; targets outside the vocabulary skipped.
+    With `bos`, each window starts with it as every prompt does (no loss on the window's first token, which
+    follows BOS here but not in the text)."""
+    if bos is not None:
+        x = torch.cat([torch.full_like(x[:, :1], bos), x], 1)                  # [B, S + 1]
     d = t2d[x]                                                                  # [B, S] draft ids
     logits = draft(input_ids=d[:, :-1]).logits.float()                          # [B, S-1, N]
     logits[..., 0] = float("-inf")
-    y = d[:, 1:]
+    y = d[:, 1:].clone()
+    if bos is not None:
+        y[:, 0] = 0
     keep = y > 0
     return F.cross_entropy(logits[keep], y[keep])
 
@@ -178,7 +198,8 @@ def evaluate(draft, rows: list[ChatRow], t2d: torch.Tensor, cfg: ChatDistillConf
         return None
     draft.eval()
     parts = [chat_loss(_forward(draft, b), b, cfg.alpha, cfg.temperatures, cfg.loss)
-             for b in (make_batch(rows[i : i + cfg.batch_size], t2d) for i in range(0, len(rows), cfg.batch_size))]
+             for b in (make_batch(rows[i : i + cfg.batch_size], t2d, cfg.max_context)
+                       for i in range(0, len(rows), cfg.batch_size))]
     draft.train()
     return ChatLoss(*(torch.stack([getattr(p, f) for p in parts]).mean()
                       for f in ("loss", "kl", "ce", "agree", "overlap")))
@@ -203,9 +224,13 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
 
         text = TokenStream.build(corpus_texts(cfg.text_corpus, "train", cfg.text_max_files), tok, tok.eos_token_id)
         log.info("text corpus %s: %d tokens (CE weight %g)", cfg.text_corpus, len(text), cfg.text_weight)
+    from ..models.tokens import bos_to_add
+
+    bos = bos_to_add(tok)
     vocab_path = out / "d2t.pt"
     d2t = torch.load(vocab_path) if vocab_path.exists() else choose_vocab(
-        shards.train, cfg.draft_vocab, V, text_token_mass(text.ids, V) if text is not None else None)
+        shards.train, cfg.draft_vocab, V, text_token_mass(text.ids, V) if text is not None else None,
+        keep=() if bos is None else (bos,))
     torch.save(d2t, vocab_path)
     t2d = t2d_table(d2t, V)
     cov = coverage(shards.valid or shards.train, d2t)
@@ -223,11 +248,11 @@ def distill_chat(cfg: ChatDistillConfig, on_step: Callable[[DistillStepLog], Non
     def step(i: int) -> StepResult:
         r, loss, n_tok = None, torch.zeros(()), 0
         if shards.train:
-            b = make_batch(rng.sample(shards.train, min(cfg.batch_size, len(shards.train))), t2d)
+            b = make_batch(rng.sample(shards.train, min(cfg.batch_size, len(shards.train))), t2d, cfg.max_context)
             r = chat_loss(_forward(draft, b), b, cfg.alpha, cfg.temperatures, cfg.loss)
             loss, n_tok = r.loss, len(b.emitted)
         if text is not None:
-            loss = loss + cfg.text_weight * text_ce(draft, text.batch(rng, cfg.batch_size, cfg.text_seq_len), t2d)
+            loss = loss + cfg.text_weight * text_ce(draft, text.batch(rng, cfg.batch_size, cfg.text_seq_len), t2d, bos)
             n_tok += cfg.batch_size * cfg.text_seq_len
         return StepResult(loss, n_tok, dict(kl=r.kl.item() if r else 0.0, ce=r.ce.item() if r else 0.0,
                                             agree=r.agree.item() if r else None))

@@ -109,22 +109,28 @@ def _full_config(cfg: dict) -> dict:
 
 
 def build_cut_draft(model: str, n_layers: int, d2t: torch.Tensor, eos_target: int):
-    """A HF llama over len(d2t) rows made of the target's first n_layers layers, its final norm and its
-    embedding rows d2t (row 0, "other", = the mean row), tied as input embedding and LM head."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A Hugging Face model of the target's own family over len(d2t) rows made of the target's first n_layers
+    layers, its final norm and its embedding rows d2t (row 0, "other", = the mean row), tied as input embedding
+    and LM head. A llama target is read tensor by tensor (only the layers kept are dequantized); any other family
+    leaplm runs natively (Gemma 3, Qwen) through transformers' own GGUF or checkpoint reader."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    tcfg, sd = target_checkpoint(model, n_layers)
-    if tcfg.get("model_type", "llama") != "llama":
-        raise ConfigError("shape", f"{CUT_PREFIX}N needs a llama target, got model_type {tcfg.get('model_type')!r}")
+    from ..models.arch import arch_of
+
+    tcfg, sd = _cut_source(model, n_layers)
+    mt = tcfg.get("model_type", "llama")
+    if arch_of(mt) is None:
+        raise ConfigError("shape", f"{CUT_PREFIX}N needs a target leaplm runs natively, got model_type {mt!r}")
     total = int(tcfg["num_hidden_layers"])
     if n_layers >= total:
         raise ConfigError("shape", f"{CUT_PREFIX}{n_layers}: the target has only {total} layers")
-    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
-            "max_position_embeddings", "head_dim", "rope_parameters", "rope_theta", "hidden_act")
     t2d_eos = int((d2t == eos_target).nonzero()[0]) if bool((d2t == eos_target).any()) else 0
-    conf = LlamaConfig(vocab_size=len(d2t), tie_word_embeddings=True, num_hidden_layers=n_layers,
-                       bos_token_id=t2d_eos, eos_token_id=t2d_eos, **{k: tcfg[k] for k in keep if k in tcfg})
-    draft = LlamaForCausalLM(conf)
+    own_cfg = {k: v for k, v in tcfg.items() if k not in _NOT_CONFIG}
+    own_cfg |= dict(vocab_size=len(d2t), tie_word_embeddings=True, num_hidden_layers=n_layers,
+                    bos_token_id=t2d_eos, eos_token_id=t2d_eos, pad_token_id=0)
+    if isinstance(tcfg.get("layer_types"), list):             # per-layer attention kinds (Gemma 3, Qwen)
+        own_cfg["layer_types"] = tcfg["layer_types"][:n_layers]
+    draft = AutoModelForCausalLM.from_config(AutoConfig.for_model(mt, **own_cfg))
     emb = sd["model.embed_tokens.weight"]                               # [V, H]
     rows = emb[d2t.clamp(min=0)].clone()                                # [N, H]
     rows[0] = emb.mean(0)
@@ -136,6 +142,23 @@ def build_cut_draft(model: str, n_layers: int, d2t: torch.Tensor, eos_target: in
         raise ValueError(f"shape: cannot cut the target: missing {missing[:3]}, unexpected {unexpected[:3]}")
     draft.tie_weights()
     return draft
+
+
+# config keys of the target that do not describe the cut model's architecture
+_NOT_CONFIG = ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+               "id2label", "label2id", "layer_types", "quantization_config")
+
+
+def _cut_source(model: str, n_layers: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config dict, fp32 state dict with Hugging Face names) of the target the cut is taken from."""
+    from ..models.gguf import inspect_gguf, is_gguf, read_gguf_checkpoint
+
+    if is_gguf(model):
+        info = inspect_gguf(model, "target")
+        if info.architecture != "llama":
+            cfg, sd = read_gguf_checkpoint(info, torch.float32, "target")
+            return cfg, {k if k.startswith(("model.", "lm_head")) else f"model.{k}": v for k, v in sd.items()}
+    return target_checkpoint(model, n_layers)
 
 
 def build_draft(shape_name: str, model: str, seed: int, d2t: torch.Tensor, target_emb: torch.Tensor | None,

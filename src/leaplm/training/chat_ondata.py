@@ -1,6 +1,6 @@
 """Chat distillation data for any target (--model: a GGUF file or a checkpoint directory): the target's own
-answers to leaplm's chat prompts (chat_prompts.py), through its chat template, with the target's raw top-k
-log-probabilities at every generated token. Two backends decode the rows: libllama (chat_llamacpp.py, batched
+answers to leaplm's chat prompts (chat_prompts.py), through its chat template, or (prompts="text", a base model)
+its continuations of code and prose (text_prompts.py), with the target's raw top-k log-probabilities at every generated token. Two backends decode the rows: libllama (chat_llamacpp.py, batched
 sequences in one llama.cpp context) for a GGUF target when llama-cpp-python is installed, else leaplm's batched
 engine (the scheduler's continuous batching, plain decoding); `backend` picks one explicitly.
 
@@ -45,6 +45,9 @@ class ChatDataConfig:
     max_files: int | None = None                  # limit the stdlib scan (tests)
     backend: str = "auto"                         # "auto" (llamacpp for a GGUF file when installed), "llamacpp", "engine"
     threads: int | None = None                    # llamacpp: its CPU threads (None: torch's thread count)
+    # "chat": chat_prompts.py through the target's chat template; "text": text_prompts.py's code and prose
+    # continuations as plain text (a base model, which has no chat turn to answer)
+    prompts: str = "chat"
 
     def validate(self) -> None:
         for name in ("n_prompts", "new_tokens", "batch_size", "shard_rows", "max_prompt_tokens"):
@@ -54,6 +57,8 @@ class ChatDataConfig:
             raise ConfigError("top_k", f"must be in [1, {SamplingParams.MAX_LOGPROBS}], got {self.top_k}")
         if not self.temperatures or any(not 0 <= t <= 10 for t in self.temperatures):
             raise ConfigError("temperatures", f"must be a non-empty list of values in [0, 10], got {self.temperatures}")
+        if self.prompts not in PROMPT_KINDS:
+            raise ConfigError("prompts", f"{self.prompts!r} unknown; choose from {', '.join(PROMPT_KINDS)}")
         if self.backend not in BACKENDS:
             raise ConfigError("backend", f"{self.backend!r} unknown; choose from {', '.join(BACKENDS)}")
 
@@ -74,14 +79,20 @@ class ChatDataConfig:
 
 
 BACKENDS = ("auto", "llamacpp", "engine")
+PROMPT_KINDS = ("chat", "text")
 
 
 def _encoded_prompts(cfg: ChatDataConfig, tokenizer, bos_id) -> list[list[int]]:
     from ..models.tokens import chat_prompt, encode_prompt
+    from .text_prompts import continuation_prompts
 
+    if cfg.prompts == "text":
+        texts = continuation_prompts(cfg.seed, cfg.max_files)
+    else:
+        texts = [chat_prompt(tokenizer, p.text) for p in chat_prompts(cfg.seed, cfg.max_files)]
     out = []
-    for p in chat_prompts(cfg.seed, cfg.max_files):
-        ids = encode_prompt(tokenizer, chat_prompt(tokenizer, p.text), bos_id)
+    for text in texts:
+        ids = encode_prompt(tokenizer, text, bos_id)
         if len(ids) <= cfg.max_prompt_tokens:
             out.append(ids)
     return out
@@ -136,7 +147,8 @@ def generate_chat_logits(cfg: ChatDataConfig, on_rows: Callable[[int, int], None
         tokenizer, bos_id = engine.tokenizer, engine.target.bos_id
     prompts = _encoded_prompts(cfg, tokenizer, bos_id)
     if len(prompts) < cfg.n_prompts:
-        raise ConfigError("n_prompts", f"only {len(prompts)} chat prompts fit max_prompt_tokens; ask for fewer")
+        raise ConfigError("n_prompts", f"only {len(prompts)} {cfg.prompts} prompts fit max_prompt_tokens; ask for "
+                                       "fewer")
     answers: dict[int, list] = {}
     left = {i: min((i + 1) * cfg.shard_rows, cfg.n_prompts) - i * cfg.shard_rows for i in todo}
 

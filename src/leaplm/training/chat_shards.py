@@ -54,10 +54,13 @@ class ChatShards:
         return sum(r.topk_ids.shape[0] for r in (self.train if rows is None else rows))
 
 
-def choose_vocab(rows: list[ChatRow], n: int, target_vocab: int, text_mass: torch.Tensor | None = None) -> torch.Tensor:
+def choose_vocab(rows: list[ChatRow], n: int, target_vocab: int, text_mass: torch.Tensor | None = None,
+                 keep: tuple[int, ...] = ()) -> torch.Tensor:
     """d2t [n] int64: -1 (row 0, "other"), then the n - 1 target tokens with the most target probability mass
     over the answers' top k (the emitted tokens counted once more), most first; text_mass ([V], sums to 1)
-    adds a text corpus' frequencies at half the answers' weight (ranks the tokens the few answers never used)."""
+    adds a text corpus' frequencies at half the answers' weight (ranks the tokens the few answers never used).
+    `keep` (BOS) come first whatever their mass: every prompt starts with them, and a target that attends to its
+    BOS (Gemma) reads it as no other token, so the draft must not see it as "other"."""
     mass = torch.zeros(target_vocab, dtype=torch.float64)
     for r in rows:
         mass.index_add_(0, r.topk_ids.reshape(-1), r.topk_logp.exp().reshape(-1).double())
@@ -65,6 +68,7 @@ def choose_vocab(rows: list[ChatRow], n: int, target_vocab: int, text_mass: torc
     mass = mass / mass.sum().clamp(min=1e-12)
     if text_mass is not None:
         mass = mass + 0.5 * text_mass
+    mass[list(keep)] = float("inf")
     top = mass.topk(min(n - 1, target_vocab)).indices
     return torch.cat([torch.tensor([-1]), top])
 

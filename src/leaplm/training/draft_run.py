@@ -38,6 +38,7 @@ class DraftRunConfig:
     shape: str = "cut-2"                          # chat_draft_init.DRAFT_SHAPES or cut-N
     draft_vocab: int = 4096
     # stage 1: data
+    prompts: str = "chat"                         # "chat" (chat answers) or "text" (a base model's continuations)
     n_prompts: int = 320
     new_tokens: int = 128
     top_k: int = 20
@@ -69,7 +70,8 @@ class DraftRunConfig:
                               n_prompts=self.n_prompts, new_tokens=self.new_tokens, top_k=self.top_k,
                               batch_size=self.batch_size_data, shard_rows=self.shard_rows,
                               temperatures=self.data_temperatures, max_prompt_tokens=self.max_prompt_tokens,
-                              seed=self.seed, max_files=self.max_files, threads=self.threads)
+                              seed=self.seed, max_files=self.max_files, threads=self.threads,
+                              prompts=self.prompts)
 
     def distill_config(self) -> ChatDistillConfig:
         return ChatDistillConfig(model=self.target, logits_dir=str(Path(self.out_dir) / "chatdata"),
@@ -95,8 +97,9 @@ class DraftRunProgress:
     step_log: object | None = None                # distill: the DistillStepLog of the step
 
 
-def target_fingerprint(target: str) -> tuple[str, int]:
-    """(tokenizer sha256, vocabulary size) of a target the engine can load; ConfigError('target') otherwise."""
+def target_fingerprint(target: str, chat: bool = True) -> tuple[str, int]:
+    """(tokenizer sha256, vocabulary size) of a target the engine can load; ConfigError('target') otherwise (and
+    when `chat` asks for a chat template the tokenizer lacks)."""
     from ..models.draft_vocab import tokenizer_fingerprint
     from ..models.gguf import inspect_gguf, is_gguf, load_gguf_tokenizer
     from ..models.loading import check_source
@@ -109,15 +112,17 @@ def target_fingerprint(target: str) -> tuple[str, int]:
         if not (p / "config.json").is_file():
             raise ConfigError("target", f"{target!r} is neither a GGUF file nor a checkpoint directory")
         cfg = json.loads((p / "config.json").read_text())
-        if cfg.get("model_type") not in ("llama", "mistral", "qwen2", "qwen3"):
+        from ..models.arch import arch_of
+
+        if arch_of(cfg.get("model_type")) is None:
             raise ConfigError("target", f"{target}: model_type {cfg.get('model_type')!r} cannot be distilled from "
-                                        "(llama, mistral, qwen2 or qwen3)")
+                                        "(leaplm's native families only)")
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(target)
-    if getattr(tok, "chat_template", None) is None:
+    if chat and getattr(tok, "chat_template", None) is None:
         raise ConfigError("target", f"{target}: the tokenizer has no chat template (train draft generates chat "
-                                    "answers)")
+                                    "answers; a base model takes prompts='text')")
     return tokenizer_fingerprint(tok), len(tok.get_vocab())
 
 
@@ -167,7 +172,7 @@ def train_draft(cfg: DraftRunConfig, on_progress: Callable[[DraftRunProgress], N
         raise ConfigError("sampled_steps", f"must be >= 0, got {cfg.sampled_steps}")
     if not cfg.sampled_temperatures or not all(0 < t <= 10 for t in cfg.sampled_temperatures):
         raise ConfigError("sampled_temperatures", f"must be values in (0, 10], got {cfg.sampled_temperatures}")
-    fp, _ = target_fingerprint(cfg.target)
+    fp, _ = target_fingerprint(cfg.target, chat=cfg.prompts == "chat")
     check_run_dir(cfg, fp)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
