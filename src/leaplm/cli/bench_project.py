@@ -18,7 +18,7 @@ def bench_project(
     traces: List[str] = typer.Option(..., "--traces", help="A roofline or `leaplm bench` JSON whose speculative "
                                      "rows give the acceptance (repeat the option)."),
     which: str = typer.Option("forwards", "--curve-name", help="forwards (whole forwards) or a block-cost "
-                              "curve's kernel[/weight type] in the roofline JSON."),
+                              "curve's kernel, or kernel/weight type, in the roofline JSON."),
     propose_ms: Optional[List[str]] = typer.Option(None, "--propose-ms", help="METHOD=MS: a proposer's cost per "
                                                    "generated token, overriding the traces' (e.g. draft=2.5)."),
     check: bool = typer.Option(False, "--check", help="Compare the projection with the speedups the traces "
