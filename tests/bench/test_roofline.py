@@ -51,8 +51,11 @@ def test_roofline_cli_report_is_consistent(checkpoint, tmp_path):
         return
     # one block-cost curve per weight type over T = 1..16, floors consistent with the model's linear shapes
     assert [(c["kernel"].split(" (")[0], c["weight_type"]) for c in r["curves"]] == [
-        ("leaplm int8", "Q4_0"), ("leaplm int8", "Q4_1"), ("leaplm int8", "Q8_0"), ("leaplm forward", "Q8_0")]
+        ("leaplm int8", "Q4_0"), ("leaplm int8", "Q4_1"), ("leaplm int8", "Q8_0"), ("leaplm forward", "Q8_0"),
+        ("leaplm forward, argmax head", "Q8_0")]
     assert r["int8_GMACs"] > 0
+    greedy = r["curves"].pop()                  # the greedy verify's forward: the output layer's argmax alone
+    assert greedy["tokens"] == list(range(1, 33)) and all(ms > 0 for ms in greedy["ms"])
     whole = r["curves"].pop()                                          # the whole forward (int8 = Q8_0's blocks)
     assert whole["tokens"] == list(range(1, 33)) and whole["weight_bytes"] == r["weight_bytes"]
     a = load_model(checkpoint("llama3_rope")).model.args

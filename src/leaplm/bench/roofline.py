@@ -116,11 +116,14 @@ def stream_bandwidth(hidden: int = 4096, reps: int = 7) -> float:
     return w.numel() * w.element_size() / _median(lambda: F.linear(x, w), reps) / 1e9
 
 
-def forward_costs(model, tokens=(1, 2, 4, 8, 12, 16), ctx: int = 64, reps: int = 15) -> list[ForwardCost]:
+def forward_costs(model, tokens=(1, 2, 4, 8, 12, 16), ctx: int = 64, reps: int = 15,
+                  argmax: bool = False) -> list[ForwardCost]:
     """Median ms of a forward over T new tokens after `ctx` cached ones, the T values interleaved per repeat in an
     order shuffled each repeat (seeded), so that no T always follows the same one. A forward among larger ones
     runs slower than the same forward repeated (SmolLM2 Q4_1 on a Xeon: one token 5.8-6.1 ms within a sweep of
-    1..32 tokens, 4.8 ms repeated alone), so ratios compare within one call, not across calls."""
+    1..32 tokens, 4.8 ms repeated alone), so ratios compare within one call, not across calls. argmax: the
+    forward a greedy verify runs (forward_argmax: each position's argmax, no logits written)."""
+    run = model.forward_argmax if argmax else model
     cache = model.new_cache(1, ctx + max(tokens) + 1)
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -129,13 +132,13 @@ def forward_costs(model, tokens=(1, 2, 4, 8, 12, 16), ctx: int = 64, reps: int =
         blocks = {T: torch.randint(0, model.vocab_size, (1, T), generator=g) for T in tokens}
         times: dict[int, list[float]] = {T: [] for T in tokens}
         for T in tokens:                                     # warm-up
-            model(blocks[T], cache)
+            run(blocks[T], cache)
         order, shuffle = list(tokens), random.Random(0).shuffle
         for _ in range(reps):
             shuffle(order)
             for T in order:
                 t = time.perf_counter()
-                model(blocks[T], cache)
+                run(blocks[T], cache)
                 times[T].append(time.perf_counter() - t)
     med = {T: statistics.median(v) * 1e3 for T, v in times.items()}
     return [ForwardCost(T, round(med[T], 3), round(med[T] / med[tokens[0]], 3)) for T in tokens]
@@ -313,13 +316,15 @@ def kernel_block_costs(shapes: list[tuple[int, int]], weight_type: str, bandwidt
 
 
 def forward_curve(model, weight_type: str, bandwidth_GBps: float, tokens=tuple(range(1, 33)),
-                  macs_per_s: float = 0.0) -> BlockCurve:
+                  macs_per_s: float = 0.0, argmax: bool = False) -> BlockCurve:
     """leaplm's whole forward (every layer, attention, the output projection) over T tokens, as a BlockCurve
     labelled with the weight type its linears hold: comparable with llama.cpp's whole-forward curves. With the
-    machine's int8 rate (macs_per_s > 0), the arithmetic floor per T: the linears' multiply-adds x T / the rate."""
-    fc = forward_costs(model, tokens=tokens, reps=7)
+    machine's int8 rate (macs_per_s > 0), the arithmetic floor per T: the linears' multiply-adds x T / the rate.
+    argmax: the greedy verify's forward (the output layer's argmax alone), labelled "leaplm forward, argmax head"."""
+    fc = forward_costs(model, tokens=tokens, reps=7, argmax=argmax)
     nbytes = bytes_per_forward(model)
     macs = sum(n * k for n, k in linear_shapes(model.args))
     floor = [round(macs * T / macs_per_s * 1e3, 3) for T in tokens] if macs_per_s > 0 else []
-    return BlockCurve("leaplm forward", weight_type, list(tokens), [f.ms for f in fc], [f.vs_one for f in fc], nbytes,
+    name = "leaplm forward, argmax head" if argmax else "leaplm forward"
+    return BlockCurve(name, weight_type, list(tokens), [f.ms for f in fc], [f.vs_one for f in fc], nbytes,
                       round(nbytes / (bandwidth_GBps * 1e9) * 1e3, 3), floor)

@@ -71,6 +71,8 @@ def run_roofline(*, model, draft, configs, k, workloads, prompts, max_new_tokens
 
         wt = {"int8": "Q8_0", "int4": "Q4_1"}.get(quantization) or rep.weight_type    # gguf: the file's own
         rep.curves.append(forward_curve(m, wt, bw, macs_per_s=rep.int8_GMACs * 1e9))
+        if m.capabilities.argmax_head:      # what a greedy verify block costs (no logits written)
+            rep.curves.append(forward_curve(m, wt, bw, macs_per_s=rep.int8_GMACs * 1e9, argmax=True))
     if target.backend == "llamacpp":        # libllama's whole forward per weight type, beside the int8 kernel's
         from ..bench.llamacpp_costs import libllama_curves
 
