@@ -81,6 +81,7 @@ def load_kernel(p):
 def test_a_big_files_first_start_times_only_its_first_layers(tiny, monkeypatch):
     kernel_or_skip()
     monkeypatch.setattr(backend_costs, "TIMED_LAYERS", 1)
+    monkeypatch.setattr(backend_costs, "TIMED_BYTES", 0)          # the tiny file stands for a big one
     timed = Timed(monkeypatch)
     c = backend_costs.measure(tiny, load_kernel, check_invariance=False)
     # the kernel runs its first layer of two; libllama a file of one layer
@@ -90,10 +91,17 @@ def test_a_big_files_first_start_times_only_its_first_layers(tiny, monkeypatch):
 
 
 def test_a_file_within_the_bound_is_timed_whole(tiny, monkeypatch):
-    """Control: with the bound at the file's own 2 layers, both engines run the whole model."""
+    """Control: with the bound at the file's own 2 layers, both engines run the whole model; and a file of more
+    layers than the bound but within TIMED_BYTES (the default: every file of the test) is timed whole too."""
     kernel_or_skip()
+    monkeypatch.setattr(backend_costs, "TIMED_BYTES", 0)
     monkeypatch.setattr(backend_costs, "TIMED_LAYERS", 2)
     timed = Timed(monkeypatch)
+    c = backend_costs.measure(tiny, load_kernel, check_invariance=False)
+    assert timed.calls == [("LlamaForCausalLM", None, 2), ("LlamaCppLM", None, 2)] and c.layers_timed == 0
+    monkeypatch.setattr(backend_costs, "TIMED_BYTES", 1 << 30)
+    monkeypatch.setattr(backend_costs, "TIMED_LAYERS", 1)
+    timed.calls.clear()
     c = backend_costs.measure(tiny, load_kernel, check_invariance=False)
     assert timed.calls == [("LlamaForCausalLM", None, 2), ("LlamaCppLM", None, 2)] and c.layers_timed == 0
 
@@ -135,8 +143,9 @@ def test_a_second_start_measures_nothing_and_packs_nothing(tiny, monkeypatch):
 
 
 def test_the_calibration_of_a_big_model_runs_its_first_layers(tiny, monkeypatch):
-    """The cost calibration and the thread check time the first TIMED_LAYERS layers of a deeper quantized model,
-    their times scaled by the weight bytes; with the bound at the model's depth (the control) they run it whole."""
+    """The cost calibration and the thread check time the first TIMED_LAYERS layers of a deeper quantized model
+    larger than TIMED_BYTES, their times scaled by the weight bytes; with the bound at the model's depth (the
+    control) they run it whole, as they do a model within TIMED_BYTES."""
     kernel_or_skip()
     import torch
 
@@ -154,6 +163,7 @@ def test_the_calibration_of_a_big_model_runs_its_first_layers(tiny, monkeypatch)
     run = sum(lin.nbytes for n, lin in q.items() if not n.startswith("layers.1."))
     for bound, want, scale in ((1, range(1), sum(lin.nbytes for lin in q.values()) / run), (2, None, 1.0)):
         monkeypatch.setattr(cal, "TIMED_LAYERS", bound)
+        monkeypatch.setattr(cal, "TIMED_BYTES", 0)                # the tiny model stands for a big one
         assert cal.layer_subset(m).scale == pytest.approx(scale, rel=1e-12)
         seen.clear()
         e.estimates.calibrated_rows.clear()
@@ -166,3 +176,6 @@ def test_the_calibration_of_a_big_model_runs_its_first_layers(tiny, monkeypatch)
             torch.set_num_threads(threads)
         assert check is not None and seen and all(s == want for s in seen), (bound, seen)
     assert scale == 1.0 < sum(lin.nbytes for lin in q.values()) / run
+    monkeypatch.setattr(cal, "TIMED_LAYERS", 1)
+    monkeypatch.setattr(cal, "TIMED_BYTES", 1 << 30)
+    assert cal.layer_subset(m).layers is None and cal.layer_subset(m).scale == 1.0

@@ -52,6 +52,11 @@ def test_find_binaries_refuses_naming_the_option_and_what_is_missing(tmp_path):
         lc.find_binaries(str(part), env={})
     assert "llama-lookup" in e.value.message and "llama-speculative-simple" in e.value.message
     assert "llama-completion" not in e.value.message
+    only = lc.find_binaries(str(part), env={}, need=(lc.BENCH,))         # bench --roofline needs llama-bench alone
+    assert only.bench == part / lc.BENCH and only.lookup is None
+    with pytest.raises(ConfigError) as e:
+        lc.find_binaries(str(_fake_dir(tmp_path / "nobench", names=(lc.COMPLETION,))), env={}, need=(lc.BENCH,))
+    assert "llama-bench" in e.value.message and "llama-lookup" not in e.value.message
     with pytest.raises(ConfigError) as e:
         lc.find_binaries(None, env={"PATH": str(tmp_path / "empty")})
     assert "PATH" in e.value.message and "--llamacpp-dir" in e.value.message and lc.ENV_DIR in e.value.message

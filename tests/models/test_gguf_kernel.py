@@ -131,6 +131,30 @@ def test_a_second_load_maps_the_packed_linears_from_the_cache(files, qtype, monk
     assert packs
 
 
+def test_a_new_packed_entry_of_a_file_removes_its_old_one(files, monkeypatch):
+    """A changed packing code (another key) packs the file again and removes the entry it replaces; another file's
+    entry stays. Control: the old entry existed and was this file's."""
+    from leaplm.kernels.build import unavailable_reason
+    from leaplm.models import packed_cache
+
+    if unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    path, other = files("Q4_0"), files("Q8_0")
+    monkeypatch.delenv("LEAPLM_NO_STARTUP_CACHE", raising=False)     # writing a tiny file sets it (tests' default)
+    load_model(path, quantization="gguf")
+    load_model(other, quantization="gguf")
+    old = packed_cache.entry_dir_of(path)
+    kept = packed_cache.entry_dir_of(other)
+    assert (old / packed_cache.FILE).exists() and (kept / packed_cache.FILE).exists()
+    real = packed_cache._key
+    import os
+
+    monkeypatch.setattr(packed_cache, "_key", lambda p: real(p) + "-next" if os.path.samefile(p, path) else real(p))
+    load_model(path, quantization="gguf")
+    assert (packed_cache.entry_dir_of(path) / packed_cache.FILE).exists()
+    assert not old.exists() and (kept / packed_cache.FILE).exists()
+
+
 def test_tokenizer_and_config_come_back_from_the_cache_unchanged(files, tmp_path):
     path = files("Q8_0")
     info = inspect_gguf(path)

@@ -39,15 +39,16 @@ BINARIES = (COMPLETION, LOOKUP, SPECULATIVE, BENCH)
 
 @dataclass
 class LlamaCppBinaries:
-    completion: Path
-    lookup: Path
-    speculative: Path
-    bench: Path
+    completion: Path | None          # None: not needed by the caller (find_binaries' need) and not found
+    lookup: Path | None
+    speculative: Path | None
+    bench: Path | None
     source: str                  # where they were found: "--llamacpp-dir", "$LEAPLM_LLAMACPP_DIR" or "PATH"
 
 
-def find_binaries(llamacpp_dir: str | None, env: dict | None = None) -> LlamaCppBinaries:
-    """The four binaries from --llamacpp-dir, else $LEAPLM_LLAMACPP_DIR, else PATH (a directory or its bin/)."""
+def find_binaries(llamacpp_dir: str | None, env: dict | None = None, need: tuple = BINARIES) -> LlamaCppBinaries:
+    """The four binaries from --llamacpp-dir, else $LEAPLM_LLAMACPP_DIR, else PATH (a directory or its bin/); those
+    in `need` must be there (`bench --roofline` needs llama-bench alone)."""
     env = os.environ if env is None else env
     if llamacpp_dir or env.get(ENV_DIR):
         where, root = ("--llamacpp-dir", llamacpp_dir) if llamacpp_dir else (f"${ENV_DIR}", env[ENV_DIR])
@@ -60,9 +61,9 @@ def find_binaries(llamacpp_dir: str | None, env: dict | None = None) -> LlamaCpp
     else:
         where = "PATH"
         found = {b: (Path(p) if (p := shutil.which(b, path=env.get("PATH"))) else None) for b in BINARIES}
-    missing = [b for b, p in found.items() if p is None]
+    missing = [b for b, p in found.items() if p is None and b in need]
     if missing:
-        hint = "" if where != "PATH" else (f"; build llama.cpp (targets {', '.join(BINARIES)}) and pass "
+        hint = "" if where != "PATH" else (f"; build llama.cpp (targets {', '.join(need)}) and pass "
                                             f"--llamacpp-dir or set ${ENV_DIR}")
         raise ConfigError("llamacpp_dir", f"llama.cpp's {', '.join(missing)} not found in {where}"
                                           f"{' ' + repr(llamacpp_dir or env.get(ENV_DIR)) if where != 'PATH' else ''}"

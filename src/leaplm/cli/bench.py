@@ -133,10 +133,10 @@ def bench(
             if b != "llamacpp":
                 fail(f"--baselines: --roofline compares with 'llamacpp' (llama-bench's one-token forward) only, "
                      f"got {b!r}")
-            from ..bench.llamacpp import find_binaries
+            from ..bench.llamacpp import BENCH, find_binaries
 
             try:
-                llama_bins = find_binaries(llamacpp_dir)
+                llama_bins = find_binaries(llamacpp_dir, need=(BENCH,))
             except ConfigError as e:
                 fail(f"--{e.field.replace('_', '-')}: {e.message}")
         return run_roofline(model=options.model, draft=draft, configs=configs, k=k,

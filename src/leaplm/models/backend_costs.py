@@ -9,11 +9,13 @@ libllama's batch-invariance check (LlamaCppLM.batch_variance: about a second per
 to a speculating method, so a start for plain decoding leaves it out and the first speculating start adds it to
 the entry (its own cache entry, kind "batch-variance", answers it when libllama has run the file before).
 
-A file of more than TIMED_LAYERS decoder layers is timed on its first TIMED_LAYERS alone (with the embedding, the
+A file of more than TIMED_BYTES and TIMED_LAYERS decoder layers is timed on its first TIMED_LAYERS alone (with the embedding, the
 final norm and the output projection; every layer has the same shapes): the kernel runs them by the forward's
 `layers` argument on the file it loads anyway (the engine's own load reads its packed weights back:
 models/packed_cache.py), libllama on a copy of the file cut to those layers (models/gguf_truncate.py), so a first
-start costs a few layers' forwards however large the model.
+start costs a few layers' forwards however large the model. A smaller file is timed whole: in a few layers the
+output projection and each forward's fixed costs weigh more than in the model, which can reverse the choice (SmolLM2,
+timed on 4 of its 30 layers, went to libllama, whose whole forward is the slower).
 
 The choice (choose_by_costs) is a pure function of the measurement: plain decoding takes the engine with the
 faster one-token forward, a speculating method the faster block, except that a speculating method stays on the
@@ -36,6 +38,7 @@ BLOCK = 8                 # tokens of the timed block (a verify step of K = 7)
 CTX = 32                  # cached tokens before the timed forwards
 REPEATS = 5               # timed forwards per engine and T (interleaved; medians)
 TIMED_LAYERS = 4          # a file with more decoder layers is timed on its first TIMED_LAYERS (module docstring)
+TIMED_BYTES = 1 << 30     # ... when it is larger than this (a smaller file's whole forwards take well under a second)
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ def measure(path: str, load_kernel, check_invariance: bool = True) -> BackendCos
     from .llamacpp.model import LlamaCppLM
 
     kernel = load_kernel(path)
-    cut = TIMED_LAYERS if kernel.num_layers > TIMED_LAYERS else None
+    cut = TIMED_LAYERS if kernel.num_layers > TIMED_LAYERS and Path(path).stat().st_size > TIMED_BYTES else None
     k = forward_ms(kernel, layers=cut)
     del kernel
     gc.collect()

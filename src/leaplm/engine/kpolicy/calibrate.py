@@ -20,8 +20,10 @@ ROUNDS_BUDGET_S = 2.0
 # few times one token's, far less than the 33 / 6 times a linear extrapolation from K + 1 = 6 would price it)
 LONG_BLOCKS = (9, 17, 33)
 LONG_ROWS = 2
-# a quantized model of more decoder layers is timed on its first TIMED_LAYERS (layer_subset)
+# a quantized model of more decoder layers and more linear weight bytes is timed on its first TIMED_LAYERS
+# (layer_subset); a smaller one is timed whole (a few layers overweigh the head and each forward's fixed costs)
 TIMED_LAYERS = 4
+TIMED_BYTES = 1 << 30
 
 
 def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> None:
@@ -98,18 +100,20 @@ class LayerSubset:
 
 
 def layer_subset(model) -> LayerSubset:
-    """A quantized model of more than TIMED_LAYERS decoder layers that runs layer subsets is timed on its first
-    TIMED_LAYERS: every layer has the same shapes, and a forward of a few tokens reads its weights once, so its
+    """A quantized model of more than TIMED_LAYERS decoder layers and TIMED_BYTES of linear weights that runs layer
+    subsets is timed on its first TIMED_LAYERS: every layer has the same shapes, and a forward of a few tokens reads its weights once, so its
     time scales with the weight bytes read (the output projection's included: on a 128k-token vocabulary it is a
     fifth of a 1B model's bytes). Others are timed whole (scale 1)."""
     q = model.quantized
     if not q or not model.capabilities.layer_subsets or model.num_layers <= TIMED_LAYERS:
         return LayerSubset({}, 1.0, None)
+    whole = sum(lin.nbytes for lin in q.values())
+    if whole <= TIMED_BYTES:
+        return LayerSubset({}, 1.0, None)
 
     def layer(name: str) -> int | None:
         return int(name.split(".")[1]) if name.startswith("layers.") else None
 
-    whole = sum(lin.nbytes for lin in q.values())
     run = sum(lin.nbytes for name, lin in q.items() if (layer(name) or 0) < TIMED_LAYERS)
     return LayerSubset({"layers": range(TIMED_LAYERS)}, whole / run, TIMED_LAYERS)
 
