@@ -162,8 +162,8 @@ def test_the_calibration_of_a_big_model_runs_its_first_layers(tiny, monkeypatch)
     q = m.quantized
     run = sum(lin.nbytes for n, lin in q.items() if not n.startswith("layers.1."))
     for bound, want, scale in ((1, range(1), sum(lin.nbytes for lin in q.values()) / run), (2, None, 1.0)):
-        monkeypatch.setattr(cal, "TIMED_LAYERS", bound)
-        monkeypatch.setattr(cal, "TIMED_BYTES", 0)                # the tiny model stands for a big one
+        monkeypatch.setattr(backend_costs, "TIMED_LAYERS", bound)
+        monkeypatch.setattr(backend_costs, "TIMED_BYTES", 0)                # the tiny model stands for a big one
         assert cal.layer_subset(m).scale == pytest.approx(scale, rel=1e-12)
         seen.clear()
         e.estimates.calibrated_rows.clear()
@@ -176,6 +176,6 @@ def test_the_calibration_of_a_big_model_runs_its_first_layers(tiny, monkeypatch)
             torch.set_num_threads(threads)
         assert check is not None and seen and all(s == want for s in seen), (bound, seen)
     assert scale == 1.0 < sum(lin.nbytes for lin in q.values()) / run
-    monkeypatch.setattr(cal, "TIMED_LAYERS", 1)
-    monkeypatch.setattr(cal, "TIMED_BYTES", 1 << 30)
+    monkeypatch.setattr(backend_costs, "TIMED_LAYERS", 1)
+    monkeypatch.setattr(backend_costs, "TIMED_BYTES", 1 << 30)
     assert cal.layer_subset(m).layers is None and cal.layer_subset(m).scale == 1.0

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...models import backend_costs
 from .estimates import Estimates, rows_bucket
 
 # Rounds of every block length at start-up: at least `repeats`, then up to ROUNDS while they take less than
@@ -20,10 +21,6 @@ ROUNDS_BUDGET_S = 2.0
 # few times one token's, far less than the 33 / 6 times a linear extrapolation from K + 1 = 6 would price it)
 LONG_BLOCKS = (9, 17, 33)
 LONG_ROWS = 2
-# a quantized model of more decoder layers and more linear weight bytes is timed on its first TIMED_LAYERS
-# (layer_subset); a smaller one is timed whole (a few layers overweigh the head and each forward's fixed costs)
-TIMED_LAYERS = 4
-TIMED_BYTES = 1 << 30
 
 
 def calibrate(engine, max_rows: int = 1, ctx: int = 256, repeats: int = 2) -> None:
@@ -100,22 +97,25 @@ class LayerSubset:
 
 
 def layer_subset(model) -> LayerSubset:
-    """A quantized model of more than TIMED_LAYERS decoder layers and TIMED_BYTES of linear weights that runs layer
-    subsets is timed on its first TIMED_LAYERS: every layer has the same shapes, and a forward of a few tokens reads its weights once, so its
-    time scales with the weight bytes read (the output projection's included: on a 128k-token vocabulary it is a
-    fifth of a 1B model's bytes). Others are timed whole (scale 1)."""
+    """A quantized model that runs layer subsets, of more decoder layers and more linear weight bytes than
+    --backend auto's timing bounds (models/backend_costs.py: TIMED_LAYERS, TIMED_BYTES), is timed on its first
+    TIMED_LAYERS: every layer has the same shapes, and a forward of a few tokens reads its weights once, so its time
+    scales with the weight bytes read (the output projection's included: on a 128k-token vocabulary it is a fifth
+    of a 1B model's bytes). Others are timed whole (scale 1): in a few layers the head and each forward's fixed
+    costs weigh more than in the model."""
     q = model.quantized
-    if not q or not model.capabilities.layer_subsets or model.num_layers <= TIMED_LAYERS:
+    n = backend_costs.TIMED_LAYERS
+    if not q or not model.capabilities.layer_subsets or model.num_layers <= n:
         return LayerSubset({}, 1.0, None)
     whole = sum(lin.nbytes for lin in q.values())
-    if whole <= TIMED_BYTES:
+    if whole <= backend_costs.TIMED_BYTES:
         return LayerSubset({}, 1.0, None)
 
     def layer(name: str) -> int | None:
         return int(name.split(".")[1]) if name.startswith("layers.") else None
 
-    run = sum(lin.nbytes for name, lin in q.items() if (layer(name) or 0) < TIMED_LAYERS)
-    return LayerSubset({"layers": range(TIMED_LAYERS)}, whole / run, TIMED_LAYERS)
+    run = sum(lin.nbytes for name, lin in q.items() if (layer(name) or 0) < n)
+    return LayerSubset({"layers": range(n)}, whole / run, n)
 
 
 def _timed(fn) -> float:
