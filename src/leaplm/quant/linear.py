@@ -205,18 +205,6 @@ class QuantizedLinear:
         self._weight = w
 
     @property
-    def fmt(self) -> str:
-        """'int8' | 'int4' | 'int6' (read from the packed form without unpacking it)."""
-        p = self.packed
-        if p is None:
-            return self._weight.fmt
-        return "int4" if p.minv is not None else "int6" if p.scale.shape[1] == 2 * p.q.shape[1] else "int8"
-
-    @property
-    def out_features(self) -> int:
-        return self.packed.rows if self.packed is not None else self._weight.out_features
-
-    @property
     def nbytes(self) -> int:
         """Bytes one forward reads for this weight (its integers, scales and minimums; no padding rows)."""
         if self._weight is not None:
