@@ -441,17 +441,21 @@ def test_pack_gguf_equals_packing_the_blocks_read_as_weights(qtype):
     assert have.q.dtype == want.q.dtype and torch.equal(have.q, want.q)
     assert have.scale.dtype == torch.float16 and torch.equal(have.scale.float(), want.scale)
     assert (have.minv is None) == (want.minv is None) == (qtype == "Q8_0")
-    if have.minv is not None:
+    if qtype == "Q4_0":                       # no minimum stored: each is -8 times its scale
+        assert have.minv.tolist() == [-8.0]
+    elif have.minv is not None:
         assert have.minv.dtype == torch.float16 and torch.equal(have.minv.float(), want.minv)
     assert torch.equal(unpack(have).scale, unpack(want).scale)
+    assert (want.minv is None) or torch.equal(unpack(have).minv, unpack(want).minv)
     assert pack_gguf([raws[0][:12], raws[1]], qtype) is None
 
 
 @needs_ext
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 def test_fp16_scales_give_the_fp32_scales_bits_on_every_path(qtype, every_block_on_tiles_if_amx):
-    """A GGUF tensor packed with its fp16 scales and the same packed with them widened to fp32: the same bits on
-    every path and block size (the kernel widens them exactly before any product)."""
+    """A GGUF tensor packed with its fp16 scales and the same packed with them widened to fp32 (and Q4_0's
+    minimums, taken as -8 times the scales, stored one by one): the same bits on every path and block size (the
+    kernel widens them exactly before any product)."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
@@ -462,7 +466,11 @@ def test_fp16_scales_give_the_fp32_scales_bits_on_every_path(qtype, every_block_
     K = 160
     p16 = pack_gguf([gguf_quantize(rng.standard_normal((40, K)).astype(np.float32), GGMLQuantizationType[qtype])],
                     qtype)
-    p32 = PackedWeight(p16.q, p16.scale.float(), None if p16.minv is None else p16.minv.float(), p16.rows)
+    minv32 = None if p16.minv is None else p16.minv.float()
+    if qtype == "Q4_0":
+        assert p16.minv.numel() == 1
+        minv32 = -8 * p16.scale.float()                                  # [N/8, G, 8]: each stored
+    p32 = PackedWeight(p16.q, p16.scale.float(), minv32, p16.rows)
     ext = load()
     x = torch.randn(32, K, generator=torch.Generator().manual_seed(3))
     run = lambda p, xt, path: ext.module.qlinear(xt, p.q, p.scale, p.minv, None, p.rows, path)   # noqa: E731

@@ -91,6 +91,11 @@ __attribute__((target("avx2,f16c"))) LEAPLM_INLINE __m256 load8(const W& w, cons
   return _mm256_loadu_ps(static_cast<const float*>(base) + i);
 }
 
+// 8 minimums of an int4 weight from index i, as fp32: stored, or mk times the scales (min_at)
+__attribute__((target("avx2,f16c"))) LEAPLM_INLINE __m256 load_min8(const W& w, int64_t i) {
+  return w.m ? load8(w, w.m, i) : _mm256_mul_ps(_mm256_set1_ps(w.mk), load8(w, w.s, i));
+}
+
 #define LEAPLM_GROUP_BODY_HALF(DOT2)                                                                            \
   const int G = w.G;                                                                                            \
   const int64_t K = act.K;                                                                                      \
@@ -145,9 +150,9 @@ void store_tokens(const W& w, const Act& act, int64_t grp, int t0, const float* 
   const int G = w.G;
   __m256 mt[TN];
   for (int t = 0; t < TN; ++t) mt[t] = _mm256_setzero_ps();
-  if (w.m)
+  if (w.int4)
     for (int g = 0; g < G; ++g) {
-      const __m256 mv = load8(w, w.m, (grp * G + g) * RG);
+      const __m256 mv = load_min8(w, (grp * G + g) * RG);
       for (int t = 0; t < TN; ++t) mt[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(act.sa[(t0 + t) * G + g]), mt[t]);
     }
   const int64_t n0 = grp * RG;

@@ -38,7 +38,7 @@ void group_scalar(const W& w, const Act& act, int64_t grp, float* y) {
         int32_t p = 0;
         for (int j = 0; j < QK; ++j) p += weight_at(w, grp, g, r, j) * int32_t(qa[j]);
         acc = std::fma(float(p), scale_at(w, w.s, sg) * act.a[t * G + g], acc);
-        if (w.m) mt = std::fma(scale_at(w, w.m, sg), act.sa[t * G + g], mt);
+        if (w.int4) mt = std::fma(min_at(w, sg), act.sa[t * G + g], mt);
       }
       y[t * w.ldy + n] = acc + mt;
     }

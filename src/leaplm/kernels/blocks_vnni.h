@@ -57,9 +57,10 @@ void store_pair_tokens(const W& w, const Act& act, int64_t grp, int t0, const fl
   const int G = w.G;
   __m512 mt[TN];
   for (int t = 0; t < TN; ++t) mt[t] = _mm512_setzero_ps();
-  if (w.m) {
+  if (w.int4) {
     for (int g = 0; g < G; ++g) {
-      const __m512 mv = load16(w, w.m, (grp * G + g) * RG, int64_t(G) * RG);
+      const __m512 mv = w.m ? load16(w, w.m, (grp * G + g) * RG, int64_t(G) * RG)
+                            : _mm512_mul_ps(_mm512_set1_ps(w.mk), load16(w, w.s, (grp * G + g) * RG, int64_t(G) * RG));
       for (int t = 0; t < TN; ++t) mt[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(act.sa[(t0 + t) * G + g]), mt[t]);
     }
   }

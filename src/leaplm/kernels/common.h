@@ -14,6 +14,8 @@
 //   int4  qp [N/8, G, 4 chunks, 8 rows, 4 bytes]: GGUF's nibble bytes 4c .. 4c+3; the low nibbles are elements
 //         4c .. 4c+3, the high nibbles elements 16+4c .. 16+4c+3
 //   sp, mp [N/8, G, 8 rows] fp32 or fp16 (int6: sp [N/8, G, 2 halves, 8 rows] fp32)
+//   Q4_0's minimums are -8 times its scales: no mp is stored, W.mk = -8 and m = mk * s (exact: a power of two times
+//   a widened fp16), so a forward reads the file's 18 bytes a block rather than 20
 // Activations are quantized per token and per block of 32 to int8 (round half to even, scale a = amax / 127),
 // once per call; then every weight block is read from memory once for all T tokens. The arithmetic of one
 // (row n, token t), in this order whatever T, the tiling, the thread split or the instruction set:
@@ -92,6 +94,7 @@ struct W {
   int64_t ldy;           // floats between output rows of y (N, or more when this matrix is a part of a wider y)
   bool s16;              // scales and minimums in fp16, as a GGUF file holds Q8_0's, Q4_0's and Q4_1's: read in
                          // fewer bytes and widened exactly, so every product is the fp32 one's
+  float mk = 0.f;        // int4 with m null: every minimum is mk times its scale (Q4_0: -8)
   int64_t block_bytes() const { return int4 ? 128 : 256; }   // one block of 8 rows
   int64_t scale_bytes() const { return s16 ? 2 : 4; }
 };
@@ -101,6 +104,9 @@ inline float scale_at(const W& w, const void* base, int64_t i) {
   return w.s16 ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(base)[i])
                : static_cast<const float*>(base)[i];
 }
+
+// minimum i of an int4 weight as fp32: stored, or mk times the scale
+inline float min_at(const W& w, int64_t i) { return w.m ? scale_at(w, w.m, i) : w.mk * scale_at(w, w.s, i); }
 
 // Blocks of 32 per pass over the tokens: the int8 activations one pass reads (T x blocks x 32 bytes) stay within
 // about half of a 32 KiB L1 data cache beside the group's weights, so a block's weights are read from L1 by every

@@ -31,15 +31,23 @@
 namespace {
 
 struct PackedPart {
-  torch::Tensor q, s, m;         // m: empty when absent
-  int64_t rows;
+  torch::Tensor q, s, m;         // m: empty when absent (int8, int6); one element: every minimum is that multiple
+  int64_t rows;                  // of its scale (Q4_0: -8)
+  float mk = 0.f;                // that multiple, read once (make_part)
   W view(int64_t K, int64_t ldy) const {
-    const bool int4 = m.numel() > 0;
-    return W{q.data_ptr<uint8_t>(), s.data_ptr(), int4 ? m.data_ptr() : nullptr, rows, int(K / QK),
-             int4, !int4 && s.numel() == 2 * ((rows + RG - 1) / RG) * (K / QK) * RG, ldy,
-             s.scalar_type() == torch::kHalf};
+    const bool int4 = m.numel() > 0, shared_min = m.numel() == 1;
+    W w{q.data_ptr<uint8_t>(), s.data_ptr(), int4 && !shared_min ? m.data_ptr() : nullptr, rows, int(K / QK),
+        int4, !int4 && s.numel() == 2 * ((rows + RG - 1) / RG) * (K / QK) * RG, ldy, s.scalar_type() == torch::kHalf};
+    w.mk = mk;
+    return w;
   }
 };
+
+PackedPart make_part(const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& m, int64_t rows) {
+  PackedPart p{q.contiguous(), s.contiguous(), m.contiguous(), rows};
+  if (m.numel() == 1) p.mk = m.to(torch::kFloat).item<float>();
+  return p;
+}
 
 // one linear: its row blocks (one, or several in different formats), output rows side by side
 struct PackedLinear {
@@ -148,9 +156,9 @@ class Decoder {
       int64_t total = 0;
       for (size_t j = 0; j < qp[i].size(); ++j) {
         const auto st = sp[i][j].scalar_type();
-        TORCH_CHECK((st == torch::kFloat || st == torch::kHalf) && (mp[i][j].numel() == 0 || mp[i][j].scalar_type() == st),
+        TORCH_CHECK((st == torch::kFloat || st == torch::kHalf) && (mp[i][j].numel() <= 1 || mp[i][j].scalar_type() == st),
                     "add_layer: linear ", i, ": scales fp32 or fp16, minimums in the scales' type");
-        p[i].parts.push_back(PackedPart{qp[i][j].contiguous(), sp[i][j].contiguous(), mp[i][j].contiguous(), rows[i][j]});
+        p[i].parts.push_back(make_part(qp[i][j], sp[i][j], mp[i][j], rows[i][j]));
         total += rows[i][j];
       }
       TORCH_CHECK(total == want[i], "add_layer: linear ", i, " has ", total, " rows, expected ", want[i]);

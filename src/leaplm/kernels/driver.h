@@ -134,15 +134,20 @@ W packed_view(const torch::Tensor& x, const torch::Tensor& qp, const torch::Tens
   TORCH_CHECK(sp.is_contiguous() && (sp.scalar_type() == torch::kFloat || (s16 && !half)) &&
                   (half || sp.numel() == NG * G * RG),
               "sp: fp32 or fp16 [N/8, G, 8] (int6: fp32 [N/8, G, 2, 8])");
-  if (int4)
+  // mp of one element: every minimum is that multiple of its scale (Q4_0: -8), none stored
+  const bool shared_min = int4 && mp->numel() == 1;
+  if (int4 && !shared_min)
     TORCH_CHECK(mp->is_contiguous() && mp->scalar_type() == sp.scalar_type() && mp->numel() == NG * G * RG,
-                "mp: [N/8, G, 8] in sp's type");
+                "mp: [N/8, G, 8] in sp's type, or one multiplier of the scales");
   TORCH_CHECK(path >= SCALAR && path <= AMX, "path: 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX");
   TORCH_CHECK(path != AMX || amx_permitted(), "path 3 (AMX): the operating system does not grant the tile registers");
 #if !defined(__x86_64__)
   path = SCALAR;
 #endif
-  return W{qp.data_ptr<uint8_t>(), sp.data_ptr(), int4 ? mp->data_ptr() : nullptr, N, int(G), int4, half, N, s16};
+  W w{qp.data_ptr<uint8_t>(), sp.data_ptr(), int4 && !shared_min ? mp->data_ptr() : nullptr, N, int(G), int4, half,
+      N, s16};
+  if (shared_min) w.mk = mp->to(torch::kFloat).item<float>();
+  return w;
 }
 
 // x [T, K] fp32 contiguous (T <= 32); qp, sp, mp packed as common.h describes; returns y [T, N].

@@ -37,7 +37,8 @@ class PackedWeight:
     q: torch.Tensor              # uint8 [N8 / 8, G, 256] (int8, int6: the signed bytes) | [N8 / 8, G, 128] (int4)
     scale: torch.Tensor          # fp32 [N8 / 8, G, 8] | int6: [N8 / 8, G, 2 * 8] (the first half's 8, the second's);
                                  # fp16 where a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks hold them so (pack_gguf)
-    minv: torch.Tensor | None    # [N8 / 8, G, 8] in scale's type for int4, None for int8
+    minv: torch.Tensor | None    # [N8 / 8, G, 8] in scale's type for int4, None for int8; int4 with one element
+                                 # [1]: every minimum is that multiple of its scale (Q4_0: -8, so none is stored)
     rows: int                    # N (N8 = N rounded up to a multiple of 8; the padding rows are zero)
 
 
@@ -64,7 +65,8 @@ def unpack(p: PackedWeight) -> QuantizedWeight:
          .view(torch.uint8).reshape(NG * GROUP, G * chunks * 4)[:p.rows])            # [N, K | K / 2]
     lay = lambda t: t.float().transpose(1, 2).reshape(NG * GROUP, -1)[:p.rows].contiguous()  # noqa: E731  [N, G']
     if p.minv is not None:
-        return QuantizedWeight("int4", q.contiguous(), lay(p.scale), lay(p.minv))
+        minv = lay(p.scale) * p.minv.float() if p.minv.numel() == 1 else lay(p.minv)    # -8 s: exact in fp32
+        return QuantizedWeight("int4", q.contiguous(), lay(p.scale), minv)
     fmt = "int6" if p.scale.shape[1] == 2 * G else "int8"                             # int6: a scale per 16
     return QuantizedWeight(fmt, q.view(torch.int8), lay(p.scale), None)
 
@@ -119,14 +121,13 @@ def pack_gguf(raws: list, ggml_type: str, rows: list | None = None, done=None) -
                 done(i, c * GROUP, e * GROUP)
         at += n
     if ggml_type == "Q4_0":
-        # w = (q - 8) d: the minimum from_gguf_blocks computes in fp32; -8 d is exact in fp16 unless it overflows
-        minv = -8 * scale.astype(np.float32)
-        if np.isfinite(minv.astype(np.float16)).all():
-            minv = minv.astype(np.float16)
-        else:
-            scale = scale.astype(np.float32)
+        # w = (q - 8) d: the kernel takes each minimum as -8 times its widened scale (exact in fp32, as
+        # from_gguf_blocks computes it), so none is stored or streamed
+        minv = torch.tensor([-8.0], dtype=torch.float16)
+    elif minv is not None:
+        minv = torch.from_numpy(minv)
     return PackedWeight(torch.from_numpy(q.view(np.uint8).reshape(NG, G, words * GROUP * 4)),
-                        torch.from_numpy(scale), None if minv is None else torch.from_numpy(minv), N)
+                        torch.from_numpy(scale), minv, N)
 
 
 def pack_gguf_chunked(parts: list[tuple], K: int, done=None) -> PackedWeight | None:
@@ -210,7 +211,8 @@ class QuantizedLinear:
         if self._weight is not None:
             return self._weight.nbytes
         p = self.packed
-        per_row = sum(t[0].numel() * t.element_size() for t in (p.q, p.scale, p.minv) if t is not None) // GROUP
+        per_row = sum(t[0].numel() * t.element_size() for t in (p.q, p.scale, p.minv)
+                      if t is not None and t.numel() > 1) // GROUP
         return per_row * p.rows
 
     @property
