@@ -162,7 +162,7 @@ void pair_amx(const W& w, const Act& act, int64_t grp, int t0, float* acc_lo, fl
       const int g0 = (c - 1) * AMX_CHUNK, n = blocks_in(c - 1);
       for (int i = 0; i < n; ++i) {
         const int g = g0 + i;
-        tile_fma<TT>(acc, cbuf[(c - 1) & 1][i], load16(w, w.s, (grp * G + g) * RG, sn), ab + int64_t(g) * T);
+        tile_fma<TT>(acc, cbuf[(c - 1) & 1][i], load_scale16(w, (grp * G + g) * RG, sn), ab + int64_t(g) * T);
       }
     }
   }

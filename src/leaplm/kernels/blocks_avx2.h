@@ -84,16 +84,26 @@ __attribute__((target("avx2,f16c"))) LEAPLM_INLINE void prefetch_ahead(const W& 
   if (w.m) _mm_prefetch(static_cast<const char*>(w.m) + s_at * sb + ahead, _MM_HINT_T0);
 }
 
-// 8 scales or minimums of `base` (w.s or w.m) from index i, as fp32
-__attribute__((target("avx2,f16c"))) LEAPLM_INLINE __m256 load8(const W& w, const void* base, int64_t i) {
+// 8 scales or minimums of `base` (w.s or w.m; sup: w.ss or w.ms) from index i (a multiple of 8), as fp32
+__attribute__((target("avx2,f16c"))) LEAPLM_INLINE __m256 load8(const W& w, const void* base, const uint16_t* sup,
+                                                               int64_t i) {
+  if (sup) {                      // int8 multiples of the fp16 super-block scales: both widened, the product exact
+    const __m128i k = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + i));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + w.super_of(i))));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(k)), d);
+  }
   if (w.s16)
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
   return _mm256_loadu_ps(static_cast<const float*>(base) + i);
 }
 
+__attribute__((target("avx2,f16c"))) LEAPLM_INLINE __m256 load_scale8(const W& w, int64_t i) {
+  return load8(w, w.s, w.ss, i);
+}
+
 // 8 minimums of an int4 weight from index i, as fp32: stored, or mk times the scales (min_at)
 __attribute__((target("avx2,f16c"))) LEAPLM_INLINE __m256 load_min8(const W& w, int64_t i) {
-  return w.m ? load8(w, w.m, i) : _mm256_mul_ps(_mm256_set1_ps(w.mk), load8(w, w.s, i));
+  return w.m ? load8(w, w.m, w.ms, i) : _mm256_mul_ps(_mm256_set1_ps(w.mk), load_scale8(w, i));
 }
 
 #define LEAPLM_GROUP_BODY_HALF(DOT2)                                                                            \
@@ -107,8 +117,7 @@ __attribute__((target("avx2,f16c"))) LEAPLM_INLINE __m256 load_min8(const W& w, 
     prefetch_ahead(w, (grp * G + g) * w.block_bytes(), (grp * G + g) * 2 * RG);                                \
     load_block(w, w.q + (grp * G + g) * w.block_bytes(), u);                                                    \
     for (int c = 0; c < 8; ++c) u[c] = _mm256_xor_si256(u[c], k128);                                           \
-    const float* sp = static_cast<const float*>(w.s) + (grp * G + g) * 2 * RG;   /* int6: fp32 scales */          \
-    const __m256 slo = _mm256_loadu_ps(sp), shi = _mm256_loadu_ps(sp + RG);                                     \
+    const __m256 slo = load_scale8(w, (grp * G + g) * 2 * RG), shi = load_scale8(w, (grp * G + g) * 2 * RG + RG);  \
     for (int t = 0; t < TT; ++t) {                                                                              \
       const int tg = (t0 + t) * G + g;                                                                          \
       __m256i lo, hi;                                                                                           \
@@ -132,7 +141,7 @@ __attribute__((target("avx2,f16c"))) LEAPLM_INLINE __m256 load_min8(const W& w, 
     load_block(w, w.q + (grp * G + g) * w.block_bytes(), u);                                                    \
     if (!w.int4)                                                                                                \
       for (int c = 0; c < 8; ++c) u[c] = _mm256_xor_si256(u[c], k128);                                         \
-    const __m256 sv = load8(w, w.s, (grp * G + g) * RG);                                                        \
+    const __m256 sv = load_scale8(w, (grp * G + g) * RG);                                                       \
     for (int t = 0; t < TT; ++t) {                                                                              \
       const int tg = (t0 + t) * G + g;                                                                          \
       const __m256i p = DOT(u, act.qa.data() + (t0 + t) * K + g * QK, w.int4, act.sq[tg]);                      \

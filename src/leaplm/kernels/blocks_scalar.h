@@ -31,13 +31,13 @@ void group_scalar(const W& w, const Act& act, int64_t grp, float* y) {
           int32_t p[2] = {0, 0};
           for (int j = 0; j < QK; ++j) p[j / 16] += weight_at(w, grp, g, r, j) * int32_t(qa[j]);
           const size_t sh = (grp * G + g) * 2 * RG + r;
-          acc = std::fma(float(p[0]), scale_at(w, w.s, sh) * act.a[t * G + g], acc);
-          acc = std::fma(float(p[1]), scale_at(w, w.s, sh + RG) * act.a[t * G + g], acc);
+          acc = std::fma(float(p[0]), scale_of(w, sh) * act.a[t * G + g], acc);
+          acc = std::fma(float(p[1]), scale_of(w, sh + RG) * act.a[t * G + g], acc);
           continue;
         }
         int32_t p = 0;
         for (int j = 0; j < QK; ++j) p += weight_at(w, grp, g, r, j) * int32_t(qa[j]);
-        acc = std::fma(float(p), scale_at(w, w.s, sg) * act.a[t * G + g], acc);
+        acc = std::fma(float(p), scale_of(w, sg) * act.a[t * G + g], acc);
         if (w.int4) mt = std::fma(min_at(w, sg), act.sa[t * G + g], mt);
       }
       y[t * w.ldy + n] = acc + mt;

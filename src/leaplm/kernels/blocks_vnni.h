@@ -1,7 +1,7 @@
 // Block products with AVX-512 VNNI's u8 x s8 dot product (vpdpbusd):
 //   one row group   8 lanes, as blocks_avx2.h (group_vnni, group_vnni_half), for T < PAIR_MIN_T and int6
 //   pairs of groups 16 lanes (pair_vnni): lane r of the low half is row 8 grp + r, of the high half row
-//                   8 (grp + 1) + r; block g of grp + 1 sits G * block bytes after grp's; scales 16 from load16;
+//                   8 (grp + 1) + r; block g of grp + 1 sits G * block bytes after grp's; scales 16 from load_scale16;
 //                   tokens read block-major (activations.h: qab [G, T, 32], ab, sqb [G, T]), TT <= PAIR_TMAX a tile
 // The arithmetic per (row, token) is the scalar reference's, so the bits are the same.
 #pragma once
@@ -43,10 +43,16 @@ inline void block_dot2_vnni(const __m256i* u, const int8_t* qa, int32_t sq, int3
   hi = _mm256_sub_epi32(b, _mm256_set1_epi32(128 * (sq - sq16)));
 }
 
-// the 16 of row groups grp and grp + 1 (their block g at i and i + next)
-__attribute__((target("avx2,f16c,avx512f,avx512dq"))) LEAPLM_INLINE __m512 load16(const W& w, const void* base, int64_t i,
-                                                                                   int64_t next) {
-  return _mm512_insertf32x8(_mm512_castps256_ps512(load8(w, base, i)), load8(w, base, i + next), 1);
+// the 16 scales of row groups grp and grp + 1 (their block g at i and i + next)
+__attribute__((target("avx2,f16c,avx512f,avx512dq"))) LEAPLM_INLINE __m512 load_scale16(const W& w, int64_t i,
+                                                                                        int64_t next) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(load_scale8(w, i)), load_scale8(w, i + next), 1);
+}
+
+// and their 16 minimums (int4)
+__attribute__((target("avx2,f16c,avx512f,avx512dq"))) LEAPLM_INLINE __m512 load_min16(const W& w, int64_t i,
+                                                                                      int64_t next) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(load_min8(w, i)), load_min8(w, i + next), 1);
 }
 
 // store_tokens for row groups grp and grp + 1 at once (16 lanes: each lane's min-term chain and final add are the
@@ -59,8 +65,7 @@ void store_pair_tokens(const W& w, const Act& act, int64_t grp, int t0, const fl
   for (int t = 0; t < TN; ++t) mt[t] = _mm512_setzero_ps();
   if (w.int4) {
     for (int g = 0; g < G; ++g) {
-      const __m512 mv = w.m ? load16(w, w.m, (grp * G + g) * RG, int64_t(G) * RG)
-                            : _mm512_mul_ps(_mm512_set1_ps(w.mk), load16(w, w.s, (grp * G + g) * RG, int64_t(G) * RG));
+      const __m512 mv = load_min16(w, (grp * G + g) * RG, int64_t(G) * RG);
       for (int t = 0; t < TN; ++t) mt[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(act.sa[(t0 + t) * G + g]), mt[t]);
     }
   }
@@ -159,7 +164,7 @@ void pair_vnni(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, 
       const __m512i k128 = _mm512_set1_epi8(char(0x80));
       for (int c = 0; c < 8; ++c) u[c] = _mm512_xor_si512(u[c], k128);
     }
-    const __m512 sv = load16(w, w.s, (grp * G + g) * RG, int64_t(G) * RG);
+    const __m512 sv = load_scale16(w, (grp * G + g) * RG, int64_t(G) * RG);
     const int8_t* qb = act.qab.data() + (int64_t(g) * T + t0) * QK;   // token t's block at qb + 32 t
     const float* ag = act.ab.data() + int64_t(g) * T + t0;
     const int32_t* sg = act.sqb.data() + int64_t(g) * T + t0;

@@ -14,6 +14,9 @@
 //   int4  qp [N/8, G, 4 chunks, 8 rows, 4 bytes]: GGUF's nibble bytes 4c .. 4c+3; the low nibbles are elements
 //         4c .. 4c+3, the high nibbles elements 16+4c .. 16+4c+3
 //   sp, mp [N/8, G, 8 rows] fp32 or fp16 (int6: sp [N/8, G, 2 halves, 8 rows] fp32)
+//   K-quants (Q4_K, Q6_K): sp, mp int8, each an integer multiple of a super-block scale that ss, ms hold in fp16
+//   ([N/8, G/8, 8]: one per row and 256 weights, as the file holds d and dmin); the product is exact in fp32, so the
+//   same numbers in 1 byte a block and row rather than 4
 //   Q4_0's minimums are -8 times its scales: no mp is stored, W.mk = -8 and m = mk * s (exact: a power of two times
 //   a widened fp16), so a forward reads the file's 18 bytes a block rather than 20
 // Activations are quantized per token and per block of 32 to int8 (round half to even, scale a = amax / 127),
@@ -95,18 +98,27 @@ struct W {
   bool s16;              // scales and minimums in fp16, as a GGUF file holds Q8_0's, Q4_0's and Q4_1's: read in
                          // fewer bytes and widened exactly, so every product is the fp32 one's
   float mk = 0.f;        // int4 with m null: every minimum is mk times its scale (Q4_0: -8)
+  const uint16_t* ss = nullptr;   // K-quants: s holds int8 multiples of these fp16 super-block scales [N/8, G/8, 8]
+  const uint16_t* ms = nullptr;   // and m int8 multiples of these (Q4_K: -dmin)
   int64_t block_bytes() const { return int4 ? 128 : 256; }   // one block of 8 rows
-  int64_t scale_bytes() const { return s16 ? 2 : 4; }
+  int64_t scale_bytes() const { return ss ? 1 : s16 ? 2 : 4; }
+  // where scale index i's super-block scale lies: 8 blocks (int6: 16 half blocks) of 8 rows share one row of 8
+  int64_t super_of(int64_t i) const { return ((i >> (half ? 7 : 6)) << 3) | (i & 7); }
 };
 
-// scale or minimum i of `base` (w.s or w.m) as fp32 (an fp16 one widened: exact)
-inline float scale_at(const W& w, const void* base, int64_t i) {
-  return w.s16 ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(base)[i])
-               : static_cast<const float*>(base)[i];
+inline float half_at(const uint16_t* p, int64_t i) { return c10::detail::fp16_ieee_to_fp32_value(p[i]); }
+
+// scale or minimum i of `base` (w.s or w.m; sup: w.ss or w.ms) as fp32 (an fp16 one widened, an int8 multiple of a
+// widened fp16: exact)
+inline float scale_at(const W& w, const void* base, const uint16_t* sup, int64_t i) {
+  if (sup) return float(static_cast<const int8_t*>(base)[i]) * half_at(sup, w.super_of(i));
+  return w.s16 ? half_at(static_cast<const uint16_t*>(base), i) : static_cast<const float*>(base)[i];
 }
 
+inline float scale_of(const W& w, int64_t i) { return scale_at(w, w.s, w.ss, i); }
+
 // minimum i of an int4 weight as fp32: stored, or mk times the scale
-inline float min_at(const W& w, int64_t i) { return w.m ? scale_at(w, w.m, i) : w.mk * scale_at(w, w.s, i); }
+inline float min_at(const W& w, int64_t i) { return w.m ? scale_at(w, w.m, w.ms, i) : w.mk * scale_of(w, i); }
 
 // Blocks of 32 per pass over the tokens: the int8 activations one pass reads (T x blocks x 32 bytes) stay within
 // about half of a 32 KiB L1 data cache beside the group's weights, so a block's weights are read from L1 by every

@@ -33,18 +33,22 @@ namespace {
 struct PackedPart {
   torch::Tensor q, s, m;         // m: empty when absent (int8, int6); one element: every minimum is that multiple
   int64_t rows;                  // of its scale (Q4_0: -8)
+  torch::Tensor ss, ms;          // K-quants: the fp16 super-block scales s and m are int8 multiples of; else empty
   float mk = 0.f;                // that multiple, read once (make_part)
   W view(int64_t K, int64_t ldy) const {
     const bool int4 = m.numel() > 0, shared_min = m.numel() == 1;
     W w{q.data_ptr<uint8_t>(), s.data_ptr(), int4 && !shared_min ? m.data_ptr() : nullptr, rows, int(K / QK),
         int4, !int4 && s.numel() == 2 * ((rows + RG - 1) / RG) * (K / QK) * RG, ldy, s.scalar_type() == torch::kHalf};
     w.mk = mk;
+    if (ss.numel()) w.ss = reinterpret_cast<const uint16_t*>(ss.data_ptr());
+    if (ms.numel()) w.ms = reinterpret_cast<const uint16_t*>(ms.data_ptr());
     return w;
   }
 };
 
-PackedPart make_part(const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& m, int64_t rows) {
-  PackedPart p{q.contiguous(), s.contiguous(), m.contiguous(), rows};
+PackedPart make_part(const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& m, int64_t rows,
+                     const torch::Tensor& ss, const torch::Tensor& ms) {
+  PackedPart p{q.contiguous(), s.contiguous(), m.contiguous(), rows, ss.contiguous(), ms.contiguous()};
   if (m.numel() == 1) p.mk = m.to(torch::kFloat).item<float>();
   return p;
 }
@@ -143,12 +147,19 @@ class Decoder {
   // bias or empty
   void add_layer(torch::Tensor ln1, torch::Tensor ln2, std::vector<std::vector<torch::Tensor>> qp,
                  std::vector<std::vector<torch::Tensor>> sp, std::vector<std::vector<torch::Tensor>> mp,
-                 std::vector<torch::Tensor> bias, std::vector<std::vector<int64_t>> rows, LayerOptions opt) {
+                 std::vector<torch::Tensor> bias, std::vector<std::vector<int64_t>> rows, LayerOptions opt,
+                 std::vector<std::vector<torch::Tensor>> ss = {}, std::vector<std::vector<torch::Tensor>> ms = {}) {
     TORCH_CHECK(qp.size() == 4 && sp.size() == 4 && mp.size() == 4 && bias.size() == 4 && rows.size() == 4,
                 "add_layer: four linears");
     TORCH_CHECK(hid % QK == 0 && inter % QK == 0 && (H * D) % QK == 0,
                 "add_layer: quantized linears need hidden and intermediate sizes multiples of 32");
     const int64_t want[4] = {(H + 2 * Hkv) * D, hid, 2 * inter, hid};
+    const int64_t in_features[4] = {hid, H * D, hid, inter};
+    for (auto* sup : {&ss, &ms}) {
+      TORCH_CHECK(sup->empty() || sup->size() == 4, "add_layer: ss and ms: none, or one list per linear");
+      for (size_t i = 0; i < sup->size(); ++i)
+        TORCH_CHECK((*sup)[i].size() == qp[i].size(), "add_layer: linear ", i, ": one ss and ms per part");
+    }
     PackedLinear p[4];
     for (int i = 0; i < 4; ++i) {
       TORCH_CHECK(!qp[i].empty() && sp[i].size() == qp[i].size() && mp[i].size() == qp[i].size() &&
@@ -156,9 +167,19 @@ class Decoder {
       int64_t total = 0;
       for (size_t j = 0; j < qp[i].size(); ++j) {
         const auto st = sp[i][j].scalar_type();
-        TORCH_CHECK((st == torch::kFloat || st == torch::kHalf) && (mp[i][j].numel() <= 1 || mp[i][j].scalar_type() == st),
-                    "add_layer: linear ", i, ": scales fp32 or fp16, minimums in the scales' type");
-        p[i].parts.push_back(make_part(qp[i][j], sp[i][j], mp[i][j], rows[i][j]));
+        const torch::Tensor none;
+        const torch::Tensor& s_sup = ss.empty() ? none : ss[i][j];
+        const torch::Tensor& m_sup = ms.empty() ? none : ms[i][j];
+        const bool factored = s_sup.defined() && s_sup.numel() > 0;
+        TORCH_CHECK((factored ? st == torch::kChar && s_sup.scalar_type() == torch::kHalf
+                              : st == torch::kFloat || st == torch::kHalf) &&
+                        (mp[i][j].numel() <= 1 || mp[i][j].scalar_type() == st) &&
+                        ((m_sup.defined() && m_sup.numel() > 0) == (factored && mp[i][j].numel() > 1)) &&
+                        (!factored || in_features[i] % 256 == 0),
+                    "add_layer: linear ", i, ": scales fp32 or fp16, or int8 with fp16 super-block scales ",
+                    "(K a multiple of 256); minimums in the scales' type");
+        p[i].parts.push_back(make_part(qp[i][j], sp[i][j], mp[i][j], rows[i][j], s_sup.defined() ? s_sup : torch::empty({0}),
+                                       m_sup.defined() ? m_sup : torch::empty({0})));
         total += rows[i][j];
       }
       TORCH_CHECK(total == want[i], "add_layer: linear ", i, " has ", total, " rows, expected ", want[i]);

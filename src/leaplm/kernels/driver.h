@@ -120,7 +120,9 @@ void linear_raw(const float* x, int64_t M, int64_t K, const std::vector<W>& ws, 
 // The packed weight W of qp, sp, mp (common.h's layout) for x [T, K] fp32 contiguous, T <= 32, after checking
 // every shape and type; the path checked too (and taken as SCALAR off x86).
 W packed_view(const torch::Tensor& x, const torch::Tensor& qp, const torch::Tensor& sp,
-              const c10::optional<torch::Tensor>& mp, int64_t N, int64_t& path) {
+              const c10::optional<torch::Tensor>& mp, int64_t N, int64_t& path,
+              const c10::optional<torch::Tensor>& ss = c10::nullopt,
+              const c10::optional<torch::Tensor>& ms = c10::nullopt) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: [T, K] contiguous fp32");
   const int64_t T = x.size(0), K = x.size(1);
   TORCH_CHECK(T >= 1 && T <= MAX_T, "qlinear takes 1..", MAX_T, " tokens, got ", T);
@@ -131,14 +133,28 @@ W packed_view(const torch::Tensor& x, const torch::Tensor& qp, const torch::Tens
               "qp: packed uint8 [N/8, G, ", int4 ? 128 : 256, "]");
   const bool half = !int4 && sp.numel() == 2 * NG * G * RG;        // int6: a scale per half block
   const bool s16 = sp.scalar_type() == torch::kHalf;
-  TORCH_CHECK(sp.is_contiguous() && (sp.scalar_type() == torch::kFloat || (s16 && !half)) &&
-                  (half || sp.numel() == NG * G * RG),
-              "sp: fp32 or fp16 [N/8, G, 8] (int6: fp32 [N/8, G, 2, 8])");
+  const bool factored = ss.has_value();                           // K-quants: int8 multiples of fp16 super scales
+  const auto supers = [&](const torch::Tensor& t, const char* what) {
+    TORCH_CHECK(G % 8 == 0 && t.is_contiguous() && t.scalar_type() == torch::kHalf && t.numel() == NG * (G / 8) * RG,
+                what, ": fp16 [N/8, G/8, 8] (K a multiple of 256)");
+  };
+  if (factored) {
+    supers(*ss, "ss");
+    TORCH_CHECK(sp.is_contiguous() && sp.scalar_type() == torch::kChar && (half || sp.numel() == NG * G * RG),
+                "sp: int8 [N/8, G, 8] (int6: [N/8, G, 2, 8]) with ss");
+  } else {
+    TORCH_CHECK(sp.is_contiguous() && (sp.scalar_type() == torch::kFloat || (s16 && !half)) &&
+                    (half || sp.numel() == NG * G * RG),
+                "sp: fp32 or fp16 [N/8, G, 8] (int6: fp32 [N/8, G, 2, 8])");
+  }
   // mp of one element: every minimum is that multiple of its scale (Q4_0: -8), none stored
   const bool shared_min = int4 && mp->numel() == 1;
+  TORCH_CHECK(!ms.has_value() || (int4 && !shared_min), "ms: only with stored minimums");
+  if (ms.has_value()) supers(*ms, "ms");
   if (int4 && !shared_min)
-    TORCH_CHECK(mp->is_contiguous() && mp->scalar_type() == sp.scalar_type() && mp->numel() == NG * G * RG,
-                "mp: [N/8, G, 8] in sp's type, or one multiplier of the scales");
+    TORCH_CHECK(mp->is_contiguous() && mp->scalar_type() == sp.scalar_type() && mp->numel() == NG * G * RG &&
+                    ms.has_value() == factored,
+                "mp: [N/8, G, 8] in sp's type (int8 with ms where sp has ss), or one multiplier of the scales");
   TORCH_CHECK(path >= SCALAR && path <= AMX, "path: 0 scalar, 1 AVX2, 2 AVX-512 VNNI, 3 AMX");
   TORCH_CHECK(path != AMX || amx_permitted(), "path 3 (AMX): the operating system does not grant the tile registers");
 #if !defined(__x86_64__)
@@ -147,13 +163,16 @@ W packed_view(const torch::Tensor& x, const torch::Tensor& qp, const torch::Tens
   W w{qp.data_ptr<uint8_t>(), sp.data_ptr(), int4 && !shared_min ? mp->data_ptr() : nullptr, N, int(G), int4, half,
       N, s16};
   if (shared_min) w.mk = mp->to(torch::kFloat).item<float>();
+  if (factored) w.ss = reinterpret_cast<const uint16_t*>(ss->data_ptr());
+  if (ms.has_value()) w.ms = reinterpret_cast<const uint16_t*>(ms->data_ptr());
   return w;
 }
 
 // x [T, K] fp32 contiguous (T <= 32); qp, sp, mp packed as common.h describes; returns y [T, N].
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qp, torch::Tensor sp, c10::optional<torch::Tensor> mp,
-                      c10::optional<torch::Tensor> bias, int64_t N, int64_t path) {
-  const W w = packed_view(x, qp, sp, mp, N, path);
+                      c10::optional<torch::Tensor> bias, int64_t N, int64_t path,
+                      c10::optional<torch::Tensor> ss, c10::optional<torch::Tensor> ms) {
+  const W w = packed_view(x, qp, sp, mp, N, path, ss, ms);
   const int64_t T = x.size(0), NG = (N + RG - 1) / RG;
   Span span(R_QLINEAR);
   Act act;
@@ -181,8 +200,9 @@ LEAPLM_INLINE bool above(float a, float b) { return a > b || (std::isnan(a) && !
 // int64 [T]).
 std::vector<torch::Tensor> qlinear_argmax(torch::Tensor x, torch::Tensor qp, torch::Tensor sp,
                                           c10::optional<torch::Tensor> mp, c10::optional<torch::Tensor> bias,
-                                          int64_t N, int64_t path) {
-  const W w = packed_view(x, qp, sp, mp, N, path);
+                                          int64_t N, int64_t path, c10::optional<torch::Tensor> ss,
+                                          c10::optional<torch::Tensor> ms) {
+  const W w = packed_view(x, qp, sp, mp, N, path, ss, ms);
   if (bias.has_value())
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat && bias->numel() == N, "bias: fp32 [N]");
   const int T = int(x.size(0));
@@ -203,6 +223,8 @@ std::vector<torch::Tensor> qlinear_argmax(torch::Tensor x, torch::Tensor qp, tor
       ws.q = w.q + g0 * w.G * w.block_bytes();
       ws.s = static_cast<const uint8_t*>(w.s) + g0 * sbytes;
       ws.m = w.m ? static_cast<const uint8_t*>(w.m) + g0 * mbytes : nullptr;
+      ws.ss = w.ss ? w.ss + g0 * (w.G / 8) * RG : nullptr;
+      ws.ms = w.ms ? w.ms + g0 * (w.G / 8) * RG : nullptr;
       ws.N = std::min(N, g1 * RG) - n0;
       ws.ldy = (g1 - g0) * RG;
       buf.resize(size_t(T) * ws.ldy);

@@ -32,10 +32,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("qlinear", &qlinear, "int8-activation quantized linear for 1..32 tokens over packed weights",
         pybind11::arg("x"), pybind11::arg("qp"), pybind11::arg("sp"), pybind11::arg("mp"), pybind11::arg("bias"),
-        pybind11::arg("n"), pybind11::arg("path"), nogil());
+        pybind11::arg("n"), pybind11::arg("path"), pybind11::arg("ss") = pybind11::none(),
+        pybind11::arg("ms") = pybind11::none(), nogil());
   m.def("qlinear_argmax", &qlinear_argmax, "qlinear's per-token (max, first argmax) over its N outputs, not written",
         pybind11::arg("x"), pybind11::arg("qp"), pybind11::arg("sp"), pybind11::arg("mp"), pybind11::arg("bias"),
-        pybind11::arg("n"), pybind11::arg("path"), nogil());
+        pybind11::arg("n"), pybind11::arg("path"), pybind11::arg("ss") = pybind11::none(),
+        pybind11::arg("ms") = pybind11::none(), nogil());
   m.def("int8_peak", &int8_peak, "int8 multiply-adds per second of a path's dot-product instruction, all threads",
         pybind11::arg("path"), pybind11::arg("iters"), nogil());
   m.def("pool_probe", &pool_probe, "the kernel's thread pool over n busy items (for tests): (thread per item, runs)",
@@ -72,14 +74,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](Decoder& d, torch::Tensor ln1, torch::Tensor ln2, Parts qp, Parts sp, Parts mp,
               std::vector<torch::Tensor> bias, std::vector<std::vector<int64_t>> rows, OptTensor q_norm,
               OptTensor k_norm, OptTensor post_attn_norm, OptTensor post_mlp_norm, int64_t rope,
-              c10::optional<double> attn_scale, int64_t window) {
+              c10::optional<double> attn_scale, int64_t window, Parts ss, Parts ms) {
              d.add_layer(ln1, ln2, qp, sp, mp, bias, rows,
-                         d.make_options(q_norm, k_norm, post_attn_norm, post_mlp_norm, rope, attn_scale, window));
+                         d.make_options(q_norm, k_norm, post_attn_norm, post_mlp_norm, rope, attn_scale, window),
+                         ss, ms);
            },
            arg("ln1"), arg("ln2"), arg("qp"), arg("sp"), arg("mp"), arg("bias"), arg("rows"),
            arg("q_norm") = pybind11::none(), arg("k_norm") = pybind11::none(), arg("post_attn_norm") = pybind11::none(),
            arg("post_mlp_norm") = pybind11::none(), arg("rope") = 0, arg("attn_scale") = pybind11::none(),
-           arg("window") = 0)
+           arg("window") = 0, arg("ss") = Parts(), arg("ms") = Parts())
       .def("add_dense_layer",
            [](Decoder& d, torch::Tensor ln1, torch::Tensor ln2, std::vector<torch::Tensor> w,
               std::vector<torch::Tensor> bias, OptTensor q_norm, OptTensor k_norm, OptTensor post_attn_norm,

@@ -52,7 +52,8 @@ def load(path: str) -> dict[str, list] | None:
 
     try:
         raw = torch.load(f, mmap=True, weights_only=True)
-        return {name: [PackedWeight(p["q"], p["scale"], p.get("minv"), int(p["rows"])) for p in parts]
+        return {name: [PackedWeight(p["q"], p["scale"], p.get("minv"), int(p["rows"]), p.get("ss"), p.get("ms"))
+                       for p in parts]
                 for name, parts in raw.items()}
     except Exception as e:              # a truncated or foreign file: pack from the GGUF file again
         log.info("packed-weight cache: cannot read %s (%s: %s)", f, type(e).__name__, e)
@@ -70,7 +71,8 @@ def save(path: str, linears: dict) -> None:
         if any(getattr(p, "packed", None) is None for p in parts):
             return                          # not every linear on the kernel: nothing worth keeping
         out[name] = [{"q": p.packed.q, "scale": p.packed.scale, "rows": p.packed.rows,
-                      **({"minv": p.packed.minv} if p.packed.minv is not None else {})} for p in parts]
+                      **{f: getattr(p.packed, f) for f in ("minv", "ss", "ms") if getattr(p.packed, f) is not None}}
+                     for p in parts]
     d = startup_cache.entry_dir(KIND, _key(path))
     size = sum(t.nbytes for parts in out.values() for p in parts for t in p.values() if isinstance(t, torch.Tensor))
     try:

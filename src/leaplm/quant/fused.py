@@ -139,6 +139,8 @@ def build_fused(model) -> FusedLayers | None:
                       [[p.q for p in ps] for ps in parts], [[p.scale for p in ps] for ps in parts],
                       [[empty if p.minv is None else p.minv for p in ps] for ps in parts],
                       [empty if b is None else b.detach() for b in biases], [[p.rows for p in ps] for ps in parts],
-                      **opts.layers[i].kwargs())
+                      **opts.layers[i].kwargs(),
+                      ss=[[empty if p.ss is None else p.ss for p in ps] for ps in parts],
+                      ms=[[empty if p.ms is None else p.ms for p in ps] for ps in parts])
     log.info("decoder layers: C++ layer loop (%d layers, %s path, %s)", a.num_hidden_layers, ext.path_name, opts.act)
     return FusedLayers(dec, opts.cis)

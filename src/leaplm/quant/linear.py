@@ -40,6 +40,23 @@ class PackedWeight:
     minv: torch.Tensor | None    # [N8 / 8, G, 8] in scale's type for int4, None for int8; int4 with one element
                                  # [1]: every minimum is that multiple of its scale (Q4_0: -8, so none is stored)
     rows: int                    # N (N8 = N rounded up to a multiple of 8; the padding rows are zero)
+    # K-quants (factor_k_scales): scale and minv int8, each an integer multiple of the fp16 super-block scale of
+    # its row and 256 weights here [N8 / 8, G / 8, 8] (the file's d; ms: -dmin), so a block's scale is 1 byte
+    ss: torch.Tensor | None = None
+    ms: torch.Tensor | None = None
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scale, minv) as fp32 in their packed layout (the products with the super-block scales: exact)."""
+        def widen(t, sup):
+            if sup is None:
+                return None if t is None else t.float()
+            per = t.shape[1] // sup.shape[1]                            # blocks (int6: half blocks) per super
+            return t.float() * sup.float().repeat_interleave(per, dim=1)
+        return widen(self.scale, self.ss), widen(self.minv, self.ms)
+
+    def kernel_args(self) -> dict:
+        """The super-block scales as the extension's qlinear takes them (none unless factored)."""
+        return {} if self.ss is None else {"ss": self.ss, "ms": self.ms}
 
 
 def pack(w: QuantizedWeight) -> PackedWeight:
@@ -64,11 +81,49 @@ def unpack(p: PackedWeight) -> QuantizedWeight:
     q = (p.q.view(torch.int32).reshape(NG, G, chunks, GROUP).permute(0, 3, 1, 2).contiguous()
          .view(torch.uint8).reshape(NG * GROUP, G * chunks * 4)[:p.rows])            # [N, K | K / 2]
     lay = lambda t: t.float().transpose(1, 2).reshape(NG * GROUP, -1)[:p.rows].contiguous()  # noqa: E731  [N, G']
-    if p.minv is not None:
-        minv = lay(p.scale) * p.minv.float() if p.minv.numel() == 1 else lay(p.minv)    # -8 s: exact in fp32
-        return QuantizedWeight("int4", q.contiguous(), lay(p.scale), minv)
+    scale, minv = p.scales()
+    if minv is not None:
+        minv = lay(scale) * minv if minv.numel() == 1 else lay(minv)                     # -8 s: exact in fp32
+        return QuantizedWeight("int4", q.contiguous(), lay(scale), minv)
     fmt = "int6" if p.scale.shape[1] == 2 * G else "int8"                             # int6: a scale per 16
-    return QuantizedWeight(fmt, q.view(torch.int8), lay(p.scale), None)
+    return QuantizedWeight(fmt, q.view(torch.int8), lay(scale), None)
+
+
+# bytes into a K-quant super-block where its fp16 d (and dmin) lie (llama.cpp's block_q4_K, block_q6_K)
+K_SUPER_AT = {"Q4_K": (0, 2), "Q6_K": (208, None)}
+
+
+def factor_k_scales(pk: PackedWeight, raw, ggml_type: str, K: int) -> PackedWeight:
+    """pk (packed from the K-quant rows raw [N, bytes per row] with fp32 scales) with each scale and minimum held
+    as an int8 multiple of its super-block's fp16 d (and -dmin): the same numbers (checked exactly) in a quarter of
+    the bytes a forward streams. pk itself where the file's super scales do not factor them (a non-finite d)."""
+    import numpy as np
+
+    from .formats import QK_K
+
+    N, S = raw.shape[0], K // QK_K
+    NG = pk.q.shape[0]
+    blocks = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8)).reshape(N, S, -1)
+    def supers(at):                                   # [N, S] fp16 -> [NG, S, 8]
+        d = torch.from_numpy(np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16).reshape(N, S))
+        return F.pad(d, (0, 0, 0, NG * GROUP - N)).reshape(NG, GROUP, S).transpose(1, 2).contiguous()
+    def factor(t, sup):                               # t fp32 [NG, G', 8] -> int8 multiples of sup, or None
+        per = t.shape[1] // S
+        d = sup.float().repeat_interleave(per, dim=1)
+        k = torch.where(d != 0, t / torch.where(d != 0, d, 1), 0).round()
+        if not (torch.isfinite(d).all() and (k.abs() <= 127).all() and torch.equal(k * d, t)):
+            return None
+        return k.to(torch.int8)
+    d_at, dmin_at = K_SUPER_AT[ggml_type]
+    ss = supers(d_at)
+    scale = factor(pk.scale, ss)
+    ms = minv = None
+    if pk.minv is not None:
+        ms = -supers(dmin_at)                         # minv = -dmin * min: negating an fp16 is exact
+        minv = factor(pk.minv, ms)
+    if scale is None or (pk.minv is not None and minv is None):
+        return pk
+    return PackedWeight(pk.q, scale, minv, pk.rows, ss, ms)
 
 
 PACK_CHUNK_WEIGHTS = 1 << 22      # weights per chunk of the packers (~4M: temporaries of tens of MB, pages dropped)
@@ -130,13 +185,14 @@ def pack_gguf(raws: list, ggml_type: str, rows: list | None = None, done=None) -
                         torch.from_numpy(scale), minv, N)
 
 
-def pack_gguf_chunked(parts: list[tuple], K: int, done=None) -> PackedWeight | None:
+def pack_gguf_chunked(parts: list[tuple], K: int, done=None, factor: bool = True) -> PackedWeight | None:
     """The PackedWeight of GGUF tensors of one kernel format (formats.GGUF_TYPES: Q4_K beside Q4_1 is int4 in both)
     stacked along their output rows, built a chunk of rows at a time: each chunk's blocks read from the file
     (formats.from_gguf_blocks), packed, and copied into the output, so the temporaries (a K-quant's unpacked
     integers are several times its blocks) are a chunk's, not a whole matrix's, and no unpacked copy is kept.
     parts: (raw uint8 [N_i, bytes per row], ggml type, None or an index [N_i] reordering its rows). The scales
-    are fp32, as pack's. done(i, r0, r1): as pack_gguf's. None when a part other than the last has rows that do
+    are fp32, as pack's, except for K-quants (factor): int8 multiples of the file's super-block scales
+    (factor_k_scales). done(i, r0, r1): as pack_gguf's. None when a part other than the last has rows that do
     not split into groups of 8."""
     from .formats import GGUF_TYPES, from_gguf_blocks
 
@@ -145,24 +201,30 @@ def pack_gguf_chunked(parts: list[tuple], K: int, done=None) -> PackedWeight | N
         return None
     chunk = max(GROUP, PACK_CHUNK_WEIGHTS // K // GROUP * GROUP)                # rows, whole groups
     NG = -(-sum(ns) // GROUP)
-    q = scale = minv = None
+    # K-quants whose every part is one: the scales as int8 multiples of the super-block scales (factor_k_scales)
+    k_only = factor and all(t in K_SUPER_AT for _, t, _ in parts)
+    out: dict[str, torch.Tensor | None] = {}
+    fields = ("q", "scale", "minv", "ss", "ms")
     at = 0                                                                        # row groups written
     for j, ((raw, ggml_type, rows), n) in enumerate(zip(parts, ns)):
         for i in range(0, n, chunk):
             sub = raw[i:i + chunk] if rows is None else raw[np.asarray(rows[i:i + chunk])]   # [c, bytes per row]
             pk = pack(from_gguf_blocks(sub, ggml_type, (sub.shape[0], K)))
-            if q is None:                                                         # shapes known from the first
-                q = torch.empty(NG, *pk.q.shape[1:], dtype=pk.q.dtype)
-                scale = torch.empty(NG, *pk.scale.shape[1:], dtype=pk.scale.dtype)
-                minv = None if pk.minv is None else torch.empty(NG, *pk.minv.shape[1:], dtype=pk.minv.dtype)
+            if k_only:
+                pk = factor_k_scales(pk, sub, ggml_type, K)
+                if pk.ss is None:                                                 # not factored: all fp32
+                    return pack_gguf_chunked(parts, K, done, factor=False)
+            if not out:                                                           # shapes known from the first
+                out = {f: None if getattr(pk, f) is None else
+                       torch.empty(NG, *getattr(pk, f).shape[1:], dtype=getattr(pk, f).dtype) for f in fields}
             g = pk.q.shape[0]
-            q[at:at + g], scale[at:at + g] = pk.q, pk.scale
-            if minv is not None:
-                minv[at:at + g] = pk.minv
+            for f in fields:
+                if out[f] is not None:
+                    out[f][at:at + g] = getattr(pk, f)
             at += g
             if done is not None and rows is None:
                 done(j, i, i + sub.shape[0])
-    return PackedWeight(q, scale, minv, sum(ns))
+    return PackedWeight(out["q"], out["scale"], out["minv"], sum(ns), out["ss"], out["ms"])
 
 
 class QuantizedLinear:
@@ -211,7 +273,7 @@ class QuantizedLinear:
         if self._weight is not None:
             return self._weight.nbytes
         p = self.packed
-        per_row = sum(t[0].numel() * t.element_size() for t in (p.q, p.scale, p.minv)
+        per_row = sum(t[0].numel() * t.element_size() for t in (p.q, p.scale, p.minv, p.ss, p.ms)
                       if t is not None and t.numel() > 1) // GROUP
         return per_row * p.rows
 
@@ -248,9 +310,9 @@ class QuantizedLinear:
         p, run, path = self.packed, self.ext.module.qlinear, self.ext.path
         M = x2.shape[0]
         if M <= KERNEL_ROWS:
-            y = run(x2, p.q, p.scale, p.minv, b, p.rows, path)
+            y = run(x2, p.q, p.scale, p.minv, b, p.rows, path, **p.kernel_args())
         else:
-            y = torch.cat([run(x2[i:i + KERNEL_ROWS], p.q, p.scale, p.minv, b, p.rows, path)
+            y = torch.cat([run(x2[i:i + KERNEL_ROWS], p.q, p.scale, p.minv, b, p.rows, path, **p.kernel_args())
                            for i in range(0, M, KERNEL_ROWS)])
         return y.view(*shape[:-1], p.rows).to(x.dtype)
 
@@ -264,7 +326,7 @@ class QuantizedLinear:
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
         p, run, path = self.packed, self.ext.module.qlinear_argmax, self.ext.path
-        ids = [run(x2[i:i + KERNEL_ROWS], p.q, p.scale, p.minv, None, p.rows, path)[1]
+        ids = [run(x2[i:i + KERNEL_ROWS], p.q, p.scale, p.minv, None, p.rows, path, **p.kernel_args())[1]
                for i in range(0, x2.shape[0], KERNEL_ROWS)]
         return (ids[0] if len(ids) == 1 else torch.cat(ids)).view(x.shape[:-1])      # [...]
 
