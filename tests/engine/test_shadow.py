@@ -38,7 +38,7 @@ def costs() -> Estimates:
 
 class ScriptedDraft:
     """A draft-like proposer whose guess of token t is right from index `right_from` on, wrong before."""
-    cheap, bursty, group, reads_hidden, samples = False, False, None, False, False
+    cheap, bursty, group, reads_hidden, samples, reads_target_cache = False, False, None, False, False, False
 
     def __init__(self, right_from: int, shadows: bool = True, delay_s: float = 0.0):
         self.right_from = right_from

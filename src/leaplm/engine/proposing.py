@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Callable
 
 from ..propose.base import Proposal, ProposeContext
 from .observer import StepObserver
@@ -34,18 +35,21 @@ def trim(prop: Proposal, k: int) -> Proposal | None:
     return prop if prop.k > 0 else None
 
 
-def context(r: Row, k: int, cache) -> ProposeContext:
-    """What row r's proposer reads; cache: the row's batch-1 target cache (RowTable.row_cache)."""
+def context(r: Row, k: int, cache_of: Callable[[], object]) -> ProposeContext:
+    """What row r's proposer reads; cache_of(): the row's batch-1 target cache (RowTable.row_cache), built only for
+    a proposer that reads it (a view per row and step is a slice per layer: more than an n-gram lookup costs)."""
+    cache = cache_of() if r.proposer.reads_target_cache else None
     return ProposeContext(r.req.tokens, k, r.req.params, r.proc, r.req.generator, r.req.presence, cache, r.req.seed,
                           wants_q(r.req))
 
 
-def propose_row(r: Row, k: int, cache, observer: StepObserver) -> tuple[Proposal | None, float]:
+def propose_row(r: Row, k: int, cache_of: Callable[[], object], observer: StepObserver
+                ) -> tuple[Proposal | None, float]:
     """Row r's proposal of at most k tokens (None: nothing drafted) and the seconds it took."""
     if k <= 0:
         return None, 0.0
     t = time.perf_counter()
-    prop = trim(r.proposer.propose(context(r, k, cache)), k)
+    prop = trim(r.proposer.propose(context(r, k, cache_of)), k)
     dt = time.perf_counter() - t
     r.req.stats.propose_s += dt
     if prop is None:
@@ -72,7 +76,7 @@ def propose_rows(rows: list[Row], asked: list[int], row_cache, observer: StepObs
             groups.setdefault(id(r.proposer.group), []).append(i)
         else:
             try:
-                proposals[i], dt = propose_row(r, k, row_cache(i), observer)
+                proposals[i], dt = propose_row(r, k, partial(row_cache, i), observer)
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 log.exception("a request failed proposing")
                 failed[i] = engine_error(e)
@@ -83,14 +87,14 @@ def propose_rows(rows: list[Row], asked: list[int], row_cache, observer: StepObs
         group = rows[idx[0]].proposer.group
         try:
             props = group.propose_rows([rows[i].proposer for i in idx],
-                                       [context(rows[i], asked[i], row_cache(i)) for i in idx])
+                                       [context(rows[i], asked[i], partial(row_cache, i)) for i in idx])
         except Exception as e:  # noqa: BLE001 - the rows that cause it end, not the group
             log.warning("drafting for %d rows together failed (%s: %s): drafting row by row", len(idx),
                         type(e).__name__, e)
             props = []
             for i in list(idx):
                 try:
-                    props.append(group.propose_rows([rows[i].proposer], [context(rows[i], asked[i], row_cache(i))])[0])
+                    props.append(group.propose_rows([rows[i].proposer], [context(rows[i], asked[i], partial(row_cache, i))])[0])
                 except Exception as e1:  # noqa: BLE001 - one request's failure is its own
                     log.exception("a request failed proposing")
                     failed[i] = engine_error(e1)

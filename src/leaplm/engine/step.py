@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -250,7 +251,7 @@ class Batch:
 
     def _propose(self, i: int, r: Row, k: int, clock: StepClock | None = None) -> tuple[Proposal | None, float]:
         """Row i's proposal of at most k tokens (None: nothing drafted) and the seconds it took."""
-        prop, dt = propose_row(r, k, self.table.row_cache(i), self.policy)
+        prop, dt = propose_row(r, k, partial(self.table.row_cache, i), self.policy)
         if clock is not None:
             clock.propose += dt
         return prop, dt

@@ -94,6 +94,8 @@ class Proposer(Protocol):
                          # suffix, lookahead): the K policy keeps its estimate in two states (engine/kpolicy/acceptance.py)
     shadows: bool        # guesses() scores its one-token guesses on committed tokens (a draft model), so the K policy
                          # keeps learning while the row decodes plainly (engine/kpolicy/shadow.py)
+    reads_target_cache: bool   # propose() reads ctx.target_cache (layer-skip drafts into its free slots); the
+                               # others get None, and the step builds no row view for them
 
     def propose(self, ctx: ProposeContext) -> Proposal: ...
 
@@ -139,6 +141,7 @@ class ProposerBase:
     reads_hidden = False
     bursty = False
     shadows = False
+    reads_target_cache = False
 
     def guesses(self, tokens: list[int], first: int = 0) -> Guesses | None:
         return None

@@ -91,6 +91,7 @@ class SkipSearch:
 class LayerSkipProposer(ProposerBase):
     name = "layerskip"
     samples = True
+    reads_target_cache = True              # drafts into the target cache's free slots
 
     def __init__(self, model, search: SkipSearch, confidence: float):
         self.model = model                      # the target's LlamaForCausalLM

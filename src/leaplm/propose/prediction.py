@@ -275,6 +275,7 @@ class PredictedProposer(ProposerBase):
         self.group = group
         self.samples = inner.samples if inner is not None else False
         self.reads_hidden = inner.reads_hidden if inner is not None else False
+        self.reads_target_cache = inner.reads_target_cache if inner is not None else False
 
     @property
     def cheap(self) -> bool:

@@ -28,6 +28,9 @@ class Counts:
     rejected: float = 1.0
     asked: list[float] = field(default_factory=list)     # [K] EMA weight of proposal steps asking >= i + 1 tokens
     passed: list[float] = field(default_factory=list)    # [K] of those, steps whose first i + 1 were accepted
+    # tokens_by_k's curves since the last observation: the policy prices every row at every step, mostly from
+    # counts no step changed (a bucket of match lengths the row's proposals do not reach)
+    _curves: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def rate(self) -> float:
@@ -47,6 +50,7 @@ class Counts:
         """A step that asked (or would have asked) len(passed) drafts, passed[i] the probability that its first
         i + 1 were accepted (1 or 0 where the outcome is known; counterfactual evidence gathered at K = 0:
         shadow.py). rejected: whether a draft was rejected (default: the last position did not pass)."""
+        self._curves.clear()
         asked = len(passed)
         grow = asked - len(self.asked)
         if grow > 0:
@@ -67,6 +71,12 @@ class Counts:
         per-token rate, first positions' misses included, is 0.71); priced at the per-token rate, the positions
         a short K never reaches stay under-priced, and the policy never asks them. carry=False: the per-token rate
         throughout (for comparison)."""
+        key = (cap, prior_weight, carry, self.accepted, self.rejected)     # a prior set on a new one included
+        if key not in self._curves:
+            self._curves[key] = self._tokens_by_k(cap, prior_weight, carry)
+        return list(self._curves[key])
+
+    def _tokens_by_k(self, cap: int, prior_weight: float, carry: bool) -> list[float]:
         out, total, prob, a = [1.0], 1.0, 1.0, self.rate
         cont = a
         for i in range(cap):
