@@ -283,7 +283,7 @@ def test_cheap_proposers_propose_before_k_is_chosen(target, loaded, reference, m
     so the policy sees each row certain to have a proposal (or none: cap 0), K at most its length, priced by its
     match length, its cost already spent; the proposal is then trimmed to K (a tree to its first K nodes).
     Output stays plain decoding's."""
-    from leaplm.engine.kpolicy import adaptive
+    from leaplm.engine.kpolicy import adaptive, priors
     seen = []
     choose = adaptive.BatchAdaptiveK.choose
 
@@ -293,15 +293,46 @@ def test_cheap_proposers_propose_before_k_is_chosen(target, loaded, reference, m
         return k
 
     monkeypatch.setattr(adaptive.BatchAdaptiveK, "choose", spy)
+    monkeypatch.setattr(priors, "PROCESS_PRIORS", {})      # what earlier tests measured of n-gram does not carry
     prompt = "abc abc abc abc abc abc abc abc"
     params = SamplingParams(max_new_tokens=40, temperature=0)
     eng = engine_for(target, loaded, method, k=6, adaptive=True)
     got = eng.generate(prompt, params)
     assert got.token_ids == reference.generate(prompt, params).token_ids
-    drafting = [(rows[0], k) for rows, k in seen if rows and rows[0].cap]
-    assert drafting, "the proposer never had a proposal"
-    assert all(r.match == 1.0 and r.propose_s_per_token == 0.0 and r.cap <= 6 for r, _ in drafting)
+    in_hand = [(rows[0], k) for rows, k in seen if rows and rows[0].cap and rows[0].match == 1.0]
+    assert in_hand, "the proposer never had a proposal"
+    assert all(r.propose_s_per_token == 0.0 and r.cap <= 6 for r, _ in in_hand)
     assert got.stats.draft_tokens > 0
+
+
+def test_cheap_proposers_propose_early_every_few_steps_while_the_batch_decodes_plainly(target, loaded,
+                                                                                      monkeypatch):
+    """At K = 0 an n-gram row is asked before K is chosen on one step in EARLY_EVERY (its lookups and their
+    pricing are most of what it costs there); the row is priced without a proposal in hand on the others."""
+    from leaplm.engine.kpolicy import adaptive, policy
+    from leaplm.engine.kpolicy.measured import RateBandit
+    seen = []
+    choose = adaptive.BatchAdaptiveK.choose
+
+    def plain(self, rows):                        # the cost model says K = 0 on every step
+        choose(self, rows)
+        seen.append(rows[0].match == 1.0 if rows and rows[0].cap else None)
+        return 0
+
+    monkeypatch.setattr(adaptive.BatchAdaptiveK, "choose", plain)
+    monkeypatch.setattr(RateBandit, "decide", lambda self, key, k, alt=None: k)
+    params = SamplingParams(max_new_tokens=31, temperature=0)
+    got = engine_for(target, loaded, "ngram", k=6, adaptive=True).generate("abc abc abc abc abc abc", params)
+    assert got.stats.draft_tokens == 0
+    asked = [i for i, m in enumerate(seen) if m is not None]
+    early = [i for i in asked if seen[i]]
+    assert len(asked) >= 20 and 0 < len(early) <= len(asked) // policy.EARLY_EVERY + 1, seen
+    # control: asked on every step, the same count sees the row's proposal in hand on most steps
+    seen.clear()
+    monkeypatch.setattr(policy, "EARLY_EVERY", 1)
+    engine_for(target, loaded, "ngram", k=6, adaptive=True).generate("abc abc abc abc abc abc", params)
+    asked = [i for i, m in enumerate(seen) if m is not None]
+    assert len([i for i in asked if seen[i]]) > len(asked) // 3 + 1, seen
 
 
 def test_a_row_near_its_context_end_caps_only_its_own_drafts(target):

@@ -73,6 +73,7 @@ class ScriptedDraft:
 def new_row(proposer, cap: int = 4, verifier: str = "greedy", remaining: int = 400) -> Row:
     req = SimpleNamespace(tokens=[text(t) for t in range(PROMPT)], prompt_ids=list(range(PROMPT)),
                           remaining=remaining, verifier=verifier, seed=None, grammar=None,
+                          params=SimpleNamespace(prediction=None),
                           stats=SimpleNamespace(target_forwards=1, method="draft", shadow_s=0.0, decode_s=0.0))
     proc = SimpleNamespace(greedy=lambda logits, presence=None: logits.argmax(-1))
     return Row(req, proc, proposer, cap, acceptance=AcceptanceEstimate(bursty=False))
@@ -84,6 +85,8 @@ def step(policy: KPolicy, row: Row, early=None) -> int:
     k = plan.asked[0]
     L = len(row.req.tokens)
     prop = plan.early.get(0) if early else None
+    if k and early and 0 not in plan.early:           # not asked before K was chosen: asked now, as the step does
+        prop = early(L, k)
     if k and prop is None and not early:
         prop = Proposal(torch.tensor([row.proposer.guess(L + j) for j in range(k)]))
     drafted = min(k, prop.k) if (k and prop is not None) else 0
