@@ -307,8 +307,9 @@ def test_cheap_proposers_propose_before_k_is_chosen(target, loaded, reference, m
 
 def test_cheap_proposers_propose_early_every_few_steps_while_the_batch_decodes_plainly(target, loaded,
                                                                                       monkeypatch):
-    """At K = 0 an n-gram row is asked before K is chosen on one step in EARLY_EVERY (its lookups and their
-    pricing are most of what it costs there); the row is priced without a proposal in hand on the others."""
+    """At K = 0 an n-gram row of a batch of EARLY_ROWS rows or more is asked before K is chosen on one step in
+    EARLY_EVERY (its lookups and their pricing are most of what it costs there); the row is priced without a
+    proposal in hand on the others. A smaller batch is asked every step."""
     from leaplm.engine.kpolicy import adaptive, policy
     from leaplm.engine.kpolicy.measured import RateBandit
     seen = []
@@ -321,15 +322,16 @@ def test_cheap_proposers_propose_early_every_few_steps_while_the_batch_decodes_p
 
     monkeypatch.setattr(adaptive.BatchAdaptiveK, "choose", plain)
     monkeypatch.setattr(RateBandit, "decide", lambda self, key, k, alt=None: k)
+    monkeypatch.setattr(policy, "EARLY_ROWS", 1)              # the rule of a batch of EARLY_ROWS, on one row
     params = SamplingParams(max_new_tokens=31, temperature=0)
     got = engine_for(target, loaded, "ngram", k=6, adaptive=True).generate("abc abc abc abc abc abc", params)
     assert got.stats.draft_tokens == 0
     asked = [i for i, m in enumerate(seen) if m is not None]
     early = [i for i in asked if seen[i]]
     assert len(asked) >= 20 and 0 < len(early) <= len(asked) // policy.EARLY_EVERY + 1, seen
-    # control: asked on every step, the same count sees the row's proposal in hand on most steps
+    # control: a batch below EARLY_ROWS is asked every step: the same count sees the proposal in hand on most steps
     seen.clear()
-    monkeypatch.setattr(policy, "EARLY_EVERY", 1)
+    monkeypatch.setattr(policy, "EARLY_ROWS", 2)
     engine_for(target, loaded, "ngram", k=6, adaptive=True).generate("abc abc abc abc abc abc", params)
     asked = [i for i, m in enumerate(seen) if m is not None]
     assert len([i for i in asked if seen[i]]) > len(asked) // 3 + 1, seen

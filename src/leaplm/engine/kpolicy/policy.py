@@ -11,8 +11,8 @@ plan: one K for the step; row i drafts min(K, cap_i).
      catching up on tokens it has not seen.
   3. Cheap proposers (n-gram, suffix: a proposal costs next to nothing) propose now, at their cap: a row with
      no proposal drafts nothing, one with a proposal is priced by its length and context match length. While
-     the batch decodes plainly they do so every EARLY_EVERY steps (a row with a prediction: every step), the
-     others priced without a proposal in hand.
+     a batch of EARLY_ROWS rows or more decodes plainly they do so every EARLY_EVERY steps (a row with a
+     prediction: every step), the rows priced without a proposal in hand on the others.
   4. The cost model (adaptive.BatchAdaptiveK.choose) takes the K of the best predicted tokens per second over
      the rows that follow the policy (costs.py: a forward over n rows of K + 1 tokens on this machine); K > 0
      must beat K = 0 by 3%.
@@ -42,11 +42,13 @@ from .priors import from_card
 from .shadow import forget, gather, tokens_left
 
 
-# While the last step drafted nothing, cheap proposers propose before K is chosen on one step in this many: at 4 and
-# 16 rows of SmolLM2 at K = 0 (2 threads), asking every row at every step cost 3-4% of plain decoding's rate (the
-# lookups, their pricing per match length and their evidence); a copying stretch is still found within a step or
-# two of its start, and once a step drafts they propose at every step again.
+# While the last step of a batch of at least EARLY_ROWS rows drafted nothing, cheap proposers propose before K is
+# chosen on one step in EARLY_EVERY: at 4 and 16 rows of SmolLM2 at K = 0 (2 threads), asking every row at every
+# step cost 3-4% of plain decoding's rate (the lookups, their pricing per match length and their evidence); a
+# copying stretch is still found within a step or two of its start, and once a step drafts they propose at every
+# step again. Fewer rows: every step (a row's lookup is a small share of a step's forward there).
 EARLY_EVERY = 3
+EARLY_ROWS = 4
 
 
 @dataclass
@@ -109,7 +111,7 @@ class KPolicy:
                  for i, r in enumerate(rows)]
         early: dict[int, Proposal | None] = {}
         self.plans += 1
-        every = self.drafted or (self.plans - 1) % EARLY_EVERY == 0
+        every = self.drafted or len(rows) < EARLY_ROWS or (self.plans - 1) % EARLY_EVERY == 0
         for i, (r, sp) in enumerate(zip(rows, specs)):                                     # 3
             if sp.cap > 0 and r.proposer.cheap and (every or r.req.params.prediction is not None):
                 p = early[i] = propose_cheap(i, sp.cap)
