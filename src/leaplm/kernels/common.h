@@ -117,6 +117,14 @@ inline float scale_at(const W& w, const void* base, const uint16_t* sup, int64_t
 
 inline float scale_of(const W& w, int64_t i) { return scale_at(w, w.s, w.ss, i); }
 
+// the value of a one-element fp32 or fp16 tensor (a shared minimum's multiple: mp of one element), read in place
+inline float one_value(const torch::Tensor& t) {
+  TORCH_CHECK(t.numel() == 1 && (t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kHalf),
+              "mp of one element: fp32 or fp16");
+  return t.scalar_type() == torch::kHalf ? half_at(static_cast<const uint16_t*>(t.data_ptr()), 0)
+                                         : *static_cast<const float*>(t.data_ptr());
+}
+
 // minimum i of an int4 weight as fp32: stored, or mk times the scale
 inline float min_at(const W& w, int64_t i) { return w.m ? scale_at(w, w.m, w.ms, i) : w.mk * scale_of(w, i); }
 

@@ -49,7 +49,7 @@ struct PackedPart {
 PackedPart make_part(const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& m, int64_t rows,
                      const torch::Tensor& ss, const torch::Tensor& ms) {
   PackedPart p{q.contiguous(), s.contiguous(), m.contiguous(), rows, ss.contiguous(), ms.contiguous()};
-  if (m.numel() == 1) p.mk = m.to(torch::kFloat).item<float>();
+  if (m.numel() == 1) p.mk = one_value(m);
   return p;
 }
 

@@ -162,7 +162,7 @@ W packed_view(const torch::Tensor& x, const torch::Tensor& qp, const torch::Tens
 #endif
   W w{qp.data_ptr<uint8_t>(), sp.data_ptr(), int4 && !shared_min ? mp->data_ptr() : nullptr, N, int(G), int4, half,
       N, s16};
-  if (shared_min) w.mk = mp->to(torch::kFloat).item<float>();
+  if (shared_min) w.mk = one_value(*mp);
   if (factored) w.ss = reinterpret_cast<const uint16_t*>(ss->data_ptr());
   if (ms.has_value()) w.ms = reinterpret_cast<const uint16_t*>(ms->data_ptr());
   return w;

@@ -25,6 +25,9 @@ FORMATS = ("int8", "int4")            # what --quantization makes from full-prec
 BITS_PER_WEIGHT = {"int8": 8 + 32 / BLOCK, "int4": 4 + 64 / BLOCK, "int6": 8 + 64 / BLOCK}
 GGUF_TYPES = {"Q8_0": "int8", "Q5_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q6_K": "int6"}
 QK_K = 256                            # weights per K-quant super-block
+# bytes into a K-quant super-block where its fp16 d and dmin lie (llama.cpp's block_q4_K, block_q6_K; Q6_K has no
+# dmin): its block scales are integer multiples of d, Q4_K's minimums of -dmin
+K_SUPER_SCALES = {"Q4_K": (0, 2), "Q6_K": (208, None)}
 
 
 @dataclass
@@ -146,7 +149,9 @@ def _from_k_blocks(a, ggml_type: str, N: int, K: int) -> QuantizedWeight:
     S = K // QK_K
     f16 = lambda b: np.ascontiguousarray(b).view(np.float16).astype(np.float32)   # noqa: E731  [N, S, 1]
     if ggml_type == "Q4_K":   # d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
-        d, dmin, sc, qs = f16(a[..., 0:2]), f16(a[..., 2:4]), a[..., 4:16].astype(np.int32), a[..., 16:144]
+        d_at, m_at = K_SUPER_SCALES["Q4_K"]
+        d, dmin = f16(a[..., d_at:d_at + 2]), f16(a[..., m_at:m_at + 2])
+        sc, qs = a[..., 4:16].astype(np.int32), a[..., 16:144]
         # 8 (scale, min) pairs of 6 bits (llama.cpp's get_scale_min_k4): pairs 0..3 in the low 6 bits of bytes
         # 0..3 / 4..7, pairs 4..7 from bytes 8..11's nibbles and the top 2 bits of bytes 0..3 / 4..7
         scale = np.concatenate([sc[..., 0:4] & 63, (sc[..., 8:12] & 0x0F) | ((sc[..., 0:4] >> 6) << 4)], -1)
@@ -161,7 +166,8 @@ def _from_k_blocks(a, ggml_type: str, N: int, K: int) -> QuantizedWeight:
                                torch.from_numpy(m))
     if ggml_type == "Q6_K":   # 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d f16
         ql, qh = a[..., 0:128].astype(np.int16), a[..., 128:192].astype(np.int16)
-        sc, d = np.ascontiguousarray(a[..., 192:208]).view(np.int8).astype(np.float32), f16(a[..., 208:210])
+        d_at = K_SUPER_SCALES["Q6_K"][0]
+        sc, d = np.ascontiguousarray(a[..., 192:208]).view(np.int8).astype(np.float32), f16(a[..., d_at:d_at + 2])
         out = []
         for h in range(2):                  # each half of 128: ql 64 bytes, qh 32 bytes (llama.cpp's order)
             l, hb = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]

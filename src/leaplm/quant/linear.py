@@ -89,17 +89,13 @@ def unpack(p: PackedWeight) -> QuantizedWeight:
     return QuantizedWeight(fmt, q.view(torch.int8), lay(scale), None)
 
 
-# bytes into a K-quant super-block where its fp16 d (and dmin) lie (llama.cpp's block_q4_K, block_q6_K)
-K_SUPER_AT = {"Q4_K": (0, 2), "Q6_K": (208, None)}
-
-
 def factor_k_scales(pk: PackedWeight, raw, ggml_type: str, K: int) -> PackedWeight:
     """pk (packed from the K-quant rows raw [N, bytes per row] with fp32 scales) with each scale and minimum held
     as an int8 multiple of its super-block's fp16 d (and -dmin): the same numbers (checked exactly) in a quarter of
     the bytes a forward streams. pk itself where the file's super scales do not factor them (a non-finite d)."""
     import numpy as np
 
-    from .formats import QK_K
+    from .formats import K_SUPER_SCALES, QK_K
 
     N, S = raw.shape[0], K // QK_K
     NG = pk.q.shape[0]
@@ -114,7 +110,7 @@ def factor_k_scales(pk: PackedWeight, raw, ggml_type: str, K: int) -> PackedWeig
         if not (torch.isfinite(d).all() and (k.abs() <= 127).all() and torch.equal(k * d, t)):
             return None
         return k.to(torch.int8)
-    d_at, dmin_at = K_SUPER_AT[ggml_type]
+    d_at, dmin_at = K_SUPER_SCALES[ggml_type]
     ss = supers(d_at)
     scale = factor(pk.scale, ss)
     ms = minv = None
@@ -194,7 +190,7 @@ def pack_gguf_chunked(parts: list[tuple], K: int, done=None, factor: bool = True
     are fp32, as pack's, except for K-quants (factor): int8 multiples of the file's super-block scales
     (factor_k_scales). done(i, r0, r1): as pack_gguf's. None when a part other than the last has rows that do
     not split into groups of 8."""
-    from .formats import GGUF_TYPES, from_gguf_blocks
+    from .formats import GGUF_TYPES, K_SUPER_SCALES, from_gguf_blocks
 
     ns = [r.shape[0] for r, _, _ in parts]
     if any(n % GROUP for n in ns[:-1]) or len({GGUF_TYPES[t] for _, t, _ in parts}) != 1:
@@ -202,7 +198,7 @@ def pack_gguf_chunked(parts: list[tuple], K: int, done=None, factor: bool = True
     chunk = max(GROUP, PACK_CHUNK_WEIGHTS // K // GROUP * GROUP)                # rows, whole groups
     NG = -(-sum(ns) // GROUP)
     # K-quants whose every part is one: the scales as int8 multiples of the super-block scales (factor_k_scales)
-    k_only = factor and all(t in K_SUPER_AT for _, t, _ in parts)
+    k_only = factor and all(t in K_SUPER_SCALES for _, t, _ in parts)
     out: dict[str, torch.Tensor | None] = {}
     fields = ("q", "scale", "minv", "ss", "ms")
     at = 0                                                                        # row groups written
