@@ -394,7 +394,7 @@ def test_unknown_backend_is_refused():
 
 def test_pack_keeps_every_integer_and_scale():
     """The row-group layout is a permutation: unpacking it gives back the weight's numbers."""
-    for fmt, width, scales in (("int8", 256, 1), ("int4", 128, 1), ("int6", 256, 2)):
+    for fmt, width, scales in (("int8", 256, 1), ("int4", 128, 1)):
         qw, _, _ = case(fmt, 1, N=19, K=64)
         p = pack(qw)
         assert p.q.shape == (3, 2, width) and p.scale.shape == (3, 2 * scales, 8) and p.rows == 19
@@ -403,6 +403,26 @@ def test_pack_keeps_every_integer_and_scale():
         assert torch.equal(q, qw.q.view(torch.uint8))
         assert torch.equal(p.scale.transpose(1, 2).reshape(24, 2 * scales)[:19], qw.scale)
         assert (p.q.reshape(3, 2, chunks, 8, 4)[2, :, :, 3:] == 0).all()      # padding rows are zero
+
+
+def test_int6_packs_into_six_bits_a_weight_as_the_kernel_reads_them():
+    """Q6_K's integers in 24 bytes a row and block (the file's size): each weight read back element by element
+    from the documented bit positions (kernels/common.h) equals the integer it packed; padding rows read 0."""
+    qw, _, _ = case("int6", 1, N=19, K=64)
+    p = pack(qw)
+    assert p.q.shape == (3, 2, 192) and p.scale.shape == (3, 4, 8) and p.rows == 19
+    b = p.q.reshape(3, 2, 192)
+    for n in range(24):
+        grp, r = divmod(n, 8)
+        for g in range(2):
+            for j in range(32):
+                e, c = j % 16, j // 4
+                nib = int(b[grp, g, ((e // 4) * 8 + r) * 4 + e % 4])
+                low = nib & 15 if j < 16 else nib >> 4
+                top = (int(b[grp, g, 128 + ((c // 4) * 8 + r) * 4 + j % 4]) >> (2 * (c % 4))) & 3
+                want = int(qw.q[n, 32 * g + j]) if n < 19 else 0
+                assert (low | top << 4) - 32 == want, (n, g, j)
+    assert torch.equal(p.scale.transpose(1, 2).reshape(24, 4)[:19], qw.scale)
 
 
 # ---- the kernel's layout straight from a GGUF file's blocks ---------------------------------------------------
@@ -519,7 +539,7 @@ def test_a_split_linear_is_its_row_blocks_side_by_side():
     b, _, _ = case("int6", 7, N=13, K=256, seed=9)
     lin = fused_linear([a, b], "extension")
     assert isinstance(lin, SplitLinear) and lin.formats == "int4/int6" and lin.out_features == 33
-    assert lin.nbytes == a.nbytes + b.nbytes
+    assert lin.nbytes == a.nbytes + 13 * (256 * 6 // 8 + 16 * 4)     # the int6 block in 6 bits a weight, fp32 scales
     y = lin(x, torch.cat([bias[:20], bias[:13]]))
     want = torch.cat([QuantizedLinear(a, "extension")(x, bias[:20]), QuantizedLinear(b, "extension")(x, bias[:13])], -1)
     assert torch.equal(y, want)

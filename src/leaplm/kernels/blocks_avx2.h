@@ -14,14 +14,26 @@ namespace {
 
 // ---- SIMD paths: lane r of every vector is row 8 grp + r ------------------------------------------------------
 // The weights of block g as 8 vectors of unsigned bytes, vector c holding elements 4c .. 4c+3 of the 8 rows
-// (int8: the signed bytes + 128, corrected by 128 * sum(qa) after the dot product; int4: the nibbles as stored).
+// (int8: the signed bytes as stored, + 128 by the caller, corrected by 128 * sum(qa) after the dot product; int4: the
+// nibbles as stored; int6: the signed integers + 128, from the 6-bit layout).
 __attribute__((target("avx2,fma,f16c"))) inline void load_block(const W& w, const uint8_t* b, __m256i* u) {
-  if (w.int4) {
+  if (w.int4 || w.half) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * c));
       u[c] = _mm256_and_si256(v, nib);
       u[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    }
+    if (w.half) {
+      // chunk 4h + k's top 2 bits at bits 2k, 2k + 1 of vector h: moved to bits 4, 5 (16-bit shifts; the mask
+      // keeps only bits that came from the same byte), then u6 + 96 = q + 128
+      const __m256i top = _mm256_set1_epi8(0x30), k96 = _mm256_set1_epi8(96);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+        const __m256i t[4] = {_mm256_slli_epi16(v, 4), _mm256_slli_epi16(v, 2), v, _mm256_srli_epi16(v, 2)};
+        for (int k = 0; k < 4; ++k)
+          u[4 * h + k] = _mm256_add_epi8(_mm256_or_si256(u[4 * h + k], _mm256_and_si256(t[k], top)), k96);
+      }
     }
   } else {
     for (int c = 0; c < 8; ++c) u[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * c));
@@ -50,7 +62,7 @@ inline __m256i block_dot_avx2(const __m256i* u, const int8_t* qa, bool int4, int
   return p;
 }
 
-// int6 on AVX2: the sign moves onto the activation as for int8; |w| <= 32, so a half's 4 maddubs results add in
+// int6 on AVX2 (u: the integers + 128): the sign moves onto the activation as for int8; |w| <= 32, so a half's 4 maddubs results add in
 // int16 without overflow (4 * 2 * 32 * 127 < 2^15) before one madd widens them.
 __attribute__((target("avx2,fma,f16c")))
 inline void block_dot2_avx2(const __m256i* u, const int8_t* qa, int32_t, int32_t, __m256i& lo, __m256i& hi) {
@@ -111,12 +123,10 @@ __attribute__((target("avx2,f16c"))) LEAPLM_INLINE __m256 load_min8(const W& w, 
   const int64_t K = act.K;                                                                                      \
   __m256 acc[TT];                                                                                               \
   for (int t = 0; t < TT; ++t) acc[t] = _mm256_load_ps(accp + 8 * t);                                           \
-  const __m256i k128 = _mm256_set1_epi8(char(0x80));                                                            \
   for (int g = ga; g < gb; ++g) {                                                                               \
     __m256i u[8];                                                                                               \
     prefetch_ahead(w, (grp * G + g) * w.block_bytes(), (grp * G + g) * 2 * RG);                                \
-    load_block(w, w.q + (grp * G + g) * w.block_bytes(), u);                                                    \
-    for (int c = 0; c < 8; ++c) u[c] = _mm256_xor_si256(u[c], k128);                                           \
+    load_block(w, w.q + (grp * G + g) * w.block_bytes(), u);          /* int6: already q + 128 */               \
     const __m256 slo = load_scale8(w, (grp * G + g) * 2 * RG), shi = load_scale8(w, (grp * G + g) * 2 * RG + RG);  \
     for (int t = 0; t < TT; ++t) {                                                                              \
       const int tg = (t0 + t) * G + g;                                                                          \

@@ -1,4 +1,4 @@
-// Block products, scalar reference: reads a packed weight (common.h: qp [N/8, G, chunks, 8 rows, 4 bytes], sp/mp
+// Block products, scalar reference: reads a packed weight (common.h: qp [N/8, G, chunks, 8 rows, 4 bytes] or int6's, sp/mp
 // [N/8, G, 8] or int6 sp [N/8, G, 2, 8]) one element at a time through weight_at, and the token-major activations
 // (activations.h: qa [T, K], a/sa [T, G]). The arithmetic every SIMD path reproduces bit for bit.
 #pragma once
@@ -11,10 +11,14 @@ namespace {
 // ---- scalar reference ------------------------------------------------------------------------------------------
 inline int weight_at(const W& w, int64_t grp, int g, int r, int j) {   // q[8 grp + r, g, j]
   const uint8_t* b = w.q + (grp * w.G + g) * w.block_bytes();
-  if (!w.int4) return int(int8_t(b[((j / 4) * RG + r) * 4 + j % 4]));
+  if (!w.int4 && !w.half) return int(int8_t(b[((j / 4) * RG + r) * 4 + j % 4]));
   const int e = j % 16;
   const uint8_t byte = b[((e / 4) * RG + r) * 4 + e % 4];
-  return j < 16 ? (byte & 0x0F) : (byte >> 4);
+  const int low = j < 16 ? (byte & 0x0F) : (byte >> 4);
+  if (w.int4) return low;
+  const int c = j / 4;                                   // int6: chunk c's top 2 bits in vector c / 4 at 2 (c % 4)
+  const int top = (b[128 + ((c / 4) * RG + r) * 4 + j % 4] >> (2 * (c % 4))) & 3;
+  return (low | (top << 4)) - 32;
 }
 
 void group_scalar(const W& w, const Act& act, int64_t grp, float* y) {

@@ -29,7 +29,7 @@ inline __m256i block_dot_vnni(const __m256i* u, const int8_t* qa, bool int4, int
 }
 
 // int6: the two halves' products (chunks 0 .. 3 hold elements 0 .. 15, chunks 4 .. 7 elements 16 .. 31), exact
-// int32; u as for int8 (the signed bytes + 128), each half corrected by 128 * its sum of qa.
+// int32; u the integers + 128 (load_block), each half corrected by 128 * its sum of qa.
 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 inline void block_dot2_vnni(const __m256i* u, const int8_t* qa, int32_t sq, int32_t sq16, __m256i& lo, __m256i& hi) {
   const int32_t* q4 = reinterpret_cast<const int32_t*>(qa);

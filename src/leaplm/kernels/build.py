@@ -270,7 +270,7 @@ def tune_amx(module, reps: int = 5, timer=None) -> dict[str, list[int]]:
 @dataclass
 class ProbeWeight:
     """A weight in the kernel's row-group layout (quant/linear.py PackedWeight): what the probe passes it."""
-    q: object               # uint8 [groups, blocks, 256] (int8, int6) | [groups, blocks, 128] (int4 nibbles)
+    q: object               # uint8 [groups, blocks, 256] (int8) | [groups, blocks, 128] (int4 nibbles) | 192 (int6)
     scale: object           # fp32 or fp16 [groups, blocks, 8] | int6: fp32 [groups, blocks, 16] (a scale per half block)
     minv: object            # [groups, blocks, 8] in scale's type for int4, None for int8
     rows: int
@@ -285,10 +285,8 @@ def probe_problems() -> list[tuple[object, ProbeWeight]]:
     out = []
     for T in (1, 2, 3, 5, 9, 16, 32):
         x = torch.randn(T, 96, generator=g)
-        for width, int4, scales in ((256, False, 8), (128, True, 8), (256, False, 16)):
+        for width, int4, scales in ((256, False, 8), (128, True, 8), (192, False, 16)):   # int8, int4, int6
             q = torch.randint(0, 256, (2, 3, width), dtype=torch.uint8, generator=g)
-            if scales == 16:                   # int6: integers in -32..31
-                q = ((q.view(torch.int8) >> 2).view(torch.uint8)).contiguous()
             scale, minv = torch.rand(2, 3, scales, generator=g), torch.randn(2, 3, 8, generator=g)
             out.append((x, ProbeWeight(q, scale, minv if int4 else None, 13)))
             if scales == 8:                    # fp16 scales and minimums, as GGUF Q8_0 / Q4_0 / Q4_1 hold them

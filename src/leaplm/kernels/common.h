@@ -7,12 +7,15 @@
 // Weights are blocks of 32 along k, as GGUF stores them (the integers unchanged; scales and mins in fp32 or fp16):
 //   int8 (Q8_0, Q5_0):  w[n, g, j] = q[n, g, j] * s[n, g],          q in -128..127
 //   int4 (Q4_0, Q4_1, Q4_K): w[n, g, j] = q[n, g, j] * s[n, g] + m[n, g], q in 0..15   (Q4_0: m = -8 s)
-//   int6 (Q6_K):        w[n, g, j] = q[n, g, j] * s[n, g, j / 16],   q in -32..31: int8 with a scale per half block
+//   int6 (Q6_K):        w[n, g, j] = q[n, g, j] * s[n, g, j / 16],   q in -32..31, a scale per half block
 // At load the rows are repacked in groups of 8 so that one 8-lane vector holds the same 4 weights of 8 rows
 // (quant/linear.py, `pack`):
 //   int8  qp [N/8, G, 8 chunks, 8 rows, 4 bytes]: chunk c = elements 4c .. 4c+3 of the block
 //   int4  qp [N/8, G, 4 chunks, 8 rows, 4 bytes]: GGUF's nibble bytes 4c .. 4c+3; the low nibbles are elements
 //         4c .. 4c+3, the high nibbles elements 16+4c .. 16+4c+3
+//   int6  qp [N/8, G, 192]: u = q + 32 (0..63) in 6 bits, as the file holds them (quant/linear.py, pack_int6):
+//         bytes 0..127 the low 4 bits of u in int4's nibble chunks; bytes 128..191 [2 h, 8 rows, 4 bytes i] the top
+//         2 bits, those of element 4 (4h + k) + i at bits 2k, 2k + 1 of byte (h, r, i)
 //   sp, mp [N/8, G, 8 rows] fp32 or fp16 (int6: sp [N/8, G, 2 halves, 8 rows] fp32)
 //   K-quants (Q4_K, Q6_K): sp, mp int8, each an integer multiple of a super-block scale that ss, ms hold in fp16
 //   ([N/8, G/8, 8]: one per row and 256 weights, as the file holds d and dmin); the product is exact in fp32, so the
@@ -87,20 +90,20 @@ bool amx_permitted() {
 
 // One packed weight matrix.
 struct W {
-  const uint8_t* q;      // int8: [N/8, G, 8, 8, 4] (signed bytes); int4: [N/8, G, 4, 8, 4]
+  const uint8_t* q;      // int8: [N/8, G, 8, 8, 4] (signed bytes); int4: [N/8, G, 4, 8, 4]; int6: [N/8, G, 192]
   const void* s;         // [N/8, G, 8] fp32, or fp16 (s16) | int6: [N/8, G, 2, 8] fp32
   const void* m;         // [N/8, G, 8] (int4), in s's type; or null
   int64_t N;             // rows written (the packed matrix may have up to 7 zero rows more)
   int G;
   bool int4;
-  bool half;             // int6: int8 integers with a scale per half block (16 weights)
+  bool half;             // int6: 6-bit integers with a scale per half block (16 weights)
   int64_t ldy;           // floats between output rows of y (N, or more when this matrix is a part of a wider y)
   bool s16;              // scales and minimums in fp16, as a GGUF file holds Q8_0's, Q4_0's and Q4_1's: read in
                          // fewer bytes and widened exactly, so every product is the fp32 one's
   float mk = 0.f;        // int4 with m null: every minimum is mk times its scale (Q4_0: -8)
   const uint16_t* ss = nullptr;   // K-quants: s holds int8 multiples of these fp16 super-block scales [N/8, G/8, 8]
   const uint16_t* ms = nullptr;   // and m int8 multiples of these (Q4_K: -dmin)
-  int64_t block_bytes() const { return int4 ? 128 : 256; }   // one block of 8 rows
+  int64_t block_bytes() const { return int4 ? 128 : half ? 192 : 256; }   // one block of 8 rows
   int64_t scale_bytes() const { return ss ? 1 : s16 ? 2 : 4; }
   // where scale index i's super-block scale lies: 8 blocks (int6: 16 half blocks) of 8 rows share one row of 8
   int64_t super_of(int64_t i) const { return ((i >> (half ? 7 : 6)) << 3) | (i & 7); }

@@ -69,6 +69,7 @@ struct PackedLinear {
 // run_layers' buffers (Decoder::run_layers)
 struct LayerScratch {
   std::vector<float> h, qkv, att, tmp, gu, act;
+  std::vector<float> stream;                         // a ragged block's tokens' residual stream (widths)
   std::vector<std::vector<int64_t>> wkeys, wnkeys;   // per (window, ring) the layers have: each query's key slots
 };
 
@@ -262,23 +263,26 @@ class Decoder {
   // x [B * T, hid] fp32 (row b * T + t); cache_k / cache_v per layer [B', Hkv, capacity, D] fp32 (B' >= B);
   // lens [B] cached tokens per row; pos [B, T] int64 positions; mask: empty (causal) or bool [B, T, S]; cis
   // [P, D / 2, 2] fp32 (cos, sin), or [R, P, D / 2, 2] (layer i reads table rope_i); run: the layers to run, in
-  // order; kv_len = the keys attended (S).
+  // order; kv_len = the keys attended (S); widths: empty (every row's T tokens), or [B] with row b's first
+  // widths[b] tokens computed and the rest padding: neither computed nor written to the cache, left as given in
+  // the output (a batch whose rows verify drafts of different lengths pays for its real tokens alone).
   torch::Tensor forward(torch::Tensor x, int64_t B, int64_t T, std::vector<torch::Tensor> cache_k,
                         std::vector<torch::Tensor> cache_v, std::vector<int64_t> lens, torch::Tensor pos,
                         torch::Tensor mask, torch::Tensor cis, std::vector<int64_t> run, int64_t kv_len,
-                        std::vector<int64_t> rings = {}) {
+                        std::vector<int64_t> rings = {}, std::vector<int64_t> widths = {}) {
     TORCH_CHECK(x.dim() == 2 && x.size(0) == B * T && x.size(1) == hid && x.scalar_type() == torch::kFloat,
                 "x: fp32 [B * T, hidden]");
     torch::Tensor out = x.clone();
-    run_layers(out.data_ptr<float>(), B, T, cache_k, cache_v, lens, pos, mask, cis, run, kv_len, rings);
+    run_layers(out.data_ptr<float>(), B, T, cache_k, cache_v, lens, pos, mask, cis, run, kv_len, rings, widths);
     return out;
   }
 
-  // the layers `run` over the residual stream xp [B * T, hid], in place (see forward)
+  // the layers `run` over the residual stream xp [B * T, hid], in place (see forward); with widths, over the
+  // tokens they name only (gathered into a stream of their own, scattered back at the end)
   void run_layers(float* xp, int64_t B, int64_t T, std::vector<torch::Tensor>& cache_k,
                   std::vector<torch::Tensor>& cache_v, const std::vector<int64_t>& lens, const torch::Tensor& pos,
                   const torch::Tensor& mask, const torch::Tensor& cis, const std::vector<int64_t>& run,
-                  int64_t kv_len, const std::vector<int64_t>& rings = {}) {
+                  int64_t kv_len, const std::vector<int64_t>& rings = {}, const std::vector<int64_t>& widths = {}) {
     TORCH_CHECK(int64_t(lens.size()) >= B && pos.scalar_type() == torch::kLong &&
                 (pos.numel() == B * T || pos.numel() == 0), "lens, pos");
     TORCH_CHECK(cis.scalar_type() == torch::kFloat && (cis.dim() == 3 || cis.dim() == 4) && cis.size(-2) * 2 == D &&
@@ -287,11 +291,30 @@ class Decoder {
     TORCH_CHECK(mask.numel() == 0 || (mask.scalar_type() == torch::kBool && mask.numel() == B * T * kv_len),
                 "mask: bool [B, T, S]");
     TORCH_CHECK(cache_k.size() >= layers.size() && cache_v.size() >= layers.size(), "cache: one tensor per layer");
-    const int64_t M = B * T;
+    TORCH_CHECK(widths.empty() || int64_t(widths.size()) == B, "widths: none, or one per row");
+    // the tokens computed, in row order: tok[i] = b * T + t (every one without widths)
+    bool ragged = false;
+    for (int64_t b = 0; b < int64_t(widths.size()); ++b) {
+      TORCH_CHECK(widths[b] >= 0 && widths[b] <= T, "widths[", b, "] = ", widths[b], " outside 0..", T);
+      ragged = ragged || widths[b] < T;
+    }
+    std::vector<int64_t> tok;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < (ragged ? widths[b] : T); ++t) tok.push_back(b * T + t);
+    const int64_t M = int64_t(tok.size());
+    // the calling thread's buffers, kept between forwards and grown, never shrunk: allocated and zeroed per
+    // forward, the larger ones come from fresh pages each time (a forward over 16 or 32 tokens), and the next
+    // small forward runs slower after them
+    static thread_local LayerScratch scratch;
+    float* full = xp;                        // the caller's [B * T, hid]; the layers run over M rows of their own
+    if (ragged) {
+      xp = grown(scratch.stream, M * hid).data();
+      for (int64_t i = 0; i < M; ++i) std::memcpy(xp + i * hid, full + tok[i] * hid, sizeof(float) * hid);
+    }
     // no positions given: row b's token t sits at lens[b] + t
     std::vector<int64_t> own;
     if (pos.numel() == 0) {
-      own.resize(M);
+      own.resize(B * T);
       for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < T; ++t) own[b * T + t] = lens[b] + t;
     }
@@ -301,10 +324,6 @@ class Decoder {
     const int64_t* posp = pos.numel() ? posc.data_ptr<int64_t>() : own.data();
     auto maskc = mask.contiguous();
     auto cisc = cis.contiguous();
-    // the calling thread's buffers, kept between forwards and grown, never shrunk: allocated and zeroed per
-    // forward, the larger ones come from fresh pages each time (a forward over 16 or 32 tokens), and the next
-    // small forward runs slower after them
-    static thread_local LayerScratch scratch;
     auto& h = grown(scratch.h, M * hid);
     auto& qkv = grown(scratch.qkv, M * (H + 2 * Hkv) * D);
     auto& att = grown(scratch.att, M * H * D);
@@ -329,9 +348,8 @@ class Decoder {
       const int64_t win = kinds[k].first, ring = kinds[k].second;
       auto& keys = grown(scratch.wkeys[k], M * kv_len);
       auto& nkeys = grown(scratch.wnkeys[k], M);
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t t = 0; t < T; ++t) {
-          const int64_t bt = b * T + t, qpos = posp[bt];
+      for (int64_t i = 0; i < M; ++i) {
+          const int64_t bt = tok[i], b = bt / T, t = bt % T, qpos = posp[bt];
           int64_t n = 0;
           // a committed slot j holds position j; the block's slot lens[b] + u holds its token u's position
           const int64_t first = win > 0 ? std::max<int64_t>(0, std::min(lens[b], qpos - win + 1)) : 0;
@@ -341,10 +359,10 @@ class Decoder {
               const int64_t kpos = j < lens[b] ? j : posp[b * T + (j - lens[b])];
               if (qpos - kpos >= win) continue;
             }
-            keys[bt * kv_len + n++] = ring > 0 ? j % ring : j;
+            keys[i * kv_len + n++] = ring > 0 ? j % ring : j;
           }
-          nkeys[bt] = n;
-        }
+          nkeys[i] = n;
+      }
     }
     const float* pending = nullptr;          // the MLP's output not yet added to the residual stream
     for (int64_t li : run) {
@@ -363,13 +381,13 @@ class Decoder {
       }
       {
         Span span(R_ROPE);
-        rope_and_store(qkv.data(), B, T, posp, cisc.data_ptr<float>() + L.opt.rope * P * D, L.opt, ring_of(rings, li),
-                       lens, ck, cv);
+        rope_and_store(qkv.data(), tok, T, posp, cisc.data_ptr<float>() + L.opt.rope * P * D, L.opt,
+                       ring_of(rings, li), lens, ck, cv);
       }
       {
         Span span(R_ATTN);
         const size_t k = kind_of[li];
-        attention(qkv.data(), B, T, scratch.wkeys[k].data(), scratch.wnkeys[k].data(), ck, cv, kv_len, L.opt.scale,
+        attention(qkv.data(), tok, T, scratch.wkeys[k].data(), scratch.wnkeys[k].data(), ck, cv, kv_len, L.opt.scale,
                   att.data());
       }
       {
@@ -399,6 +417,8 @@ class Decoder {
       Span span(R_RESID);
       for (int64_t i = 0; i < M * hid; ++i) xp[i] += pending[i];
     }
+    if (ragged)
+      for (int64_t i = 0; i < M; ++i) std::memcpy(full + tok[i] * hid, xp + i * hid, sizeof(float) * hid);
   }
 
   int64_t num_layers() const { return int64_t(layers.size()); }
@@ -448,19 +468,21 @@ class Decoder {
   }
 
   // with the layer's q/k norms, normalize each q and k head (a row of D); rotate each q and k head's pairs (2i, 2i+1)
-  // by the position's (cos, sin) in the table cis [P, D / 2, 2]; write k and v to the cache slots
-  void rope_and_store(float* qkv, int64_t B, int64_t T, const int64_t* pos, const float* cis, const LayerOptions& opt,
-                      int64_t ring, const std::vector<int64_t>& lens, torch::Tensor& ck, torch::Tensor& cv) {
+  // by the position's (cos, sin) in the table cis [P, D / 2, 2]; write k and v to the cache slots. qkv's row i is
+  // token tok[i] = b * T + t.
+  void rope_and_store(float* qkv, const std::vector<int64_t>& tok, int64_t T, const int64_t* pos, const float* cis,
+                      const LayerOptions& opt, int64_t ring, const std::vector<int64_t>& lens, torch::Tensor& ck,
+                      torch::Tensor& cv) {
     const float* qn = data_or_null(opt.q_norm);
     const float* kn = data_or_null(opt.k_norm);
     auto norm_heads = path > 0 ? add_norm_avx2 : add_norm_base;
     const int64_t width = (H + 2 * Hkv) * D, cap = ck.size(2);
     float* kp = ck.data_ptr<float>();
     float* vp = cv.data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < T; ++t) {
-        float* row = qkv + (b * T + t) * width;
-        const float* c = cis + pos[b * T + t] * D;
+    for (size_t i = 0; i < tok.size(); ++i) {
+        const int64_t b = tok[i] / T, t = tok[i] % T;
+        float* row = qkv + int64_t(i) * width;
+        const float* c = cis + pos[tok[i]] * D;
         if (qn) {
           norm_heads(row, nullptr, qn, 0, H, D, eps, row);                   // the H q heads, in place
           norm_heads(row + H * D, nullptr, kn, 0, Hkv, D, eps, row + H * D);   // the Hkv k heads
@@ -478,32 +500,34 @@ class Decoder {
           std::memcpy(kp + ((b * Hkv + g) * cap + slot) * D, row + (H + g) * D, sizeof(float) * D);
           std::memcpy(vp + ((b * Hkv + g) * cap + slot) * D, row + (H + Hkv + g) * D, sizeof(float) * D);
         }
-      }
+    }
   }
 
-  // softmax(q k^T * scale) v per (row, head, query) over the allowed keys in key order
-  void attention(const float* qkv, int64_t B, int64_t T, const int64_t* keys, const int64_t* nkeys,
-                 const torch::Tensor& ck, const torch::Tensor& cv, int64_t S, float scale, float* out) {
-    const int64_t width = (H + 2 * Hkv) * D, cap = ck.size(2), rep = H / Hkv;
+  // softmax(q k^T * scale) v per (token, head) over the allowed keys in key order; qkv's and out's row i, and
+  // keys' / nkeys', are token tok[i] = b * T + t's
+  void attention(const float* qkv, const std::vector<int64_t>& tok, int64_t T, const int64_t* keys,
+                 const int64_t* nkeys, const torch::Tensor& ck, const torch::Tensor& cv, int64_t S, float scale,
+                 float* out) {
+    const int64_t width = (H + 2 * Hkv) * D, cap = ck.size(2), rep = H / Hkv, M = int64_t(tok.size());
     const float* kp = ck.data_ptr<float>();
     const float* vp = cv.data_ptr<float>();
     const bool wide = path > 0;
-    const int64_t work = B * H * T * S * D;
-    // one item per (row, head, query): the queries of a block spread evenly over the threads
-    const int64_t items = B * H * T;
+    const int64_t work = M * H * S * D;
+    // one item per (head, token): the queries of a block spread evenly over the threads
+    const int64_t items = M * H;
     const int64_t grain = work > (1 << 18) ? std::max<int64_t>(1, items / (8 * int64_t(at::get_num_threads()))) : items;
     leaplm_pool::parallel_for(items, grain, [&](int64_t i0, int64_t i1) {
       static thread_local std::vector<float> scores;           // a query's softmax over its keys
       std::vector<float>& p = grown(scores, S);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / (H * T), hh = (i / T) % H, t = i % T, g = hh / rep;
+        const int64_t m = i % M, hh = i / M, b = tok[m] / T, g = hh / rep;   // a head's tokens side by side
         const float* kb = kp + (b * Hkv + g) * cap * D;
         const float* vb = vp + (b * Hkv + g) * cap * D;
-        const float* q = qkv + (b * T + t) * width + hh * D;
-        const int64_t* ks = keys + (b * T + t) * S;
-        float* dst = out + (b * T + t) * H * D + hh * D;
-        if (wide) attend_avx2(q, kb, vb, ks, nkeys[b * T + t], D, scale, p.data(), dst);
-        else attend_base(q, kb, vb, ks, nkeys[b * T + t], D, scale, p.data(), dst);
+        const float* q = qkv + m * width + hh * D;
+        const int64_t* ks = keys + m * S;
+        float* dst = out + m * H * D + hh * D;
+        if (wide) attend_avx2(q, kb, vb, ks, nkeys[m], D, scale, p.data(), dst);
+        else attend_base(q, kb, vb, ks, nkeys[m], D, scale, p.data(), dst);
       }
     });
   }

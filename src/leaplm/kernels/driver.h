@@ -129,9 +129,10 @@ W packed_view(const torch::Tensor& x, const torch::Tensor& qp, const torch::Tens
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
   const bool int4 = mp.has_value();
   const int64_t G = K / QK, NG = (N + RG - 1) / RG;
-  TORCH_CHECK(qp.is_contiguous() && qp.scalar_type() == torch::kUInt8 && qp.numel() == NG * G * (int4 ? 128 : 256),
-              "qp: packed uint8 [N/8, G, ", int4 ? 128 : 256, "]");
   const bool half = !int4 && sp.numel() == 2 * NG * G * RG;        // int6: a scale per half block
+  const int64_t width = int4 ? 128 : half ? 192 : 256;
+  TORCH_CHECK(qp.is_contiguous() && qp.scalar_type() == torch::kUInt8 && qp.numel() == NG * G * width,
+              "qp: packed uint8 [N/8, G, ", width, "]");
   const bool s16 = sp.scalar_type() == torch::kHalf;
   const bool factored = ss.has_value();                           // K-quants: int8 multiples of fp16 super scales
   const auto supers = [&](const torch::Tensor& t, const char* what) {

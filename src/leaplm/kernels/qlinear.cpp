@@ -97,7 +97,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_head", &Decoder::set_head)
       .def("forward", &Decoder::forward, nogil(), arg("x"), arg("B"), arg("T"), arg("cache_k"), arg("cache_v"),
            arg("lens"), arg("pos"), arg("mask"), arg("cis"), arg("run"), arg("kv_len"),
-           arg("rings") = std::vector<int64_t>())
+           arg("rings") = std::vector<int64_t>(), arg("widths") = std::vector<int64_t>())
       .def("logits", &Decoder::logits, nogil())
       .def("greedy_chain", &Decoder::greedy_chain, nogil())
       .def("num_layers", &Decoder::num_layers);

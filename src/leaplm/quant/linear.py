@@ -34,7 +34,8 @@ GROUP = 8                 # rows per packed group: one 8-lane vector holds the s
 class PackedWeight:
     """A QuantizedWeight's integers and scales in the kernel's row-group layout (kernels/qlinear.cpp): the same
     numbers, reordered so that 8 rows' 4 consecutive weights are 32 contiguous bytes."""
-    q: torch.Tensor              # uint8 [N8 / 8, G, 256] (int8, int6: the signed bytes) | [N8 / 8, G, 128] (int4)
+    q: torch.Tensor              # uint8 [N8 / 8, G, 256] (int8: the signed bytes) | [N8 / 8, G, 128] (int4) |
+                                 # [N8 / 8, G, 192] (int6: pack_int6's 6-bit layout)
     scale: torch.Tensor          # fp32 [N8 / 8, G, 8] | int6: [N8 / 8, G, 2 * 8] (the first half's 8, the second's);
                                  # fp16 where a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks hold them so (pack_gguf)
     minv: torch.Tensor | None    # [N8 / 8, G, 8] in scale's type for int4, None for int8; int4 with one element
@@ -59,16 +60,60 @@ class PackedWeight:
         return {} if self.ss is None else {"ss": self.ss, "ms": self.ms}
 
 
+def _words_to_groups(b: torch.Tensor, NG: int) -> torch.Tensor:
+    """[N8, G, chunks * 4] uint8 -> [NG, G, chunks * 8 * 4]: each 4-byte chunk of 8 rows side by side (moved as
+    4-byte words: the same bytes, a quarter of the elements for the strided copy)."""
+    N8, G, width = b.shape
+    chunks = width // 4
+    return (b.contiguous().view(torch.int32).reshape(NG, GROUP, G, chunks).permute(0, 2, 3, 1).contiguous()
+            .view(torch.uint8).reshape(NG, G, chunks * GROUP * 4))
+
+
+def _groups_to_words(q: torch.Tensor, rows: int) -> torch.Tensor:
+    """_words_to_groups' inverse, the padding rows dropped: [NG, G, width] -> [rows, G, width] uint8."""
+    NG, G, width = q.shape
+    chunks = width // (GROUP * 4)
+    return (q.contiguous().view(torch.int32).reshape(NG, G, chunks, GROUP).permute(0, 3, 1, 2).contiguous()
+            .view(torch.uint8).reshape(NG * GROUP, G, chunks * 4)[:rows])
+
+
+INT6_BLOCK_BYTES = 16 + 8         # one row's block of 32 six-bit weights: 16 nibble bytes, 8 bytes of 2-bit pairs
+
+
+def pack_int6(q: torch.Tensor, NG: int) -> torch.Tensor:
+    """int6 integers q int8 [N8, K] (-32..31, padding rows included) -> the kernel's 6-bit layout [NG, G, 192]:
+    u = q + 32 (0..63) split as
+      bytes   0..127  the low 4 bits, as int4's nibble chunks (byte e of a row's block: elements e and 16 + e)
+      bytes 128..191  the top 2 bits, [2 vectors h, 8 rows, 4 bytes i]: bits 2k, 2k + 1 of byte (h, r, i) belong
+                      to element 4 (4h + k) + i, so one shift and mask puts chunk 4h + k's top bits in place
+    24 bytes a row and block, as the file's Q6_K holds them (its 16-weight scales apart)."""
+    N8, K = q.shape
+    G = K // BLOCK
+    u = (q.to(torch.int16) + 32).to(torch.uint8).reshape(N8, G, BLOCK)            # [N8, G, 32]
+    low = (u[..., :16] & 0x0F) | ((u[..., 16:] & 0x0F) << 4)                        # [N8, G, 16]
+    top = ((u >> 4) & 3).reshape(N8, G, 2, 4, 4)                                    # [N8, G, h, k, i]
+    pairs = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)   # [N8, G, 2, 4]
+    return torch.cat([_words_to_groups(low, NG), _words_to_groups(pairs.reshape(N8, G, 8), NG)], dim=-1)
+
+
+def unpack_int6(q: torch.Tensor, rows: int) -> torch.Tensor:
+    """pack_int6's inverse: [NG, G, 192] -> int8 [rows, K] in -32..31."""
+    low = _groups_to_words(q[..., :128], rows)                                      # [rows, G, 16]
+    pairs = _groups_to_words(q[..., 128:], rows).reshape(rows, -1, 2, 1, 4)         # [rows, G, h, 1, i]
+    top = (pairs >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)) & 3   # [rows, G, h, k, i]
+    u = torch.cat([low & 0x0F, low >> 4], dim=-1) | (top.reshape(rows, -1, BLOCK) << 4)     # [rows, G, 32]
+    return (u.to(torch.int16) - 32).to(torch.int8).reshape(rows, -1)
+
+
 def pack(w: QuantizedWeight) -> PackedWeight:
     N, G = w.scale.shape[0], w.in_features // BLOCK
     NG = -(-N // GROUP)
     pad = NG * GROUP - N
     q = F.pad(w.q.view(torch.uint8), (0, 0, 0, pad))                   # [N8, K | K / 2]
-    chunks = BLOCK // 8 if w.fmt == "int4" else BLOCK // 4             # 4-byte chunks per block (int4: 2 weights a byte)
-    # [N8, G * chunks * 4] -> [NG, 8 rows, G, chunks, 4] -> [NG, G, chunks, 8 rows, 4]
-    # moved as 4-byte words (the same bytes; a quarter of the elements for the strided copy)
-    q = (q.contiguous().view(torch.int32).reshape(NG, GROUP, G, chunks).permute(0, 2, 3, 1).contiguous()
-         .view(torch.uint8).reshape(NG, G, chunks * GROUP * 4))
+    if w.fmt == "int6":
+        q = pack_int6(q.view(torch.int8), NG)                          # [NG, G, 192]
+    else:                                                              # [NG, G, chunks * 8 rows * 4]
+        q = _words_to_groups(q.reshape(NG * GROUP, G, -1), NG)
     # [N, G'] -> [NG, G', 8] (int6: G' = 2 G, so a block's two halves' 8 rows follow each other)
     lay = lambda t: F.pad(t, (0, 0, 0, pad)).reshape(NG, GROUP, -1).transpose(1, 2).contiguous()   # noqa: E731
     return PackedWeight(q, lay(w.scale.float()), None if w.minv is None else lay(w.minv.float()), N)
@@ -77,16 +122,15 @@ def pack(w: QuantizedWeight) -> PackedWeight:
 def unpack(p: PackedWeight) -> QuantizedWeight:
     """pack's inverse: the QuantizedWeight [rows, K] whose packing is p (the padding rows dropped)."""
     NG, G, width = p.q.shape
-    chunks = width // (GROUP * 4)
-    q = (p.q.view(torch.int32).reshape(NG, G, chunks, GROUP).permute(0, 3, 1, 2).contiguous()
-         .view(torch.uint8).reshape(NG * GROUP, G * chunks * 4)[:p.rows])            # [N, K | K / 2]
     lay = lambda t: t.float().transpose(1, 2).reshape(NG * GROUP, -1)[:p.rows].contiguous()  # noqa: E731  [N, G']
     scale, minv = p.scales()
+    if p.scale.shape[1] == 2 * G:                                                      # int6: a scale per 16
+        return QuantizedWeight("int6", unpack_int6(p.q, p.rows), lay(scale), None)
+    q = _groups_to_words(p.q, p.rows).reshape(p.rows, -1)                              # [N, K | K / 2]
     if minv is not None:
         minv = lay(scale) * minv if minv.numel() == 1 else lay(minv)                     # -8 s: exact in fp32
         return QuantizedWeight("int4", q.contiguous(), lay(scale), minv)
-    fmt = "int6" if p.scale.shape[1] == 2 * G else "int8"                             # int6: a scale per 16
-    return QuantizedWeight(fmt, q.view(torch.int8), lay(scale), None)
+    return QuantizedWeight("int8", q.view(torch.int8), lay(scale), None)
 
 
 def factor_k_scales(pk: PackedWeight, raw, ggml_type: str, K: int) -> PackedWeight:
