@@ -131,8 +131,8 @@ class LayerWeights:
 class LlamaForCausalLM(nn.Module):
     """Implements leaplm's CausalLM protocol (see models/base.py)."""
 
-    capabilities = ModelCapabilities(batch=True, trees=True, hidden_states=True, layer_subsets=True,
-                                     greedy_chain=True, argmax_head=True)
+    capabilities = ModelCapabilities(batch=True, ragged_rows=True, trees=True, hidden_states=True,
+                                     layer_subsets=True, greedy_chain=True, argmax_head=True)
 
     def __init__(self, a: LlamaArgs):
         super().__init__()
@@ -280,42 +280,55 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, *, tree_mask: torch.Tensor | None = None,
                 position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, row_tokens: Sequence[int] | None = None) -> torch.Tensor:
         """Logits [B, T, V] (or [B, 1, V] with last_only) for T new tokens per row after each row's cache.
 
         input_ids [B, T]; tree_mask [T, T] bool (node i sees node j) for a flattened tree, whose
-        position_offsets [T] are node depths; layers: the subset of layers to run (layer-skip drafting).
+        position_offsets [T] are node depths; layers: the subset of layers to run (layer-skip drafting);
+        row_tokens [B]: row b's first row_tokens[b] tokens are real, the rest padding (ModelCapabilities.ragged_rows:
+        the C++ layer loop and the output layer skip it; its logits are 0).
         Writes K/V at each row's [length, length + T) without moving the length (see KVCache).
         """
-        if self.one_call and tree_mask is None and position_offsets is None and layers is None:
+        if self.one_call and tree_mask is None and position_offsets is None and layers is None and row_tokens is None:
             run = self.one_call_forward()
             if run is not None:
                 return run(input_ids, cache, last_only)
         return self.forward_hidden(input_ids, cache, tree_mask=tree_mask, position_offsets=position_offsets,
-                                   layers=layers, last_only=last_only).logits
+                                   layers=layers, last_only=last_only, row_tokens=row_tokens).logits
 
     def forward_argmax(self, input_ids: torch.Tensor, cache: KVCache, *, tree_mask: torch.Tensor | None = None,
                        position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
-                       last_only: bool = False) -> torch.Tensor:
+                       last_only: bool = False, row_tokens: Sequence[int] | None = None) -> torch.Tensor:
         """forward()'s logits' argmax [B, T] long (ModelCapabilities.argmax_head): a quantized output layer
         reduces its rows in the kernel (quant/linear.QuantizedLinear.argmax), no [B, T, V] written."""
-        if self.one_call and tree_mask is None and position_offsets is None and layers is None:
+        if self.one_call and tree_mask is None and position_offsets is None and layers is None and row_tokens is None:
             return self.forward(input_ids, cache, last_only=last_only).argmax(-1)   # the one call's rounding
         return self.forward_hidden(input_ids, cache, tree_mask=tree_mask, position_offsets=position_offsets,
-                                   layers=layers, last_only=last_only, argmax=True).argmax
+                                   layers=layers, last_only=last_only, argmax=True, row_tokens=row_tokens).argmax
 
     def forward_hidden(self, input_ids: torch.Tensor, cache: KVCache, *, tree_mask: torch.Tensor | None = None,
                        position_offsets: torch.Tensor | None = None, layers: Sequence[int] | None = None,
-                       last_only: bool = False, hidden_all: bool = False, argmax: bool = False) -> "Scored":
+                       last_only: bool = False, hidden_all: bool = False, argmax: bool = False,
+                       row_tokens: Sequence[int] | None = None) -> "Scored":
         """forward(), also returning the last hidden state after the final norm (what EAGLE heads read).
         hidden_all: with last_only, the hidden state of every position [B, T, hid] (logits still [B, 1, V]).
-        argmax: Scored.argmax instead of the logits (forward_argmax)."""
+        argmax: Scored.argmax instead of the logits (forward_argmax). row_tokens: as forward's (a padding
+        position's hidden state is not its token's; its logits are 0, its argmax 0)."""
         if not torch.is_inference_mode_enabled():   # entering the mode costs more than a small layer
             with torch.inference_mode():
                 return self.forward_hidden(input_ids, cache, tree_mask=tree_mask,
                                            position_offsets=position_offsets, layers=layers, last_only=last_only,
-                                           hidden_all=hidden_all, argmax=argmax)
+                                           hidden_all=hidden_all, argmax=argmax, row_tokens=row_tokens)
         B, T = input_ids.shape
+        widths = None
+        if row_tokens is not None:
+            widths = [int(n) for n in row_tokens]
+            if len(widths) != B or any(not 0 <= n <= T for n in widths):
+                raise ValueError(f"row_tokens must be {B} counts in [0, {T}], got {widths}")
+            if last_only:
+                raise ValueError("row_tokens with last_only: a ragged row's last real token is not at T - 1")
+            if tree_mask is not None or all(n == T for n in widths):
+                widths = None
         if T > RING_BLOCK and any(getattr(cache, "rings", ())):
             return self._forward_in_chunks(input_ids, cache, tree_mask, position_offsets, layers, last_only, hidden_all)
         cache.check_room(T, B)
@@ -359,7 +372,7 @@ class LlamaForCausalLM(nn.Module):
         run = range(len(fast)) if layers is None else layers
         if fused is not None:
             x = fused(x, cache, pos, self._mask(lens, T, kv_len, tree_mask, pos, offs, input_ids.device, None), run,
-                      kv_len)
+                      kv_len, widths)
             run = ()
         for i in run:
             w = fast[i]
@@ -397,10 +410,19 @@ class LlamaForCausalLM(nn.Module):
         h = norm(x, self.norm.weight)                              # [B, T, hid]
         head = self.quantized.get("lm_head.weight", self.lm_head.weight)
         hs = h[:, -1:].contiguous() if last_only else h                              # [B, T | 1, hid]
+        real = None
+        if widths is not None:     # the output layer over the real positions alone: [n real, hid]
+            real = torch.tensor([b * T + t for b, n in enumerate(widths) for t in range(n)], dtype=torch.long)
+            hs = hs.reshape(B * T, -1).index_select(0, real)
         if argmax:             # a quantized head reduces each row in its kernel: no [B, T, V] logits written
             ids = F.linear(hs, head).argmax(-1) if isinstance(head, torch.Tensor) else head.argmax(hs)
+            if real is not None:
+                ids = ids.new_zeros(B * T).index_copy_(0, real, ids).view(B, T)
             return Scored(None, h, ids)                                              # argmax [B, T | 1]
-        return Scored(_linear(hs, head), h)                                          # logits [B, T | 1, V]
+        logits = _linear(hs, head)
+        if real is not None:
+            logits = logits.new_zeros(B * T, logits.shape[-1]).index_copy_(0, real, logits).view(B, T, -1)
+        return Scored(logits, h)                                                     # logits [B, T | 1, V]
 
     def _forward_in_chunks(self, input_ids, cache, tree_mask, position_offsets, layers, last_only, hidden_all):
         """A chain longer than RING_BLOCK over a cache with ring layers (cache/kv_cache.py): chunks of at most

@@ -60,15 +60,17 @@ class FusedLayers:
     cis: torch.Tensor            # [P, head_dim / 2, 2] fp32: (cos, sin) per position and pair ([R, P, ...]: R tables)
 
     def __call__(self, x: torch.Tensor, cache, pos: torch.Tensor, mask: torch.Tensor | None, layers,
-                 kv_len: int) -> torch.Tensor:
-        """x [B, T, hid] -> [B, T, hid] after `layers` (indices, in order); K/V written at each row's length."""
+                 kv_len: int, widths: list[int] | None = None) -> torch.Tensor:
+        """x [B, T, hid] -> [B, T, hid] after `layers` (indices, in order); K/V written at each row's length.
+        widths [B]: row b's first widths[b] tokens alone are computed and cached (the rest pass through as given)."""
         B, T, hid = x.shape
         m = torch.empty(0, dtype=torch.bool) if mask is None else mask.reshape(B, T, kv_len)
         run = list(layers)
         if faults.PLAN and faults.at("kernel", int(pos.max())):
             run.insert(len(run) // 2, -1)        # the loop's own layer check throws there (faults.py)
         y = self.decoder.forward(x.reshape(B * T, hid).contiguous(), B, T, cache.k, cache.v, cache.lengths[:B],
-                                 pos.expand(B, T).contiguous(), m, self.cis, run, kv_len, getattr(cache, "rings", []))
+                                 pos.expand(B, T).contiguous(), m, self.cis, run, kv_len, getattr(cache, "rings", []),
+                                 widths or [])
         return y.view(B, T, hid)
 
 
