@@ -132,6 +132,38 @@ def test_a_current_roofline_row_gives_the_drafted_share_the_mean_block_and_its_h
     assert abs(projected_speedup(c, o)[0] / projected_speedup(c, t)[0] - 1) > 0.3
 
 
+def test_counted_blocks_are_priced_each_on_the_curve_not_at_their_mean(tmp_path):
+    # half the drafting steps verify 2 tokens, half 8: the mean block is 5 (r = 1.8), but the steps cost
+    # (r(2) + r(8)) / 2 = (1.2 + 2.4) / 2 = 1.8 only on a straight curve; here r is not straight between 2 and 8
+    row = method("suffix k=4", 6.0, tau=2.0, k=4, score_ms=5.0)
+    row.update(drafting=1.0, block=5.0, blocks={"2": 10, "8": 10})
+    p = roofline(tmp_path / "r.json", [method("none", 11.0, score_ms=10.0), row])
+    (t,) = load_traces(p)
+    assert t.blocks == {2: 10, 8: 10}
+    c = load_curve(p)
+    assert t.block_cost(c) == pytest.approx((1.2 + 2.4) / 2)
+    assert c.at(5) == pytest.approx(1.6 + 0.25 * 0.8)
+    assert projected_speedup(c, t)[1] == pytest.approx(1.8)
+    # a curve bent at 4 (a cheap 8-token block): the counts and the mean disagree, and the counts are what ran
+    bent = CostCurve("m", "bent", (1, 2, 4, 8), (1.0, 1.2, 1.6, 1.7), 10.0, 1.0)
+    assert t.block_cost(bent) == pytest.approx((1.2 + 1.7) / 2)
+    assert bent.at(5) == pytest.approx(1.625)
+    assert projected_speedup(bent, t)[1] != pytest.approx(projected_speedup(bent, Trace("s", "w", 2.0, 5.0))[1])
+
+
+def test_block_counts_come_from_the_requests_drafted_positions():
+    from leaplm.bench.roofline import block_counts
+    from leaplm.engine.stats import GenerationStats
+
+    a, b = GenerationStats("suffix", 4), GenerationStats("suffix", 4)
+    for d in (4, 4, 1, 0):
+        a.record_step(d, 0, 1)
+    for d in (2, 6):
+        b.record_step(d, 0, 1)
+    assert block_counts([a, b]) == {"5": 2, "2": 1, "3": 1, "7": 1}
+    assert block_counts([GenerationStats("none", 0)]) == {}
+
+
 def test_the_check_passes_on_a_run_the_formula_describes(tmp_path):
     p = consistent_run(tmp_path)
     rep = project([load_curve(p)], load_traces(p), tolerance=0.10)

@@ -14,8 +14,11 @@ with o' the host work of the method's own step (o where the run did not split it
 
 where f is the share of steps that drafted at all: a copying proposer (ngram, suffix) with nothing to copy drafts
 no token and its step is a one-token forward. A roofline row gives f (drafting steps / forwards), the mean block T of
-a drafting step (1 + drafted tokens / drafting steps: adaptive K drafts fewer than K) and the host time o of the
-method's own step (its ms per token beside score and propose, times tau); a bench JSON gives totals only: a step
+a drafting step (1 + drafted tokens / drafting steps: adaptive K drafts fewer than K), the drafting steps' counts by
+block size, and the host time o of the method's own step (its ms per token beside score and propose, times tau).
+With the counts, r(T) is the mean of r over the drafting steps' own blocks rather than r at their mean block: a
+block-cost curve is neither straight nor smooth (the kernel's token tiles make 8 tokens cheaper than 7), so a method
+whose blocks vary (a suffix tree of 2 nodes here, 9 there) costs what its blocks cost, not what their mean would; a bench JSON gives totals only: a step
 that drafts is taken to draft K (T = K + 1), f = drafted tokens / (forwards x K), at most 1, o plain decoding's.
 
 The curve comes from `leaplm bench --roofline` on the target (a synthetic file of the shape: models/synth.py):
@@ -76,6 +79,14 @@ class Trace:
                                             # score times say (roofline rows): what the curve should give
     host_ms: float | None = None            # o of a step of this method (verify, commit, the K choice), when the
                                             # run split it out; None: plain decoding's
+    blocks: dict[int, int] | None = None    # drafting steps by block size T (roofline rows that count them)
+
+    def block_cost(self, curve: "CostCurve") -> float:
+        """r of a drafting step on `curve`: the mean over the counted blocks, else r at the mean block."""
+        if not self.blocks:
+            return curve.at(self.block)
+        n = sum(self.blocks.values())
+        return sum(c * curve.at(t) for t, c in self.blocks.items()) / n
 
 
 @dataclass
@@ -116,7 +127,7 @@ class ProjectionReport:
 def projected_speedup(curve: CostCurve, trace: Trace, propose_ms: float | None = None) -> tuple[float, float]:
     """(speedup, cost ratio of a step f r(T) + 1 - f) of one trace on one curve; see the module docstring."""
     p = trace.propose_ms if propose_ms is None else propose_ms
-    r = trace.drafting * curve.at(trace.block) + 1 - trace.drafting
+    r = trace.drafting * trace.block_cost(curve) + 1 - trace.drafting
     c1, o = curve.one_ms, curve.host_ms
     o_step = o if trace.host_ms is None else trace.host_ms
     return trace.tau * (c1 + o) / (c1 * r + p * trace.tau + o_step), r
@@ -189,9 +200,11 @@ def load_traces(path: str | Path) -> list[Trace]:
             # step (a step emits tau tokens); older ones only K (f = 1, T = K + 1, plain decoding's host time)
             host = (float(m["ms_per_token"]) - float(m["score_ms"]) - float(m.get("propose_ms", 0.0))) * tau \
                 if "drafting" in m else None
+            blocks = {int(t): int(c) for t, c in (m.get("blocks") or {}).items()} or None
             out.append(Trace(m["config"], "roofline", tau, float(m.get("block") or 1.0 + k),
                              drafting=float(m.get("drafting", 1.0)), propose_ms=float(m.get("propose_ms", 0.0)),
-                             measured_speedup=measured, source=src, decode_ratio=ratio, host_ms=host))
+                             measured_speedup=measured, source=src, decode_ratio=ratio, host_ms=host,
+                             blocks=blocks))
         return out
     if "samples" not in d or "summaries" not in d:
         raise ConfigError("traces", f"{path}: neither a roofline JSON (methods) nor a bench JSON (samples)")

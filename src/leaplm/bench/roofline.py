@@ -48,6 +48,8 @@ class MethodCost:
     adaptive_k: bool = False    # whether the K policy chose K per step (then fewer than k were often verified)
     drafting: float = 0.0       # share of target forwards that verified a draft (the rest scored one token)
     block: float = 1.0          # mean tokens in a forward that verified a draft: 1 + drafted tokens per such step
+    blocks: dict[str, int] = field(default_factory=dict)   # drafting steps by their block T ("5": 1 + 4 drafts),
+                                                           # so a projection can price each block size on the curve
 
 
 @dataclass
@@ -197,8 +199,17 @@ def method_costs(engines: dict, prompts: list[str], max_new_tokens: int, rounds:
         out.append(MethodCost(name, round(ms, 3), round(prop, 3), round(score, 3), round(ver, 3), round(com, 3),
                               round(max(0.0, ms - prop - score - ver - com), 3), round(tau, 3),
                               round(ms / floor_ms, 3), k, bool(k and spec.adaptive_k), round(steps / fwd, 4),
-                              round(1 + drafted / steps, 3) if steps else 1.0))
+                              round(1 + drafted / steps, 3) if steps else 1.0, block_counts(stats)))
     return out
+
+
+def block_counts(stats) -> dict[str, int]:
+    """Drafting steps by block size T = 1 + drafted tokens, from the requests' drafted_by_position (position i was
+    proposed by every step that drafted more than i tokens, so the steps that drafted exactly d are
+    count[d - 1] - count[d])."""
+    n = max((len(s.drafted_by_position) for s in stats), default=0)
+    by = [sum(s.drafted_by_position[i] for s in stats if i < len(s.drafted_by_position)) for i in range(n)] + [0]
+    return {str(d + 1): by[d - 1] - by[d] for d in range(1, n + 1) if by[d - 1] - by[d]}
 
 
 @dataclass
