@@ -13,7 +13,10 @@ A phase starts once the fourth client has taken up its new part (its request of 
 ends when `requests` ordinary requests that started in it have finished, and, in an attack phase, the fourth client
 has sent every hostile body at least once. Only requests sent and answered inside a phase count for it.
 
-SPEC.json: {"url", "api_key", "model", "clients", "rounds", "requests", "warmup" (default true), "ordinary":
+With "seconds" in the spec, rounds go on past "rounds" until that many seconds have passed since the first counted
+round began (a soak); a round, once begun, is finished.
+
+SPEC.json: {"url", "api_key", "model", "clients", "rounds", "seconds" (default 0), "requests", "warmup" (default true), "ordinary":
 [request body, ...], "hostile": [[name, JSON text of the body], ...], "control": JSON text of a body}. Prints one JSON object:
 {"phases": [{"round", "kind", "latency_s": [...], "texts": [[prompt, text], ...], "fourth": [[name, status,
 error param, error code, seconds], ...]}]}."""
@@ -86,27 +89,33 @@ async def run(spec: dict, mode, phase, taken, done) -> list[dict]:
         clients = [asyncio.create_task(ordinary_client(h, spec["ordinary"], c, log, stop))
                    for c in range(spec["clients"])]
         order = list(KINDS)
-        for r in range(-1 if spec.get("warmup", True) else 0, spec["rounds"]):   # -1: first uses (caches)
+        r = -1 if spec.get("warmup", True) else 0      # -1: first uses (caches)
+        began = None
+        while r < spec["rounds"] or time.monotonic() - began < spec.get("seconds", 0):
+            if r == 0:
+                began = time.monotonic()
             for kind in order if r % 2 == 0 else order[::-1]:
                 with mode.get_lock():
                     mode.value, phase.value = KINDS[kind], len(phases)
                 while taken.value != len(phases):      # the fourth client's request of the last phase answered
                     await asyncio.sleep(0.002)
                 start = time.monotonic()
+                base = len(log)    # what was answered before the phase began: never counted in it (a soak's log is long)
                 while True:
                     await asyncio.sleep(0.01)
                     if any(c.done() for c in clients):
                         break
-                    counted = sum(1 for t0, *_ in log if t0 >= start)
+                    counted = sum(1 for t0, *_ in log[base:] if t0 >= start)
                     if counted >= spec["requests"] + spec["clients"] and (kind != "attack" or done.value >= n_hostile):
                         break
                 end = time.monotonic()
-                mine = [x for x in log if x[0] >= start and x[1] <= end]
+                mine = [x for x in log[base:] if x[0] >= start and x[1] <= end]
                 phases.append({"round": r, "kind": kind, "latency_s": [t1 - t0 for t0, t1, *_ in mine],
                                "texts": [[p, t] for *_, p, t in mine], "fourth": []})
                 for c in clients:
                     if c.done():
                         c.result()                     # an ordinary request failed: raise it
+            r += 1
         mode.value = STOP
         stop.set()
         await asyncio.gather(*clients)

@@ -8,11 +8,12 @@ runs a grammar copies the matcher the request's preparation built, so no engine 
 MEMORY_MB of resident-memory growth for the whole attack. Ordinary greedy requests running meanwhile keep their
 answers (each equal to its run alone). Their latency is measured by a client in a process of its own
 (attack_load.py) in interleaved rounds of three phases: calm, under attack, and a control where ordinary requests
-take the attack's place; the `soak` variant, 5 rounds of 300 ordinary requests a phase against `leaplm serve` in
-its own process, holds the median over rounds of attack p99 / calm p99 within RATIO (2x)."""
+take the attack's place; the `soak` variant, rounds of 300 ordinary requests a phase for SOAK_SECONDS (at least 5
+rounds) against `leaplm serve` in its own process, holds the median over rounds of attack p99 / calm p99 within RATIO (2x)."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -81,19 +82,20 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _attack(server, want, figures, rounds: int, requests: int, tmp_path, warmup: bool = True) -> list[float]:
+def _attack(server, want, figures, rounds: int, requests: int, tmp_path, warmup: bool = True,
+            seconds: float = 0.0) -> list[float]:
     """Rounds of three phases, calm / hostile-grammar attack / control (attack_load.py, in a process of its own):
     3 clients of ordinary greedy requests throughout, a fourth client idle, sending every attack in turn, or sending
     ordinary requests of the attack's shape; `requests` ordinary requests measured per phase. Checks every attack's
     status, field and budget and every ordinary answer (want(prompt) -> its text alone); returns each round's
-    attack p99 / calm p99 of the ordinary requests' latency."""
-    spec = {"url": server.url, "api_key": API_KEY, "model": MODEL, "clients": 3, "rounds": rounds,
+    attack p99 / calm p99 of the ordinary requests' latency. seconds: rounds go on until that long has passed."""
+    spec = {"url": server.url, "api_key": API_KEY, "model": MODEL, "clients": 3, "rounds": rounds, "seconds": seconds,
             "requests": requests, "warmup": warmup, "ordinary": ORDINARY, "control": json.dumps(_body({})),
             "hostile": [[name, _text(f)] for name, (f, _, _) in ATTACKS.items()]}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     rss0 = server.metric("process_resident_memory_bytes")
     out = subprocess.run([sys.executable, str(LOAD), str(tmp_path / "spec.json")], capture_output=True, text=True,
-                         timeout=1800)
+                         timeout=1800 + 2 * seconds)
     assert out.returncode == 0, out.stderr[-3000:]
     rss_mb = (server.metric("process_resident_memory_bytes") - rss0) / 2**20
     phases = json.loads(out.stdout)["phases"]
@@ -113,7 +115,7 @@ def _attack(server, want, figures, rounds: int, requests: int, tmp_path, warmup:
     lat = {k: [[1000 * x for x in p["latency_s"]] for p in measured if p["kind"] == k]
            for k in ("calm", "attack", "control")}
     ratios = {k: [_pct(a, 0.99) / _pct(c, 0.99) for a, c in zip(lat[k], lat["calm"])] for k in ("attack", "control")}
-    figures.update(rounds=rounds, ordinary_per_phase=min(len(x) for v in lat.values() for x in v),
+    figures.update(rounds=len(lat["calm"]), seconds=seconds, ordinary_per_phase=min(len(x) for v in lat.values() for x in v),
                    hostile=len(sent), refused_400=sum(c == 400 for _, c, *_ in sent),
                    slowest_hostile_s=max(t for *_, t in sent), rss_growth_mb=rss_mb,
                    **{f"p99_{k}_ms": statistics.median(_pct(x, 0.99) for x in v) for k, v in lat.items()},
@@ -137,12 +139,13 @@ def test_hostile_grammars_run_within_budget_beside_ordinary_requests(server, ref
 @pytest.mark.slow
 @pytest.mark.soak
 def test_hostile_grammar_attack_keeps_ordinary_p99_within_2x(tiny_pair, reference, figures, tmp_path):
-    """`leaplm serve` in its own process, 5 rounds of 300 ordinary requests a phase: the median over rounds of
-    attack p99 / calm p99 is at most RATIO."""
+    """`leaplm serve` in its own process, rounds of 300 ordinary requests a phase for SOAK_SECONDS (at least 5
+    rounds): the median over rounds of attack p99 / calm p99 is at most RATIO."""
     srv = ServerProcess(*tiny_pair, "--max-batch", "4", "--max-queue", "16", "--k", "4")
     try:
         srv.wait_ready()
-        ratios = _attack(srv, _alone(reference), figures, rounds=5, requests=300, tmp_path=tmp_path)
+        ratios = _attack(srv, _alone(reference), figures, rounds=5, requests=300, tmp_path=tmp_path,
+                         seconds=float(os.environ.get("SOAK_SECONDS", "300")))
     finally:
         srv.stop()
     assert statistics.median(ratios) <= RATIO, ratios
