@@ -1,7 +1,7 @@
 // Activation quantization: x [T, K] fp32 row-major (T <= 32 tokens) -> int8 per token and per block of 32 along
 // K (round half to even, scale a = amax / 127), with the per-block sums the block products need. Writes Act:
 //   token-major  qa [T, K] int8, a [T, G] fp32, sa [T, G] = a * sum(qa), sq [T, G] int32, sq16 [T, G] int32
-//   block-major  qab [G, T, 32] int8, ab [G, T], sqb [G, T]: the copy the AVX-512 pairs of row groups and the AMX
+//   block-major  qab [G, T, 32] int8, ab [G, T], sqb [G, T], sqb16 [G, T]: the copy the AVX-512 pairs of row groups and the AMX
 //                tiles read (a block's tokens at fixed offsets from one pointer; an AMX A tile is [tokens, 32])
 #pragma once
 
@@ -12,7 +12,7 @@ namespace {
 
 // The activations of one call, quantized: qa [T, K] int8; a, sa [T, G] fp32 (sa = a * sum of the block's qa);
 // sq [T, G] int32 (sum of the block's qa); sq16 [T, G] int32 (sum of its first 16 qa).
-// The AVX-512 path reads the same values block-major (qab [G, T, 32], ab [G, T], sqb [G, T]): the tokens of one
+// The AVX-512 path reads the same values block-major (qab [G, T, 32], ab [G, T], sqb, sqb16 [G, T]): the tokens of one
 // block at fixed offsets from one pointer.
 struct Act {
   std::vector<int8_t> qa;
@@ -20,7 +20,7 @@ struct Act {
   std::vector<int32_t> sq, sq16;
   std::vector<int8_t> qab;
   std::vector<float> ab;
-  std::vector<int32_t> sqb;
+  std::vector<int32_t> sqb, sqb16;
   int T;
   int64_t K;
   int G;
@@ -39,6 +39,7 @@ inline void size_act(Act& out, int T, int64_t K, bool both) {
     out.qab.resize(size_t(T) * K);
     out.ab.resize(size_t(T) * G);
     out.sqb.resize(size_t(T) * G);
+    out.sqb16.resize(size_t(T) * G);
   }
 }
 
@@ -136,6 +137,7 @@ __attribute__((target("avx2,f16c"))) void quantize_act_simd(const float* x, int 
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qab.data() + (size_t(g) * T + t) * QK), b);
         out.ab[g * T + t] = a;
         out.sqb[g * T + t] = s;
+        out.sqb16[g * T + t] = h;
       }
     }
 }

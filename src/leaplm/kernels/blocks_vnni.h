@@ -1,5 +1,5 @@
 // Block products with AVX-512 VNNI's u8 x s8 dot product (vpdpbusd):
-//   one row group   8 lanes, as blocks_avx2.h (group_vnni, group_vnni_half), for T < PAIR_MIN_T and int6
+//   one row group   8 lanes, as blocks_avx2.h (group_vnni, group_vnni_half), for T < PAIR_MIN_T
 //   pairs of groups 16 lanes (pair_vnni): lane r of the low half is row 8 grp + r, of the high half row
 //                   8 (grp + 1) + r; block g of grp + 1 sits G * block bytes after grp's; scales 16 from load_scale16;
 //                   tokens read block-major (activations.h: qab [G, T, 32], ab, sqb [G, T]), TT <= PAIR_TMAX a tile
@@ -186,9 +186,72 @@ void pair_vnni(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, 
   }
 }
 
+// int6 blocks of row groups grp (at lo) and grp + 1 (at hi) as 8 vectors of the integers + 128, as load_block
+// unpacks one group's (the low nibbles' chunks, then the top 2 bits moved to bits 4, 5; u6 + 96 = q + 128)
+__attribute__((target("avx2,avx512f,avx512bw,avx512dq,avx512vl,f16c")))
+LEAPLM_INLINE void load_pair6(const uint8_t* lo, const uint8_t* hi, __m512i* u) {
+  const __m512i nib = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30), k96 = _mm512_set1_epi8(96);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = both_halves(lo, hi, 32 * c);
+    u[c] = _mm512_and_si512(v, nib);
+    u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  }
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = both_halves(lo, hi, 128 + 32 * h);
+    const __m512i t[4] = {_mm512_slli_epi16(v, 4), _mm512_slli_epi16(v, 2), v, _mm512_srli_epi16(v, 2)};
+    for (int k = 0; k < 4; ++k)
+      u[4 * h + k] = _mm512_add_epi8(_mm512_or_si512(u[4 * h + k], _mm512_and_si512(t[k], top)), k96);
+  }
+}
+
+// pair_vnni for int6: each half block's product (chunks 0 .. 3, then 4 .. 7) corrected by 128 times its own sum of
+// qa and added with its own scale, the low half first, as group_vnni_half does one group's: the same bits.
+template <int TT>
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
+void pair_vnni_half(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* acc_lo, float* acc_hi) {
+  const int G = w.G, T = act.T;
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t)
+    acc[t] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_load_ps(acc_lo + 8 * t)),
+                                _mm256_load_ps(acc_hi + 8 * t), 1);
+  const int64_t bb = w.block_bytes(), sn = int64_t(G) * 2 * RG;     // the next group's block and scales
+  for (int g = ga; g < gb; ++g) {
+    const uint8_t* lo = w.q + (grp * G + g) * bb;
+    const uint8_t* hi = lo + int64_t(G) * bb;
+    const int64_t si = (grp * G + g) * 2 * RG;
+    prefetch_ahead(w, (grp * G + g) * bb, si);
+    prefetch_ahead(w, ((grp + 1) * G + g) * bb, si + sn);
+    __m512i u[8];
+    load_pair6(lo, hi, u);
+    const __m512 slo = load_scale16(w, si, sn), shi = load_scale16(w, si + RG, sn);
+    const int8_t* qb = act.qab.data() + (int64_t(g) * T + t0) * QK;   // token t's block at qb + 32 t
+    const float* ag = act.ab.data() + int64_t(g) * T + t0;
+    const int32_t* sg = act.sqb.data() + int64_t(g) * T + t0;
+    const int32_t* s16 = act.sqb16.data() + int64_t(g) * T + t0;
+    for (int t = 0; t < TT; ++t) {
+      const int8_t* q = qb + QK * t;
+      __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        a = dpbusd_bcast(a, u[c], q + 4 * c);
+        b = dpbusd_bcast(b, u[c + 4], q + 16 + 4 * c);
+      }
+      a = _mm512_sub_epi32(a, _mm512_set1_epi32(128 * s16[t]));
+      b = _mm512_sub_epi32(b, _mm512_set1_epi32(128 * (sg[t] - s16[t])));
+      const __m512 av = _mm512_set1_ps(ag[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(slo, av), acc[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), _mm512_mul_ps(shi, av), acc[t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    _mm256_store_ps(acc_lo + 8 * t, _mm512_castps512_ps256(acc[t]));
+    _mm256_store_ps(acc_hi + 8 * t, _mm512_extractf32x8_ps(acc[t], 1));
+  }
+}
+
 template <int TT>
 inline void pair_tile(const W& w, const Act& act, int64_t grp, int t0, int ga, int gb, float* lo, float* hi) {
-  if (w.int4) pair_vnni<TT, true>(w, act, grp, t0, ga, gb, lo, hi);
+  if (w.half) pair_vnni_half<TT>(w, act, grp, t0, ga, gb, lo, hi);
+  else if (w.int4) pair_vnni<TT, true>(w, act, grp, t0, ga, gb, lo, hi);
   else pair_vnni<TT, false>(w, act, grp, t0, ga, gb, lo, hi);
 }
 
@@ -200,7 +263,7 @@ inline void pair_tail(int rem, const W& w, const Act& act, int64_t grp, int t0, 
   }
 }
 
-// Row groups grp and grp + 1 (int8 and int4 formats) as group_simd<true> computes each.
+// Row groups grp and grp + 1 (every format) as group_simd<true> computes each.
 void pair_simd(const W& w, const Act& act, int64_t grp, float* y) {
   constexpr int TMAX = PAIR_TMAX;
   alignas(32) float lo[MAX_T * 8], hi[MAX_T * 8];

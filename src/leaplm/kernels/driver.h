@@ -82,7 +82,7 @@ void run_groups(const W& w, const Act& act, int path, int64_t g0, int64_t g1, fl
 #endif
   for (int64_t grp = g0; grp < g1; ++grp) {
 #if defined(__x86_64__)
-    if (path >= AVX512VNNI && !w.half && act.T >= PAIR_MIN_T && grp + 1 < g1) { pair_simd(w, act, grp++, y); continue; }
+    if (path >= AVX512VNNI && act.T >= PAIR_MIN_T && grp + 1 < g1) { pair_simd(w, act, grp++, y); continue; }
     if (path >= AVX512VNNI) { group_simd<true>(w, act, grp, y); continue; }
     if (path == AVX2) { group_simd<false>(w, act, grp, y); continue; }
 #endif
