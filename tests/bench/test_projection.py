@@ -151,6 +151,38 @@ def test_counted_blocks_are_priced_each_on_the_curve_not_at_their_mean(tmp_path)
     assert projected_speedup(bent, t)[1] != pytest.approx(projected_speedup(bent, Trace("s", "w", 2.0, 5.0))[1])
 
 
+def test_run_totals_stand_in_for_the_per_request_medians(tmp_path):
+    # the medians say plain 11 ms (10 scoring) and the method 6 ms (5 scoring); the run totals, the footing of tau,
+    # say plain 12 (10.8) and the method 5 (4): the curve's c1 and o, the measured speedup and the step's cost
+    # ratio all come from the totals
+    plain = method("none", 11.0, score_ms=10.0)
+    plain["totals"] = {"ms_per_token": 12.0, "propose_ms": 0.0, "score_ms": 10.8}
+    row = method("suffix k=4", 6.0, tau=2.0, k=4, score_ms=5.0)
+    row.update(drafting=1.0, block=5.0, totals={"ms_per_token": 5.0, "propose_ms": 0.2, "score_ms": 4.0})
+    p = roofline(tmp_path / "r.json", [plain, row])
+    c = load_curve(p)
+    assert (c.one_ms, c.host_ms) == (10.8, pytest.approx(1.2))
+    (t,) = load_traces(p)
+    assert t.measured_speedup == pytest.approx(12.0 / 5.0)
+    assert t.decode_ratio == pytest.approx(4.0 * 2.0 / 10.8)
+    assert (t.propose_ms, t.host_ms) == (0.2, pytest.approx((5.0 - 4.0 - 0.2) * 2.0))
+    # control: the same rows without totals read their medians
+    for m in (plain, row):
+        del m["totals"]
+    (o,) = load_traces(roofline(tmp_path / "m.json", [plain, row]))
+    assert o.measured_speedup == pytest.approx(11.0 / 6.0)
+
+
+def test_run_totals_are_sums_over_the_requests():
+    from leaplm.bench.roofline import run_totals
+    from leaplm.engine.stats import GenerationStats
+
+    a, b = GenerationStats("suffix", 4), GenerationStats("suffix", 4)
+    a.new_tokens, a.decode_s, a.score_s, a.propose_s = 100, 0.2, 0.15, 0.01      # 2 ms a token
+    b.new_tokens, b.decode_s, b.score_s, b.propose_s = 300, 0.3, 0.24, 0.03      # 1 ms a token
+    assert run_totals([a, b]) == {"ms_per_token": 1.25, "propose_ms": 0.1, "score_ms": 0.975}
+
+
 def test_block_counts_come_from_the_requests_drafted_positions():
     from leaplm.bench.roofline import block_counts
     from leaplm.engine.stats import GenerationStats

@@ -16,6 +16,8 @@ where f is the share of steps that drafted at all: a copying proposer (ngram, su
 no token and its step is a one-token forward. A roofline row gives f (drafting steps / forwards), the mean block T of
 a drafting step (1 + drafted tokens / drafting steps: adaptive K drafts fewer than K), the drafting steps' counts by
 block size, and the host time o of the method's own step (its ms per token beside score and propose, times tau).
+A row's times are its run totals (ms over all its requests' tokens) where it has them, the footing of tau, itself a
+ratio of sums; its per-request medians otherwise.
 With the counts, r(T) is the mean of r over the drafting steps' own blocks rather than r at their mean block: a
 block-cost curve is neither straight nor smooth (the kernel's token tiles make 8 tokens cheaper than 7), so a method
 whose blocks vary (a suffix tree of 2 nodes here, 9 there) costs what its blocks cost, not what their mean would; a bench JSON gives totals only: a step
@@ -145,7 +147,15 @@ def _load(path: str | Path, field_name: str) -> dict:
 
 
 def _plain_row(d: dict) -> dict | None:
-    return next((m for m in d.get("methods", []) if m.get("config") == "none"), None)
+    return _footed(next((m for m in d.get("methods", []) if m.get("config") == "none"), None))
+
+
+def _footed(m: dict | None) -> dict | None:
+    """A roofline method row with its run totals (ms over the run's tokens: roofline.run_totals) in place of its
+    per-request medians where it has them, so its times stand on the footing of its mean accepted length."""
+    if m is None or not m.get("totals"):
+        return m
+    return {**m, **m["totals"]}
 
 
 def load_curve(path: str | Path, which: str = "forwards") -> CostCurve:
@@ -188,7 +198,7 @@ def load_traces(path: str | Path) -> list[Trace]:
     if "methods" in d:
         plain = _plain_row(d)
         out = []
-        for m in d["methods"]:
+        for m in map(_footed, d["methods"]):
             k = m.get("k") or _k_of(m["config"], 0)
             if m["config"] == "none" or not k:
                 continue

@@ -50,6 +50,8 @@ class MethodCost:
     block: float = 1.0          # mean tokens in a forward that verified a draft: 1 + drafted tokens per such step
     blocks: dict[str, int] = field(default_factory=dict)   # drafting steps by their block T ("5": 1 + 4 drafts),
                                                            # so a projection can price each block size on the curve
+    totals: dict[str, float] = field(default_factory=dict)  # ms_per_token, propose_ms, score_ms over the run's
+                                                            # tokens (sums, not medians): the footing of its tau
 
 
 @dataclass
@@ -199,8 +201,19 @@ def method_costs(engines: dict, prompts: list[str], max_new_tokens: int, rounds:
         out.append(MethodCost(name, round(ms, 3), round(prop, 3), round(score, 3), round(ver, 3), round(com, 3),
                               round(max(0.0, ms - prop - score - ver - com), 3), round(tau, 3),
                               round(ms / floor_ms, 3), k, bool(k and spec.adaptive_k), round(steps / fwd, 4),
-                              round(1 + drafted / steps, 3) if steps else 1.0, block_counts(stats)))
+                              round(1 + drafted / steps, 3) if steps else 1.0, block_counts(stats),
+                              run_totals(stats)))
     return out
+
+
+def run_totals(stats) -> dict[str, float]:
+    """Decode, propose and score ms per generated token over all of a configuration's requests (their sums): what
+    the mean accepted length (also a ratio of sums) goes with. The medians of per-request figures beside it mix two
+    averages, which disagree for a method whose acceptance varies by request (suffix on copied text and on code)."""
+    new = max(1, sum(s.new_tokens for s in stats))
+    per = lambda f: round(sum(f(s) for s in stats) / new * 1e3, 4)     # noqa: E731
+    return {"ms_per_token": per(lambda s: s.decode_s), "propose_ms": per(lambda s: s.propose_s),
+            "score_ms": per(lambda s: s.score_s)}
 
 
 def block_counts(stats) -> dict[str, int]:
