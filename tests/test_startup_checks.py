@@ -1,7 +1,7 @@
 """Start-up on a tiny GGUF file: a second start reads every check from the start-up cache (no timing of the
 engines, no calibration, no packing of the file's blocks) and produces the same tokens; a file with more layers
-than the timing takes is timed on its first layers alone, on both engines (libllama on a copy of the file cut to
-them); the cut file holds exactly those layers."""
+than the timing takes is timed on two subsets of its layers, on both engines (libllama on copies of the file cut
+to them), and its whole forward estimated from the two; a cut file holds exactly the layers asked."""
 from __future__ import annotations
 
 import sys
@@ -27,6 +27,12 @@ def _own_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("LEAPLM_NO_PACKED_CACHE", raising=False)
     monkeypatch.delenv("LEAPLM_RECALIBRATE", raising=False)
     gguf_mod._tokenizers.clear()
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """A 4-layer Q8_0 file."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("deep_q8"), "Q8_0", seed=4, layers=4)[0]
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +65,45 @@ def test_the_cut_file_holds_the_first_layers_byte_for_byte(tiny, tmp_path):
         truncate_gguf(tiny, 2, tmp_path / "none.gguf")
 
 
+def test_a_cut_file_holds_the_layers_asked_renumbered_in_order(deep, tmp_path):
+    g = parse_gguf(deep)
+    whole = {n: bytes(g.raw(n).reshape(-1).view(np.uint8)) for n in g.tensors}
+    cut = parse_gguf(truncate_gguf(deep, [3, 1], tmp_path / "cut.gguf"))
+    assert cut.fields[f"{cut.fields['general.architecture']}.block_count"] == 2
+    renamed = {"blk.0.": "blk.3.", "blk.1.": "blk.1."}
+    for n in cut.tensors:
+        src = n if layer_of(n) is None else renamed[n[:6]] + n[6:]
+        assert bytes(cut.raw(n).reshape(-1).view(np.uint8)) == whole[src], n
+    assert sorted(cut.tensors) == sorted(n.replace("blk.3.", "blk.0.") for n in g.tensors
+                                         if layer_of(n) in (None, 1, 3))
+    for bad in ([1, 1], [4], [-1]):
+        with pytest.raises(ValueError, match="distinct indices"):
+            truncate_gguf(deep, bad, tmp_path / "bad.gguf")
+
+
+def test_the_whole_forward_is_the_larger_subset_plus_the_slope_per_layer_left_out(monkeypatch):
+    monkeypatch.setattr(backend_costs, "TIMED_LAYERS", 4)
+    subsets = backend_costs.timed_subsets(32)
+    assert subsets == [[0, 16], [0, 8, 16, 24]]
+    # head and fixed costs 10 ms, 3 ms a layer: 2 layers 16 ms, 4 layers 22 ms -> 32 layers 106 ms
+    assert backend_costs.whole_ms([16.0, 22.0], subsets, 32) == pytest.approx(10 + 3 * 32)
+    assert backend_costs.whole_ms([16.0, 15.0], subsets, 32) == 15.0       # noise below the slope: no layers
+    assert backend_costs.whole_ms([7.0], [None], 32) == 7.0                 # timed whole
+    monkeypatch.setattr(backend_costs, "TIMED_LAYERS", 1)
+    with pytest.raises(ValueError, match="at least 2"):
+        backend_costs.timed_subsets(32)
+
+
 class Timed:
     """forward_ms, recording what each call ran: (engine, layers argument, layers in the model)."""
 
     def __init__(self, monkeypatch):
-        self.calls: list[tuple[str, int | None, int]] = []
+        self.calls: list[tuple[str, object, int]] = []
         real = backend_costs.forward_ms
 
         def forward_ms(model, *a, layers=None, **kw):
             self.calls.append((type(model).__name__, layers, model.num_layers))
-            return real(model, *a, layers=layers, repeats=1, **kw)
+            return real(model, *a, layers=layers, **{**kw, "repeats": 1})
         monkeypatch.setattr(backend_costs, "forward_ms", forward_ms)
 
 
@@ -78,16 +113,20 @@ def load_kernel(p):
     return load_model(p, quantization="gguf", backend="torch").model
 
 
-def test_a_big_files_first_start_times_only_its_first_layers(tiny, monkeypatch):
+def test_a_big_files_first_start_times_two_subsets_of_its_layers(deep, monkeypatch):
     kernel_or_skip()
-    monkeypatch.setattr(backend_costs, "TIMED_LAYERS", 1)
+    monkeypatch.setattr(backend_costs, "TIMED_LAYERS", 2)
     monkeypatch.setattr(backend_costs, "TIMED_BYTES", 0)          # the tiny file stands for a big one
     timed = Timed(monkeypatch)
-    c = backend_costs.measure(tiny, load_kernel, check_invariance=False)
-    # the kernel runs its first layer of two; libllama a file of one layer
-    assert timed.calls == [("LlamaForCausalLM", 1, 2), ("LlamaCppLM", None, 1)]
-    assert c.layers_timed == 1 and c.kernel_one_ms > 0 and c.llamacpp_one_ms > 0
-    assert "the first 1 layers and the head" in backend_costs.choose_by_costs("none", c).reason
+    c = backend_costs.measure(deep, load_kernel, check_invariance=False)
+    # the kernel runs layers {0, 2} (untimed: the first forwards after a load), then {0} and {0, 2} of four;
+    # libllama files of one and of two layers
+    assert timed.calls == [("LlamaForCausalLM", [0, 2], 4), ("LlamaForCausalLM", [0], 4),
+                           ("LlamaForCausalLM", [0, 2], 4),
+                           ("LlamaCppLM", None, 1), ("LlamaCppLM", None, 2)]
+    assert c.layers_timed == 2 and c.layers_total == 4 and c.kernel_one_ms > 0 and c.llamacpp_one_ms > 0
+    assert "estimated for 4 layers from 1 and 2 of them and the head" in \
+        backend_costs.choose_by_costs("none", c).reason
 
 
 def test_a_file_within_the_bound_is_timed_whole(tiny, monkeypatch):

@@ -105,11 +105,11 @@ def q4_k_m_type(name: str) -> str:
 
 def write_tiny_gguf(dir_path, qtype: str = "F32", seed: int = 0, tied: bool = False, add_bos: bool | None = False,
                     arch: str = "llama", name: str = "tiny random llama", layout: str = "llama",
-                    floats: dict[str, float] | None = None) -> tuple[str, str]:
+                    floats: dict[str, float] | None = None, layers: int = 2) -> tuple[str, str]:
     """(gguf file path, Hugging Face directory of the same random model). Dimensions are multiples of 32 so every
     block quantization applies to every matrix (qtype "Q4_K_M": of 256, for the K-quants). layout "phi3" writes
     the same weights as llama.cpp's phi3 architecture stores them (q/k/v fused in rotate-half order, gate and up
-    fused). floats: extra float metadata, "{arch}" in a key standing for the architecture."""
+    fused). floats: extra float metadata, "{arch}" in a key standing for the architecture. layers: decoder layers."""
     import gguf
     from gguf.quants import quantize
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -122,7 +122,7 @@ def write_tiny_gguf(dir_path, qtype: str = "F32", seed: int = 0, tied: bool = Fa
     torch.manual_seed(seed)
     wide = qtype == "Q4_K_M"
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=256 if wide else 64, intermediate_size=512 if wide else 128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64 if wide else 16,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64 if wide else 16,
                       max_position_embeddings=256,
                       initializer_range=0.3, tie_word_embeddings=tied, rms_norm_eps=1e-5, rope_theta=10000.0)
     model = LlamaForCausalLM(cfg)

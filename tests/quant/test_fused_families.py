@@ -60,9 +60,12 @@ def test_close_to_the_pytorch_layer_loop(case):
     m = case.lm.model
     a, b = logits(m, IDS), logits(m, IDS, fused_loop=False)
     scale = b.abs().max().item()
-    # test_fused.py's bound: the same quantized linears; norms, rope, attention and the activation rounded in another
-    # order, and the activation roundings that can tip (one int8 step is 1/127 of a block's largest activation)
-    assert torch.allclose(a, b, rtol=0, atol=scale / 127 / 8), ((a - b).abs().max() / scale).item()
+    # the same quantized linears; norms, rope, attention and the activation rounded in another order: fp32 rounding
+    # (~1e-7 of the logits' range), except where an activation's int8 rounding tips (a value within rounding error
+    # of a half step goes the other way in one loop): one activation moves by one int8 step (1/127 of its block's
+    # largest) and the positions after it move with it. The bound is one int8 step of the logits' range: a tip on
+    # an AVX2 machine moved one position of qwen3_qknorm int4 by 0.0023 of it; the negative controls are 0.12-0.93
+    assert torch.allclose(a, b, rtol=0, atol=scale / 127), ((a - b).abs().max() / scale).item()
 
 
 def test_negative_control_the_loop_without_the_familys_option_is_far_off(case, monkeypatch):
@@ -87,7 +90,7 @@ def test_negative_control_the_loop_without_the_familys_option_is_far_off(case, m
     finally:
         m._fused = saved
     b = logits(m, IDS, fused_loop=False)
-    assert not torch.allclose(a, b, rtol=0, atol=b.abs().max().item() / 127 / 8)
+    assert not torch.allclose(a, b, rtol=0, atol=b.abs().max().item() / 127)
 
 
 def test_a_token_is_bit_identical_in_any_block(case):

@@ -9,13 +9,17 @@ libllama's batch-invariance check (LlamaCppLM.batch_variance: about a second per
 to a speculating method, so a start for plain decoding leaves it out and the first speculating start adds it to
 the entry (its own cache entry, kind "batch-variance", answers it when libllama has run the file before).
 
-A file of more than TIMED_BYTES and TIMED_LAYERS decoder layers is timed on its first TIMED_LAYERS alone (with the embedding, the
-final norm and the output projection; every layer has the same shapes): the kernel runs them by the forward's
-`layers` argument on the file it loads anyway (the engine's own load reads its packed weights back:
-models/packed_cache.py), libllama on a copy of the file cut to those layers (models/gguf_truncate.py), so a first
-start costs a few layers' forwards however large the model. A smaller file is timed whole: in a few layers the
-output projection and each forward's fixed costs weigh more than in the model, which can reverse the choice (SmolLM2,
-timed on 4 of its 30 layers, went to libllama, whose whole forward is the slower).
+A file of more than TIMED_BYTES and TIMED_LAYERS decoder layers is timed on TIMED_LAYERS of them spread over its depth
+and on every other one of those (each forward with the embedding, the final norm and the output projection), and
+each engine's whole forward is estimated from the two: the fixed part (the head, the forward's own costs) plus the
+per-layer slope times the file's layers. The kernel runs the subsets by the forward's `layers` argument on the file
+it loads anyway (the engine's own load reads its packed weights back: models/packed_cache.py), libllama on copies
+of the file cut to those layers (models/gguf_truncate.py), so a first start costs a few layers' forwards however
+large the model. Why two subsets: in a few layers the output projection weighs as much as the layers (an 8B
+file's head streams as many bytes as four of its layers), and the engines' heads and layers differ in speed, so a
+subset's forward alone misjudges the model (the 8B shape, timed on 4 layers and the head, went to libllama, which
+decodes it no faster). Why spread: a _M mix gives some layers more bits (llama.cpp's use_more_bits: the first
+eighth among them), so the first layers are not the file's average. A smaller file is timed whole.
 
 The choice (choose_by_costs) is a pure function of the measurement: plain decoding takes the engine with the
 faster one-token forward, a speculating method the faster block, except that a speculating method stays on the
@@ -37,7 +41,7 @@ log = logging.getLogger(__name__)
 BLOCK = 8                 # tokens of the timed block (a verify step of K = 7)
 CTX = 32                  # cached tokens before the timed forwards
 REPEATS = 5               # timed forwards per engine and T (interleaved; medians)
-TIMED_LAYERS = 4          # a file with more decoder layers is timed on its first TIMED_LAYERS (module docstring)
+TIMED_LAYERS = 4          # a file with more decoder layers is timed on this many of them and half of those (docstring)
 TIMED_BYTES = 1 << 30     # ... when it is larger than this (a smaller file's whole forwards take well under a second)
 
 
@@ -51,7 +55,9 @@ class BackendCosts:
     llamacpp_invariant: bool | None   # libllama's block and one-token kernels give the same bits for this file;
                                       # None: not checked (plain decoding does not ask)
     threads: int
-    layers_timed: int = 0             # the forwards ran the first layers_timed layers (and the head); 0: all
+    layers_timed: int = 0             # the costs are estimated from forwards over layers_timed layers and half of
+                                      # them (and the head), for all layers_total; 0: timed whole
+    layers_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,8 @@ def choose_by_costs(method: str, c: BackendCosts) -> CostChoice:
     block = (f"a block of {BLOCK} {c.kernel_block_ms:.2f} ms on the kernel, {c.llamacpp_block_ms:.2f} ms on "
              f"libllama")
     measured = f"measured at start-up, {c.threads} threads" + (
-        f", the first {c.layers_timed} layers and the head" if c.layers_timed else "")
+        f", estimated for {c.layers_total} layers from {c.layers_timed // 2} and {c.layers_timed} of them and the "
+        f"head" if c.layers_timed else "")
     if method == "none":
         kernel = c.kernel_one_ms <= c.llamacpp_one_ms
         return CostChoice("torch" if kernel else "llamacpp", f"plain decoding: {one} ({measured})")
@@ -80,14 +87,14 @@ def choose_by_costs(method: str, c: BackendCosts) -> CostChoice:
 
 
 def forward_ms(model, tokens=(1, BLOCK), ctx: int = CTX, repeats: int = REPEATS, rows: int = 1,
-               new_cache=None, layers: int | None = None) -> dict[int, float]:
+               new_cache=None, layers: int | list[int] | None = None) -> dict[int, float]:
     """Median ms of one forward over `rows` rows of T tokens each after `ctx` cached tokens per row, for each T;
     the T values interleaved per repeat (order reversed every other one), rolled back after each forward.
     new_cache(rows, max_len): the cache to time in (default model.new_cache); layers: run only the first this
-    many decoder layers (a native model's forward takes the subset)."""
+    many decoder layers, or those listed (a native model's forward takes the subset)."""
     cache = (new_cache or model.new_cache)(rows, ctx + max(tokens) + 1)
     g = torch.Generator().manual_seed(0)
-    sub = {} if layers is None else {"layers": range(layers)}
+    sub = {} if layers is None else {"layers": range(layers) if isinstance(layers, int) else list(layers)}
     model(torch.randint(0, model.vocab_size, (rows, ctx), generator=g), cache, last_only=True, **sub)
     for b in range(rows):
         cache.advance(ctx, b)
@@ -115,22 +122,51 @@ def measure(path: str, load_kernel, check_invariance: bool = True) -> BackendCos
     from .llamacpp.model import LlamaCppLM
 
     kernel = load_kernel(path)
-    cut = TIMED_LAYERS if kernel.num_layers > TIMED_LAYERS and Path(path).stat().st_size > TIMED_BYTES else None
-    k = forward_ms(kernel, layers=cut)
+    n = kernel.num_layers
+    cut = n > TIMED_LAYERS and Path(path).stat().st_size > TIMED_BYTES
+    subsets = timed_subsets(n) if cut else [None]
+    if cut:     # the first forwards after a load run slower (pages of the weights first touched): not timed
+        forward_ms(kernel, layers=subsets[-1], repeats=1)
+    k = [forward_ms(kernel, layers=s) for s in subsets]
     del kernel
     gc.collect()
-    scratch = scratch_dir(cut_bytes(path, cut)) if cut is not None else None
-    with tempfile.TemporaryDirectory(prefix="leaplm-cut-", dir=scratch) as tmp:
-        ll_path = path if cut is None else str(truncate_gguf(path, cut, Path(tmp) / "cut.gguf"))
-        lm = LlamaCppLM(ll_path)
-        ll = forward_ms(lm, new_cache=lambda rows, n: LlamaCppCache(lm, rows, n))
-        # the cut file's matrices have the whole file's shapes and types: the same kernels, the same answer
-        invariant = lm.batch_invariant if check_invariance else None
-        del lm
-        gc.collect()
-        if cut is not None:
-            parse_gguf(path)                     # the mapping of the whole file again, not the deleted cut's
-    return BackendCosts(k[1], k[BLOCK], ll[1], ll[BLOCK], invariant, torch.get_num_threads(), cut or 0)
+    ll, invariant = [], None
+    for s in subsets:
+        scratch = scratch_dir(cut_bytes(path, s)) if s is not None else None
+        with tempfile.TemporaryDirectory(prefix="leaplm-cut-", dir=scratch) as tmp:
+            ll_path = path if s is None else str(truncate_gguf(path, s, Path(tmp) / "cut.gguf"))
+            lm = LlamaCppLM(ll_path)
+            ll.append(forward_ms(lm, new_cache=lambda rows, m: LlamaCppCache(lm, rows, m)))
+            # a cut file's matrices have the whole file's shapes and types: the same kernels, the same answer
+            if check_invariance and s is subsets[-1]:
+                invariant = lm.batch_invariant
+            del lm
+            gc.collect()
+    if cut:
+        parse_gguf(path)                     # the mapping of the whole file again, not the deleted cuts'
+    one = [whole_ms([t[1] for t in k], subsets, n), whole_ms([t[1] for t in ll], subsets, n)]
+    block = [whole_ms([t[BLOCK] for t in k], subsets, n), whole_ms([t[BLOCK] for t in ll], subsets, n)]
+    return BackendCosts(one[0], block[0], one[1], block[1], invariant, torch.get_num_threads(),
+                        TIMED_LAYERS if cut else 0, n if cut else 0)
+
+
+def timed_subsets(n_layers: int) -> list[list[int]]:
+    """The layers a big file is timed on: every other one of TIMED_LAYERS spread evenly over its n_layers, then all
+    TIMED_LAYERS (the first a subset of the second; TIMED_LAYERS >= 2)."""
+    if TIMED_LAYERS < 2:
+        raise ValueError(f"TIMED_LAYERS must be at least 2 (two subsets of different sizes), got {TIMED_LAYERS}")
+    spread = [i * n_layers // TIMED_LAYERS for i in range(TIMED_LAYERS)]
+    return [spread[::2], spread]
+
+
+def whole_ms(ms: list[float], subsets: list, n_layers: int) -> float:
+    """A whole forward's ms from forwards over `subsets` (timed_subsets; [None]: the whole model, as is): the
+    larger subset's time plus the per-layer slope between the two for each layer it left out (a slope below 0,
+    noise, counts as 0)."""
+    if subsets == [None]:
+        return ms[0]
+    (a, b), (ta, tb) = (len(subsets[0]), len(subsets[1])), ms
+    return tb + (n_layers - b) * max(0.0, tb - ta) / (b - a)
 
 
 def llamacpp_invariant(path: str) -> bool:

@@ -1,17 +1,18 @@
-"""A GGUF file cut to its first layers: what a start-up timing of libllama runs instead of the whole model.
+"""A GGUF file cut to some of its layers: what a start-up timing of libllama runs instead of the whole model.
 
 `--backend auto` times a forward on both engines on a file's first start (models/backend_costs.py). Every
-decoder layer of a file has the same shapes, so the first few layers, the embedding lookup, the final norm and
-the output projection show how the engines compare at a fraction of the cost: an 8B file's forward takes about
-a second per token here, its first 4 layers and head a fifth of that. libllama runs only whole files, so the cut
-is a file of its own: the header copied byte for byte, `{arch}.block_count` set to the layers kept, and the
-tensors of those layers (and of no layer) copied after it, aligned as the header says.
+decoder layer of a file has the same shapes, so a few layers, the embedding lookup, the final norm and the output
+projection show how the engines compare at a fraction of the cost (an 8B file's first start would otherwise time
+32 layers on both). libllama runs only whole files, so the cut is a file of its own: the header copied byte for
+byte, `{arch}.block_count` set to the layers kept, the tensors of those layers (renumbered 0, 1, ... in the order
+asked) and of no layer copied after it, aligned as the header says.
 """
 from __future__ import annotations
 
 import re
 import struct
 from pathlib import Path
+from typing import Sequence
 
 from .gguf import DEFAULT_ALIGNMENT, GGML_TYPES, parse_gguf
 
@@ -59,30 +60,42 @@ def _kv_section(mm, n_kv: int, key: str) -> tuple[int, int]:
     return at, off
 
 
-def truncate_gguf(path: str | Path, layers: int, out: str | Path) -> Path:
-    """Write to `out` the file `path` with only its first `layers` decoder layers (every tensor outside a layer
-    kept). ValueError when the file has no more layers than that."""
+def kept_layers(total: int, layers: int | Sequence[int]) -> list[int]:
+    """The layer indices a cut keeps, in order: an int n is the first n; a sequence is those layers. ValueError when
+    they are not distinct layers of the file, or are all of them."""
+    keep = list(range(layers)) if isinstance(layers, int) else [int(i) for i in layers]
+    if len(keep) >= total:
+        raise ValueError(f"the file has {total} layers, not more than {len(keep)}")
+    if len(set(keep)) != len(keep) or any(not 0 <= i < total for i in keep):
+        raise ValueError(f"layers to keep must be distinct indices in [0, {total}), got {keep}")
+    return keep
+
+
+def truncate_gguf(path: str | Path, layers: int | Sequence[int], out: str | Path) -> Path:
+    """Write to `out` the file `path` with only some of its decoder layers: the first `layers` (an int) or the
+    layers listed, numbered 0, 1, ... in the order given (every tensor outside a layer kept). ValueError when the
+    file has no more layers than that (kept_layers)."""
     g = parse_gguf(path)
     arch = g.fields["general.architecture"]
     total = int(g.fields[f"{arch}.block_count"])
-    if layers >= total:
-        raise ValueError(f"{path} has {total} layers, not more than {layers}")
+    new_index = {old: new for new, old in enumerate(kept_layers(total, layers))}
     mm = g.data
     _, _, n_kv = struct.unpack_from("<IQQ", mm, 4)
     count_at, kv_end = _kv_section(mm, n_kv, f"{arch}.block_count")
-    keep = [t for t in g.tensors.values() if (layer_of(t.name) or 0) < layers]
+    keep = [t for t in g.tensors.values() if layer_of(t.name) is None or layer_of(t.name) in new_index]
     type_ids = {name: i for i, (name, _, _) in GGML_TYPES.items()}
     align = int(g.fields.get("general.alignment", DEFAULT_ALIGNMENT))
     header = bytearray(mm[:kv_end])
     struct.pack_into("<Q", header, 8, len(keep))                   # n_tensors
-    struct.pack_into("<I", header, count_at, layers)               # {arch}.block_count
+    struct.pack_into("<I", header, count_at, len(new_index))       # {arch}.block_count
     offsets, at = [], 0
     for t in keep:
         at = -(-at // align) * align
         offsets.append(at)
         at += t.n_bytes
     for t, o in zip(keep, offsets):
-        name = t.name.encode()
+        i = layer_of(t.name)
+        name = (t.name if i is None else _LAYER.sub(f"blk.{new_index[i]}.", t.name, count=1)).encode()
         header += struct.pack("<Q", len(name)) + name + struct.pack("<I", len(t.dims))
         header += struct.pack(f"<{len(t.dims)}Q", *t.dims) + struct.pack("<IQ", _type_id(t.type_name, type_ids), o)
     header += b"\0" * (-len(header) % align)
@@ -108,10 +121,11 @@ def scratch_dir(nbytes: int) -> str | None:
         return None
 
 
-def cut_bytes(path: str | Path, layers: int) -> int:
+def cut_bytes(path: str | Path, layers: int | Sequence[int]) -> int:
     """The size of truncate_gguf(path, layers)'s tensors."""
     g = parse_gguf(path)
-    return sum(t.n_bytes for t in g.tensors.values() if (layer_of(t.name) or 0) < layers)
+    keep = set(range(layers) if isinstance(layers, int) else layers)
+    return sum(t.n_bytes for t in g.tensors.values() if layer_of(t.name) is None or layer_of(t.name) in keep)
 
 
 def _type_id(type_name: str, known: dict[str, int]) -> int:
