@@ -46,6 +46,10 @@ def toy_trainer(tmp_path, steps: int, on_step=None, loss_at=None, max_minutes=No
     def step(i: int) -> StepResult:
         x = torch.randn(8, 4, generator=gen) * rng.uniform(0.5, 2.0)        # [batch, 4]
         loss = ((model(x).squeeze(-1) - x.sum(-1)) ** 2).mean()
+        # the toy's own loss is finite on finite inputs and weights; if it is not, the process's arithmetic is at
+        # fault (not the loop under test): say what each part was
+        assert torch.isfinite(loss), dict(step=i, x=x.tolist(), weight=model.weight.tolist(), bias=model.bias.tolist(),
+                                          out=model(x).tolist(), by_hand=(x @ model.weight.detach().t()).tolist())
         if loss_at is not None:
             loss = loss * loss_at(i)
         return StepResult(loss, 8, dict(x0=float(x[0, 0])))
