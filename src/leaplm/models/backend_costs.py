@@ -17,8 +17,8 @@ it loads anyway (the engine's own load reads its packed weights back: models/pac
 of the file cut to those layers (models/gguf_truncate.py), so a first start costs a few layers' forwards however
 large the model. Why two subsets: in a few layers the output projection weighs as much as the layers (an 8B
 file's head streams as many bytes as four of its layers), and the engines' heads and layers differ in speed, so a
-subset's forward alone misjudges the model (the 8B shape, timed on 4 layers and the head, went to libllama, which
-decodes it no faster). Why spread: a _M mix gives some layers more bits (llama.cpp's use_more_bits: the first
+subset's forward alone misjudges the model (the 8B shape, timed on 4 layers and the head alone, goes to libllama,
+which decodes it no faster). Why spread: a _M mix gives some layers more bits (llama.cpp's use_more_bits: the first
 eighth among them), so the first layers are not the file's average. A smaller file is timed whole.
 
 The choice (choose_by_costs) is a pure function of the measurement: plain decoding takes the engine with the
